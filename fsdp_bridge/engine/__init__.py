@@ -1,0 +1,80 @@
+"""The sharding engine: flat units, reused buffers, collectives, hooks and state dicts.
+
+It applies a `fsdp_bridge.plan.Plan` and knows nothing of FSDP dialects; front-ends build the
+Plan. Entry point: `shard_model(module, plan, ...)`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_bridge.engine.comm import Comm, CollectiveStats
+from fsdp_bridge.engine.runtime import ShardedModel
+from fsdp_bridge.engine.state_dict import full_state_dict, load_full_state_dict
+from fsdp_bridge.plan import Plan, ShardingMode
+
+__all__ = [
+    "CollectiveStats",
+    "ShardedModel",
+    "full_state_dict",
+    "get_sharded",
+    "load_full_state_dict",
+    "shard_model",
+]
+
+ATTRIBUTE = "_fsdp_bridge"
+
+
+def default_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """The compute device implied by the process group's backend: CUDA for NCCL, else CPU."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _groups_for(plan: Plan, shard_group, replicate_group):
+    world = dist.group.WORLD if dist.is_initialized() else None
+    if plan.mode is ShardingMode.SHARD:
+        return shard_group or world, None
+    if plan.mode is ShardingMode.REPLICATE:
+        return None, replicate_group or shard_group or world
+    if shard_group is None or replicate_group is None:
+        raise ValueError(
+            "hybrid sharding needs both a shard group and a replicate group (a 2-D mesh "
+            f"(replicate, shard)); got shard_group={shard_group!r}, "
+            f"replicate_group={replicate_group!r}."
+        )
+    return shard_group, replicate_group
+
+
+def shard_model(
+    module: nn.Module,
+    plan: Plan,
+    *,
+    shard_group: Optional[dist.ProcessGroup] = None,
+    replicate_group: Optional[dist.ProcessGroup] = None,
+    device: Optional[torch.device] = None,
+    param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+) -> ShardedModel:
+    """Shard `module` in place according to `plan`; returns the engine state, also reachable
+    as `get_sharded(module)`."""
+    if getattr(module, ATTRIBUTE, None) is not None:
+        raise ValueError(
+            f"module {type(module).__name__} is already sharded by fsdp_bridge; shard it once."
+        )
+    shard_group, replicate_group = _groups_for(plan, shard_group, replicate_group)
+    world_group = dist.group.WORLD if dist.is_initialized() else None
+    comm = Comm(shard_group, replicate_group, world_group)
+    device = torch.device(device) if device is not None else default_device(shard_group)
+    sharded = ShardedModel(module, plan, comm, device, param_init_fn)
+    # object.__setattr__: keep the state out of the module tree (not a submodule).
+    object.__setattr__(module, ATTRIBUTE, sharded)
+    return sharded
+
+
+def get_sharded(module: nn.Module) -> Optional[ShardedModel]:
+    return getattr(module, ATTRIBUTE, None)

@@ -1,0 +1,62 @@
+"""Preallocated, reused buffers for gathered parameters and full gradients.
+
+[Note: two buffers]
+Units that are resharded after forward share two gather buffers, used alternately in execution
+order, and every unit shares two gradient buffers; each is sized to the largest unit. Peak
+memory for gathered weights and unsharded gradients is therefore fixed (2 x the largest unit
+each) and the allocator never churns. A buffer remembers its owner: a unit whose data is still
+in its buffer is not gathered again (the last layers of forward are the first of backward).
+A buffer is never taken from an owner that is in use (between its pre- and post- hooks).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class GatherBuffer:
+    """Holds one unit's gathered (unsharded) parameters at a time."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
+        self.tensor = torch.empty(numel, dtype=dtype, device=device)
+        self.owner = None  # the FlatGroup whose parameters are in the buffer
+
+    def view_for(self, numel: int) -> torch.Tensor:
+        return self.tensor[:numel]
+
+
+class GradBuffer:
+    """Holds one unit's full gradient, in the reduce dtype, while it is being reduced."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
+        self.tensor = torch.empty(numel, dtype=dtype, device=device)
+        self.pending = None  # the reduction still reading this buffer, if any
+
+    def view_for(self, numel: int) -> torch.Tensor:
+        return self.tensor[:numel]
+
+
+class GradBufferPool:
+    """Two gradient buffers, used alternately; a buffer is handed out only once the
+    reduction still reading it has finished."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device, count: int = 2):
+        self.buffers = [GradBuffer(numel, dtype, device) for _ in range(count)]
+        self._next = 0
+
+    def acquire(self, finish_pending) -> GradBuffer:
+        buffer = self.buffers[self._next]
+        self._next = (self._next + 1) % len(self.buffers)
+        if buffer.pending is not None:
+            finish_pending(buffer.pending)
+        return buffer
+
+
+def largest(numels: list[int]) -> int:
+    return max(numels, default=0)
+
+
+def pick_shared(buffers: list[GatherBuffer], index: int) -> Optional[GatherBuffer]:
+    return buffers[index % len(buffers)] if buffers else None

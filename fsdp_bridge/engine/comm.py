@@ -1,0 +1,103 @@
+"""The engine's collectives: which groups, and how each call is made.
+
+[Note: version counters]
+gloo's in-place collectives bump the autograd version counter of their output. The gathered
+parameter buffers are saved for backward (as views), so every collective and copy into them goes
+through `tensor.data`, an alias with a version counter of its own: the bytes change, the
+autograd bookkeeping of the compute views does not.
+
+[Note: async work]
+All gathers and reductions are issued with `async_op=True` and waited on when their result is
+needed. On gloo the work runs on the process group's threads, overlapping compute on the main
+thread; on NCCL it runs on NCCL's own CUDA stream and `wait()` makes the compute stream wait.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass
+class CollectiveStats:
+    """Calls and bytes per collective kind since the last reset (for benchmarks)."""
+
+    calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def record(self, kind: str, tensor: torch.Tensor) -> None:
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.bytes[kind] = self.bytes.get(kind, 0) + tensor.numel() * tensor.element_size()
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+
+class Comm:
+    """The shard group (parameters are split over it) and the replicate group (gradients are
+    all-reduced over it). Either may be None, meaning a group of one."""
+
+    def __init__(
+        self,
+        shard_group: Optional[dist.ProcessGroup],
+        replicate_group: Optional[dist.ProcessGroup],
+        world_group: Optional[dist.ProcessGroup],
+    ):
+        self.shard_group = shard_group
+        self.replicate_group = replicate_group
+        self.world_group = world_group  # every rank taking part (fingerprint, broadcast)
+        self.shard_size = dist.get_world_size(shard_group) if shard_group is not None else 1
+        self.shard_rank = dist.get_rank(shard_group) if shard_group is not None else 0
+        self.replicate_size = (
+            dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        )
+        self.stats = CollectiveStats()
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many ranks contribute gradients: what the gradient sum is divided by."""
+        return self.shard_size * self.replicate_size
+
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor):
+        """Gather `shard` from every shard-group rank into `output`; returns a work handle."""
+        if self.shard_size == 1:
+            output.data.copy_(shard)
+            return None
+        self.stats.record("all_gather", output)
+        return dist.all_gather_into_tensor(
+            output.data, shard, group=self.shard_group, async_op=True
+        )
+
+    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor):
+        """Sum `full` over the shard group, keeping this rank's part in `output`."""
+        self.stats.record("reduce_scatter", full)
+        return dist.reduce_scatter_tensor(
+            output.data, full.data, op=dist.ReduceOp.SUM, group=self.shard_group, async_op=True
+        )
+
+    def all_reduce_replicas(self, tensor: torch.Tensor, async_op: bool = True):
+        """Sum `tensor` over the replicate group (a no-op for a group of one)."""
+        if self.replicate_size == 1:
+            return None
+        self.stats.record("all_reduce", tensor)
+        return dist.all_reduce(
+            tensor.data, op=dist.ReduceOp.SUM, group=self.replicate_group, async_op=async_op
+        )
+
+    def all_reduce_shards(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+        """Combine per-shard partial results (e.g. squared norms) over the shard group."""
+        if self.shard_size > 1:
+            self.stats.record("all_reduce", tensor)
+            dist.all_reduce(tensor, op=op, group=self.shard_group)
+
+    def broadcast_from_first(self, tensor: torch.Tensor) -> None:
+        """Overwrite `tensor` on every rank with the first rank's copy (sync_module_states)."""
+        group = self.world_group
+        if group is None or dist.get_world_size(group) == 1:
+            return
+        self.stats.record("broadcast", tensor)
+        dist.broadcast(tensor.data, src=dist.get_global_rank(group, 0), group=group)

@@ -1,0 +1,204 @@
+"""A flat group: the parameters of one unit (of one dtype and requires_grad) packed into one
+flat buffer, padded to a multiple of the shard-group size, of which this rank keeps one slice.
+
+[Note: what the user sees]
+Each original parameter stays registered on its module, under its name, as an `nn.Parameter`
+that is a view into this rank's slice of the flat fp32 master (FSDP1's `use_orig_params`
+layout): 1-D, holding only the elements that fall in this rank's slice (possibly none). So
+`named_parameters()` keeps the original names, optimizers built on `model.parameters()` or on
+name-based groups update the masters in place, and `.grad` is a view into the flat gradient
+shard. While a unit runs, the full parameters are views of its gathered buffer, installed in
+the owner module's `__dict__`, which shadows `_parameters` for attribute lookup.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from fsdp_bridge.engine.buffers import GatherBuffer
+from fsdp_bridge.engine.comm import Comm
+from fsdp_bridge.engine.layout import GroupLayout
+
+
+class FlatGroup:
+    def __init__(
+        self,
+        layout: GroupLayout,
+        comm: Comm,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        sync_module_states: bool,
+    ):
+        self.unit_name = layout.unit_name
+        self.slots = layout.slots
+        self.requires_grad = layout.requires_grad
+        self.comm = comm
+        self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype
+        self.numels = [slot.numel for slot in self.slots]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
+        self.numel = sum(self.numels)
+        size = comm.shard_size
+        self.padded_numel = -(-self.numel // size) * size
+        self.shard_numel = self.padded_numel // size
+        self.shard_start = comm.shard_rank * self.shard_numel
+
+        full = self._flatten_originals(device)
+        if sync_module_states:
+            comm.broadcast_from_first(full)
+        self.master = full[self.shard_start : self.shard_start + self.shard_numel].clone()
+        del full
+        self.local_params = self._register_local_params()
+
+        # Set by the runtime: where the gathered parameters live.
+        self.buffer: Optional[GatherBuffer] = None
+        self.dedicated = False
+        self.pending_gather = None  # (work, source) of an in-flight gather
+        # Gradient state of the current accumulation cycle.
+        self.grad_shard: Optional[torch.Tensor] = None  # exposed to the user as .grad views
+        self.accumulator: Optional[torch.Tensor] = None
+        self.accumulating_into_user_grads = False
+        self.reduced_this_cycle = False
+        self.gate = torch.empty(0, device=device, requires_grad=True)
+
+    # -- construction -------------------------------------------------------------------------
+
+    def _flatten_originals(self, device: torch.device) -> torch.Tensor:
+        parts = [slot.param.detach().reshape(-1).to(device) for slot in self.slots]
+        padding = self.padded_numel - self.numel
+        dtype = self.slots[0].param.dtype
+        parts.append(torch.zeros(padding, dtype=dtype, device=device))
+        return torch.cat(parts)
+
+    def _local_range(self, index: int) -> tuple[int, int]:
+        """The part of parameter `index` that lies in this rank's shard, as shard offsets."""
+        start = max(self.offsets[index], self.shard_start)
+        end = min(self.offsets[index] + self.numels[index], self.shard_start + self.shard_numel)
+        if end <= start:
+            return 0, 0
+        return start - self.shard_start, end - self.shard_start
+
+    def _register_local_params(self) -> list[nn.Parameter]:
+        local_params = []
+        for index, slot in enumerate(self.slots):
+            lo, hi = self._local_range(index)
+            local = nn.Parameter(self.master[lo:hi], requires_grad=self.requires_grad)
+            for module, attr in slot.owners:
+                module._parameters[attr] = local
+            slot.param.data = torch.empty(0, dtype=slot.param.dtype)  # free the original
+            local_params.append(local)
+        return local_params
+
+    # -- gathering ----------------------------------------------------------------------------
+
+    @property
+    def is_gathered(self) -> bool:
+        return self.buffer is not None and self.buffer.owner is self
+
+    def gathered_flat(self) -> torch.Tensor:
+        return self.buffer.view_for(self.padded_numel)
+
+    def start_gather(self) -> None:
+        """Take the buffer and start gathering this rank's shard into it."""
+        assert self.buffer is not None
+        previous = self.buffer.owner
+        if previous is not None and previous is not self:
+            previous.wait_gather()  # never write over an in-flight gather
+        self.buffer.owner = self
+        source = self.master.to(self.compute_dtype)
+        work = self.comm.all_gather(self.gathered_flat(), source)
+        self.pending_gather = (work, source) if work is not None else None
+
+    def wait_gather(self) -> None:
+        if self.pending_gather is not None:
+            self.pending_gather[0].wait()
+            self.pending_gather = None
+
+    def invalidate(self) -> None:
+        """The masters changed (or will): the gathered copy is stale."""
+        self.wait_gather()
+        if self.buffer is not None and self.buffer.owner is self:
+            self.buffer.owner = None
+
+    def full_views(self) -> list[torch.Tensor]:
+        flat = self.gathered_flat()
+        return [
+            flat[offset : offset + numel].view(slot.shape)
+            for slot, offset, numel in zip(self.slots, self.offsets, self.numels)
+        ]
+
+    # -- gradients ----------------------------------------------------------------------------
+
+    def write_full_grad(self, grads: tuple, out: torch.Tensor) -> None:
+        """Lay the per-parameter gradients of one backward into `out` (the flat layout)."""
+        parts = []
+        for grad, slot in zip(grads, self.slots):
+            if grad is None:  # parameter unused in this forward: contributes zero
+                parts.append(torch.zeros(slot.numel, dtype=out.dtype, device=out.device))
+            else:
+                parts.append(grad.reshape(-1))
+        padding = self.padded_numel - self.numel
+        if padding:
+            parts.append(torch.zeros(padding, dtype=out.dtype, device=out.device))
+        torch.cat(parts, out=out)
+
+    def start_reduce(self, full: torch.Tensor):
+        """Start reducing a full gradient; returns (work, shard-sized result tensor)."""
+        if self.comm.shard_size == 1:
+            return self.comm.all_reduce_replicas(full), full
+        output = torch.empty(self.shard_numel, dtype=full.dtype, device=full.device)
+        return self.comm.reduce_scatter(output, full), output
+
+    def accumulate(self, reduced: torch.Tensor) -> None:
+        """Add one micro-step's reduced gradient shard into this cycle's accumulator."""
+        if not self.reduced_this_cycle:
+            self._begin_cycle()
+            self.accumulator.copy_(reduced)
+        else:
+            self.accumulator.add_(reduced)
+        self.reduced_this_cycle = True
+
+    def _begin_cycle(self) -> None:
+        if self.grad_shard is None:
+            self.grad_shard = torch.zeros_like(self.master)
+        # Torch semantics: gradients add into existing .grad until the user zeroes or drops
+        # them. If the user kept them, accumulate aside and add at the end.
+        self.accumulating_into_user_grads = any(p.grad is not None for p in self.local_params)
+        if self.accumulating_into_user_grads:
+            if self.accumulator is None or self.accumulator is self.grad_shard:
+                self.accumulator = torch.empty_like(self.master)
+        else:
+            self.accumulator = self.grad_shard
+
+    def finalize_grads(self, divisor: float) -> None:
+        """Divide once, expose the result as `.grad` views, and end the cycle."""
+        if not self.reduced_this_cycle:
+            return
+        if self.accumulating_into_user_grads:
+            self.grad_shard.add_(self.accumulator, alpha=1.0 / divisor)
+            self.accumulator = None
+        else:
+            self.grad_shard.div_(divisor)
+        for index, param in enumerate(self.local_params):
+            lo, hi = self._local_range(index)
+            param.grad = self.grad_shard[lo:hi]
+        self.reduced_this_cycle = False
+
+    # -- full (unsharded) values --------------------------------------------------------------
+
+    def gather_full_master(self) -> torch.Tensor:
+        """The full fp32 flat parameters, on every rank (a blocking collective)."""
+        full = torch.empty(self.padded_numel, dtype=self.master.dtype, device=self.master.device)
+        work = self.comm.all_gather(full, self.master)
+        if work is not None:
+            work.wait()
+        return full
+
+    def load_full_master(self, full: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.master.copy_(full[self.shard_start : self.shard_start + self.shard_numel])
+        self.invalidate()

@@ -1,0 +1,113 @@
+"""Which parameter goes into which flat group: a pure function of the model and the Plan.
+
+A unit (a module named in the Plan) owns the parameters used only inside it, minus those of
+inner units; a parameter used in several places (tied weights) goes to the innermost unit that
+contains every use. Norm-group parameters go to the root unit, which stays gathered for the
+whole step. Within a unit, parameters are split into flat groups by (requires_grad, dtype), so
+frozen parameters never get gradient memory and one flat buffer has one dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from fsdp_bridge.plan import Plan
+
+
+@dataclasses.dataclass
+class ParamSlot:
+    """One original parameter and every (module, attribute) that refers to it."""
+
+    fqn: str  # canonical name, the first one `named_parameters()` gives
+    param: nn.Parameter
+    owners: list[tuple[nn.Module, str]]  # all (module, attribute name) holding it
+    owner_fqns: list[str]  # the FQN of each owner entry, for state dicts
+    # Recorded up front: the original parameter's storage is released once it is flattened.
+    shape: torch.Size = dataclasses.field(init=False)
+    numel: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.shape = self.param.shape
+        self.numel = self.param.numel()
+
+
+@dataclasses.dataclass
+class GroupLayout:
+    unit_name: str
+    requires_grad: bool
+    dtype: torch.dtype
+    slots: list[ParamSlot]
+
+
+def _collect_params(model: nn.Module) -> list[ParamSlot]:
+    """Every distinct parameter with all its owners, in `named_parameters()` order."""
+    by_id: dict[int, ParamSlot] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for attr, param in module._parameters.items():
+            if param is None:
+                continue
+            fqn = f"{module_name}.{attr}" if module_name else attr
+            slot = by_id.get(id(param))
+            if slot is None:
+                by_id[id(param)] = ParamSlot(fqn, param, [(module, attr)], [fqn])
+                continue
+            # A module registered at two paths gives one owner but two names.
+            if not any(m is module and a == attr for m, a in slot.owners):
+                slot.owners.append((module, attr))
+            slot.owner_fqns.append(fqn)
+    return list(by_id.values())
+
+
+def _module_of(fqn: str) -> str:
+    return fqn.rpartition(".")[0]
+
+
+def _is_within(module_name: str, unit_name: str) -> bool:
+    return unit_name == "" or module_name == unit_name or module_name.startswith(unit_name + ".")
+
+
+def _innermost_common_unit(module_names: list[str], unit_names: list[str]) -> str:
+    """The deepest unit containing every module in `module_names` (the root always does)."""
+    best = ""
+    for unit in unit_names:
+        if all(_is_within(name, unit) for name in module_names) and len(unit) > len(best):
+            best = unit
+    return best
+
+
+def assign_groups(model: nn.Module, plan: Plan) -> list[GroupLayout]:
+    """Split the model's parameters into flat groups, in unit order (post-order, root last)."""
+    unit_names = list(plan.unit_names)
+    ignored = set(plan.ignored_params)
+    norm_modules = set(plan.norm_modules)
+    per_unit: dict[str, list[ParamSlot]] = {name: [] for name in unit_names}
+    for slot in _collect_params(model):
+        if any(fqn in ignored for fqn in slot.owner_fqns):
+            continue
+        modules = [_module_of(fqn) for fqn in slot.owner_fqns]
+        if all(name in norm_modules for name in modules):
+            per_unit[""].append(slot)
+        else:
+            per_unit[_innermost_common_unit(modules, unit_names)].append(slot)
+    groups: list[GroupLayout] = []
+    for unit_name in unit_names:
+        keyed: dict[tuple[bool, torch.dtype], list[ParamSlot]] = {}
+        for slot in per_unit[unit_name]:
+            key = (slot.param.requires_grad, slot.param.dtype)
+            keyed.setdefault(key, []).append(slot)
+        # Trainable groups first so a unit's main buffer is the one with gradients.
+        for (requires_grad, dtype), slots in sorted(keyed.items(), key=lambda kv: not kv[0][0]):
+            groups.append(GroupLayout(unit_name, requires_grad, dtype, slots))
+    return groups
+
+
+def describe_layout(groups: list[GroupLayout]) -> str:
+    """Text of the layout (names, shapes, dtypes) for the cross-rank fingerprint."""
+    lines = []
+    for group in groups:
+        lines.append(f"[{group.unit_name or '<root>'} grad={group.requires_grad} {group.dtype}]")
+        lines.extend(f"  {slot.fqn} {tuple(slot.shape)}" for slot in group.slots)
+    return "\n".join(lines)

@@ -1,0 +1,386 @@
+"""The engine at run time: hooks that gather before a unit runs, reduce after its backward,
+and finish the step once the whole backward is done.
+
+Order of events in one training step (ZeRO-3, units u0..u3 inside the root):
+
+    root pre-forward   every gathered copy is marked stale (the optimizer moved the masters),
+                       the root unit is gathered and stays gathered until the step ends
+    ui pre-forward     wait for ui's gather, install its views, prefetch u(i+1)
+    ui post-forward    remove the views; ui's buffer may now be taken by u(i+2)
+    ui pre-backward    (hook on ui's outputs) gather ui again unless its buffer still holds it,
+                       prefetch u(i-1)
+    ui post-backward   (Unflatten.backward) lay out the gradient, start its reduction
+    end of backward    finish the reductions; on the last micro-step divide once and expose .grad
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from fsdp_bridge.engine import init as engine_init
+from fsdp_bridge.engine.autograd import Unflatten
+from fsdp_bridge.engine.buffers import GatherBuffer, GradBufferPool
+from fsdp_bridge.engine.comm import Comm
+from fsdp_bridge.engine.flat_group import FlatGroup
+from fsdp_bridge.engine.layout import assign_groups, describe_layout
+from fsdp_bridge.plan import Plan, ShardingMode, UnitSpec
+
+
+@dataclasses.dataclass
+class PendingReduce:
+    group: FlatGroup
+    work: object  # a c10d work handle, or None when nothing was communicated
+    output: torch.Tensor
+    buffer: object
+    done: bool = False
+
+
+class Unit:
+    """A module named in the Plan, with the flat groups of the parameters it owns."""
+
+    def __init__(self, spec: UnitSpec, module: nn.Module, groups: list[FlatGroup], is_root: bool):
+        self.name = spec.name
+        self.module = module
+        self.groups = groups
+        self.is_root = is_root
+        # The root is never resharded after forward: backward starts with it.
+        self.reshard_after_forward = spec.reshard_after_forward and not is_root
+        self.in_use = False
+        self.backward_groups_left = 0
+
+    @property
+    def trainable_groups(self) -> list[FlatGroup]:
+        return [group for group in self.groups if group.requires_grad]
+
+
+class ShardedModel:
+    """The engine's state for one sharded model (attached to it as `_fsdp_bridge`)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        plan: Plan,
+        comm: Comm,
+        device: torch.device,
+        param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+    ):
+        self.module = module
+        self.plan = plan
+        self.comm = comm
+        self.device = device
+        self.mp = plan.mixed_precision
+        self.requires_sync = True
+        self.gradient_divide_factor: Optional[float] = None
+        self.micro_step = 0
+        self.forward_order: list[Unit] = []
+        self.last_forward_order: list[Unit] = []
+        self.pending_reduces: list[PendingReduce] = []
+        self.callback_queued = False
+
+        engine_init.materialize(module, device, param_init_fn)
+        layouts = assign_groups(module, plan)
+        engine_init.check_ranks_agree(plan, describe_layout(layouts), comm)
+        self.buffer_dtypes = engine_init.prepare_buffers(module, plan, comm)
+        self.ignored_params = engine_init.ignored_parameters(module, plan)
+        self.units = self._build_units(layouts)
+        self.unit_of_group = {id(g): unit for unit in self.units for g in unit.groups}
+        self._allocate_buffers()
+        self._register_hooks()
+
+    # -- construction -------------------------------------------------------------------------
+
+    def _build_units(self, layouts) -> list[Unit]:
+        units = []
+        for spec in self.plan.units:
+            groups = [
+                FlatGroup(
+                    layout,
+                    self.comm,
+                    self.device,
+                    compute_dtype=self.mp.param_dtype or layout.dtype,
+                    reduce_dtype=self.mp.effective_reduce_dtype(layout.dtype),
+                    sync_module_states=self.plan.sync_module_states,
+                )
+                for layout in layouts
+                if layout.unit_name == spec.name
+            ]
+            module = self.module.get_submodule(spec.name)
+            units.append(Unit(spec, module, groups, is_root=spec.name == ""))
+        return units
+
+    def _is_leaf(self, unit: Unit) -> bool:
+        prefix = unit.name + "."
+        return not any(other.name.startswith(prefix) for other in self.units)
+
+    def _allocate_buffers(self) -> None:
+        """Two shared gather buffers (per dtype) for the trainable groups of leaf units that
+        reshard after forward; a dedicated buffer for every other group; two shared gradient
+        buffers per reduce dtype, sized to the largest trainable group."""
+        shared: dict[torch.dtype, list[FlatGroup]] = {}
+        for unit in self.units:
+            for group in unit.groups:
+                if unit.reshard_after_forward and self._is_leaf(unit) and group.requires_grad:
+                    shared.setdefault(group.compute_dtype, []).append(group)
+                else:
+                    group.buffer = GatherBuffer(group.padded_numel, group.compute_dtype, self.device)
+                    group.dedicated = True
+        for dtype, groups in shared.items():
+            size = max(group.padded_numel for group in groups)
+            pair = [GatherBuffer(size, dtype, self.device) for _ in range(min(2, len(groups)))]
+            for index, group in enumerate(groups):
+                group.buffer = pair[index % len(pair)]
+        sizes: dict[torch.dtype, int] = {}
+        for unit in self.units:
+            for group in unit.trainable_groups:
+                sizes[group.reduce_dtype] = max(sizes.get(group.reduce_dtype, 0), group.padded_numel)
+        self.grad_pools = {
+            dtype: GradBufferPool(size, dtype, self.device) for dtype, size in sizes.items()
+        }
+
+    def _register_hooks(self) -> None:
+        self.hook_handles = []
+        for unit in self.units:
+            if not unit.groups and not unit.is_root:
+                continue
+            self.hook_handles.append(
+                unit.module.register_forward_pre_hook(
+                    self._make_pre_forward(unit), with_kwargs=True, prepend=True
+                )
+            )
+            self.hook_handles.append(
+                unit.module.register_forward_hook(self._make_post_forward(unit))
+            )
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def _make_pre_forward(self, unit: Unit):
+        def pre_forward(module, args, kwargs):
+            if unit.is_root:
+                self._begin_forward()
+            self.forward_order.append(unit)
+            unit.in_use = True
+            for group in unit.groups:
+                self._ensure_gathered(group)
+            self._install_views(unit)
+            self._prefetch(self._next_in_forward(unit))
+            return self._cast_inputs(unit, args, kwargs)
+
+        return pre_forward
+
+    def _make_post_forward(self, unit: Unit):
+        def post_forward(module, args, output):
+            self._remove_views(unit)
+            unit.in_use = False
+            if torch.is_grad_enabled():
+                tensors = [
+                    t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
+                ]
+                if tensors:
+                    register_multi_grad_hook(tensors, self._make_pre_backward(unit), mode="any")
+            if unit.is_root and self.mp.output_dtype is not None:
+                output = self._cast_floating(output, self.mp.output_dtype)
+            return output
+
+        return post_forward
+
+    def _begin_forward(self) -> None:
+        # The optimizer may have moved the masters since the last forward: every gathered
+        # copy is stale. (Within one forward, a gathered unit is reused across calls.)
+        for unit in self.units:
+            for group in unit.groups:
+                group.invalidate()
+        if self.forward_order:
+            self.last_forward_order = self.forward_order
+        self.forward_order = []
+
+    def _install_views(self, unit: Unit) -> None:
+        for group in unit.groups:
+            if group.requires_grad and torch.is_grad_enabled():
+                views = Unflatten.apply(group.gate, group, self)
+                unit.backward_groups_left += 1
+            else:
+                views = group.full_views()
+            for slot, view in zip(group.slots, views):
+                for owner, attr in slot.owners:
+                    owner.__dict__[attr] = view
+
+    def _remove_views(self, unit: Unit) -> None:
+        for group in unit.groups:
+            for slot in group.slots:
+                for owner, attr in slot.owners:
+                    owner.__dict__.pop(attr, None)
+
+    def _cast_inputs(self, unit: Unit, args, kwargs):
+        dtype = self.mp.param_dtype
+        cast = self.mp.cast_root_forward_inputs if unit.is_root else self.mp.cast_forward_inputs
+        if dtype is None or not cast:
+            return args, kwargs
+        return self._cast_floating((args, kwargs), dtype)
+
+    @staticmethod
+    def _cast_floating(tree, dtype: torch.dtype):
+        return tree_map_only(
+            torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree
+        )
+
+    # -- gathering and prefetch ---------------------------------------------------------------
+
+    def _ensure_gathered(self, group: FlatGroup) -> None:
+        if not group.is_gathered:
+            owner = group.buffer.owner
+            if owner is not None and self.unit_of_group[id(owner)].in_use:
+                raise RuntimeError(
+                    f"fsdp_bridge: unit {self.unit_of_group[id(group)].name!r} needs the gather "
+                    f"buffer still used by unit {self.unit_of_group[id(owner)].name!r}. Units that "
+                    "run inside each other must not both be resharded after forward: mark the "
+                    "outer one reshard_after_forward=False (ZeRO-2)."
+                )
+            group.start_gather()
+        group.wait_gather()
+
+    def _prefetch(self, unit: Optional[Unit]) -> None:
+        """Start gathering `unit` now so that it overlaps the current unit's compute."""
+        if unit is None:
+            return
+        for group in unit.groups:
+            owner = group.buffer.owner
+            if group.is_gathered or (owner is not None and self.unit_of_group[id(owner)].in_use):
+                continue
+            group.start_gather()
+
+    def _next_in_forward(self, unit: Unit) -> Optional[Unit]:
+        order = self.last_forward_order or [u for u in self.units if not u.is_root]
+        for index, candidate in enumerate(order[:-1]):
+            if candidate is unit:
+                following = order[index + 1]
+                return None if following.is_root else following
+        return order[0] if unit.is_root and order else None
+
+    def _previous_in_forward(self, unit: Unit) -> Optional[Unit]:
+        order = self.forward_order
+        for index in range(len(order) - 1, 0, -1):
+            if order[index] is unit:
+                previous = order[index - 1]
+                return None if previous.is_root else previous
+        return None
+
+    # -- backward -----------------------------------------------------------------------------
+
+    def _make_pre_backward(self, unit: Unit):
+        def pre_backward(grads):
+            self._queue_end_of_backward()
+            unit.in_use = True
+            for group in unit.groups:
+                self._ensure_gathered(group)
+            self._prefetch(self._previous_in_forward(unit))
+
+        return pre_backward
+
+    def post_backward(self, group: FlatGroup, grads: tuple) -> None:
+        """Called by Unflatten.backward once the group's gradient is complete."""
+        self._queue_end_of_backward()
+        pool = self.grad_pools[group.reduce_dtype]
+        buffer = pool.acquire(self._finish_reduce)
+        full = buffer.view_for(group.padded_numel)
+        group.write_full_grad(grads, full)
+        work, output = group.start_reduce(full)
+        pending = PendingReduce(group, work, output, buffer)
+        buffer.pending = pending
+        self.pending_reduces.append(pending)
+        unit = self.unit_of_group[id(group)]
+        unit.backward_groups_left -= 1
+        if unit.backward_groups_left <= 0:
+            unit.in_use = False
+
+    def _finish_reduce(self, pending: PendingReduce) -> None:
+        if pending.done:
+            return
+        if pending.work is not None:
+            pending.work.wait()
+        if self.comm.shard_size > 1:  # hybrid: shards are summed across replicas too
+            self.comm.all_reduce_replicas(pending.output, async_op=False)
+        pending.group.accumulate(pending.output)
+        pending.buffer.pending = None
+        pending.done = True
+
+    def _queue_end_of_backward(self) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        for pending in self.pending_reduces:
+            self._finish_reduce(pending)
+        self.pending_reduces.clear()
+        self.micro_step += 1
+        steps = self.plan.gradient_accumulation_steps
+        if self.requires_sync and self.micro_step % steps == 0:
+            divisor = self.gradient_divide_factor or self.comm.data_parallel_size * steps
+            for unit in self.units:
+                for group in unit.trainable_groups:
+                    group.finalize_grads(divisor)
+            self.micro_step = 0
+        for unit in self.units:
+            unit.in_use = False
+            unit.backward_groups_left = 0
+        self.callback_queued = False
+
+    # -- public operations --------------------------------------------------------------------
+
+    def set_requires_gradient_sync(self, requires_sync: bool) -> None:
+        """FSDP-style accumulation: while False, micro-step gradients are reduced and summed
+        into the sharded accumulator but not divided or exposed; the backward that runs with
+        True ends the accumulation cycle."""
+        self.requires_sync = bool(requires_sync)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        previous = self.requires_sync
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(previous)
+
+    def managed_parameters(self) -> list[nn.Parameter]:
+        return [p for unit in self.units for g in unit.groups for p in g.local_params]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of every parameter by their true global norm; return the norm."""
+        norm_type = float(norm_type)
+        sharded = [p.grad for p in self.managed_parameters() if p.grad is not None]
+        local = [p.grad for p in self.ignored_params if p.grad is not None]
+        total = _grad_norm(sharded, local, norm_type, self.comm, self.device)
+        clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for grad in sharded + local:
+            grad.mul_(clip_coef.to(grad.dtype))
+        return total
+
+    def collective_stats(self):
+        return self.comm.stats
+
+
+def _grad_norm(sharded, local, norm_type, comm: Comm, device) -> torch.Tensor:
+    """The norm of all gradients: shards combine over the shard group, replicated ones don't."""
+    def partial(grads):
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
+        if norm_type == float("inf"):
+            return norms.max()
+        return norms.pow(norm_type).sum()
+
+    sharded_part = partial(sharded)
+    if norm_type == float("inf"):
+        comm.all_reduce_shards(sharded_part, op=dist.ReduceOp.MAX)
+        return torch.maximum(sharded_part, partial(local))
+    comm.all_reduce_shards(sharded_part)
+    return (sharded_part + partial(local)).pow(1.0 / norm_type)

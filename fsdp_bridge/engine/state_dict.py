@@ -1,0 +1,98 @@
+"""Full state dicts of a sharded model: original names, fp32 masters, every key the unwrapped
+model's `state_dict()` has (tied weights under each of their names), in the same order."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_bridge.engine.runtime import ShardedModel
+
+
+def _unwrapped_entries(sharded: ShardedModel) -> dict[str, torch.Tensor]:
+    # nn.Module's own state_dict: the keys and order of the unwrapped model (wrappers may
+    # override state_dict on the root, so call the base implementation).
+    return nn.Module.state_dict(sharded.module, keep_vars=True)
+
+
+def _world_rank(sharded: ShardedModel) -> int:
+    group = sharded.comm.world_group
+    return dist.get_rank(group) if group is not None else 0
+
+
+def full_state_dict(
+    sharded: ShardedModel, rank0_only: bool = False, cpu_offload: bool = True
+) -> dict[str, torch.Tensor]:
+    """Every rank takes part in the gathers; with `rank0_only` the others return {}."""
+    full_values: dict[str, torch.Tensor] = {}
+    for unit in sharded.units:
+        for group in unit.groups:
+            flat = group.gather_full_master()
+            for slot, offset, numel in zip(group.slots, group.offsets, group.numels):
+                value = flat[offset : offset + numel].view(slot.shape).clone()
+                for fqn in slot.owner_fqns:
+                    full_values[fqn] = value
+    if rank0_only and _world_rank(sharded) != 0:
+        return {}
+    result = {}
+    for key, value in _unwrapped_entries(sharded).items():
+        if key in full_values:
+            value = full_values[key]
+        else:  # a buffer or an ignored parameter: every rank holds it whole
+            value = value.detach().clone()
+            if key in sharded.buffer_dtypes:
+                value = value.to(sharded.buffer_dtypes[key])
+        result[key] = value.cpu() if cpu_offload else value
+    return result
+
+
+def load_full_state_dict(
+    sharded: ShardedModel, state_dict: dict[str, torch.Tensor], strict: bool = True
+) -> None:
+    """Load a full state dict (as `full_state_dict` returns) into the sharded model."""
+    entries = _unwrapped_entries(sharded)
+    missing = [key for key in entries if key not in state_dict]
+    unexpected = [key for key in state_dict if key not in entries]
+    if strict and (missing or unexpected):
+        raise ValueError(
+            "load_full_state_dict: state_dict does not match the model: "
+            f"missing keys {missing[:10]}{'...' if len(missing) > 10 else ''}, "
+            f"unexpected keys {unexpected[:10]}{'...' if len(unexpected) > 10 else ''}. "
+            "Pass a full state dict of the same model (or strict=False to load the overlap)."
+        )
+    with torch.no_grad():
+        for unit in sharded.units:
+            for group in unit.groups:
+                _load_group(group, state_dict, strict)
+        managed = _managed_names(sharded)
+        for key, current in entries.items():
+            if key in state_dict and key not in managed:
+                _check_shape(key, state_dict[key], current.shape)
+                current.copy_(state_dict[key])
+
+
+def _managed_names(sharded: ShardedModel) -> set[str]:
+    return {
+        fqn for unit in sharded.units for g in unit.groups for slot in g.slots for fqn in slot.owner_fqns
+    }
+
+
+def _check_shape(key: str, value: torch.Tensor, shape) -> None:
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(
+            f"load_full_state_dict: {key!r} has shape {tuple(value.shape)} in the state dict "
+            f"but {tuple(shape)} in the model. Load a checkpoint of the same model."
+        )
+
+
+def _load_group(group, state_dict, strict: bool) -> None:
+    current = group.gather_full_master()
+    for slot, offset, numel in zip(group.slots, group.offsets, group.numels):
+        key = next((fqn for fqn in slot.owner_fqns if fqn in state_dict), None)
+        if key is None:
+            continue  # strict mode already refused missing keys
+        value = state_dict[key]
+        _check_shape(key, value, slot.shape)
+        current[offset : offset + numel].copy_(value.reshape(-1))
+    group.load_full_master(current)

@@ -1,0 +1,123 @@
+"""The Plan: one frozen, printable description of how a model is sharded.
+
+Front-ends (FSDP1, FSDP2, YaFSDP, Zeta, TorchAcc) translate their arguments into a Plan; the
+engine applies it and knows nothing of dialects. A Plan names modules and parameters by their
+fully-qualified names (FQNs) in the model, so it is plain data: it can be printed, compared,
+fingerprinted across ranks and built without processes.
+
+[Note: units]
+A *unit* is a module whose parameters share one flat buffer (FSDP1's "FSDP instance", FSDP2's
+"param group", YaFSDP's "SuperTensor"). Units are listed in post-order with the root ("") last.
+A parameter belongs to the innermost unit that contains every module using it, so tied weights
+always share a unit. Parameters of the *norm group* (norm modules named in
+`Plan.norm_modules`) are moved into the root unit, which stays gathered for the whole step:
+they are gathered once per step and their gradients are reduced once, together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+from typing import Optional
+
+import torch
+
+
+class ShardingMode(enum.Enum):
+    """How parameters and gradients are spread over the ranks."""
+
+    SHARD = "shard"  # one shard group of all ranks (ZeRO-2/3)
+    REPLICATE = "replicate"  # every rank holds everything; gradients all-reduced (NO_SHARD)
+    HYBRID = "hybrid"  # 2-D mesh: shard inside a group, all-reduce across replica groups
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitSpec:
+    """One flat unit: the module at `name` ("" is the root) and its resharding policy."""
+
+    name: str
+    # ZeRO-3 frees the gathered parameters after forward and gathers again in backward;
+    # ZeRO-2 keeps them until backward ends. The root unit is never resharded after forward.
+    reshard_after_forward: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes used by the engine. `None` means "the parameter's own dtype" (no cast)."""
+
+    param_dtype: Optional[torch.dtype] = None  # gather and compute dtype
+    reduce_dtype: Optional[torch.dtype] = None  # gradient reduction dtype
+    buffer_dtype: Optional[torch.dtype] = None  # module buffers are cast to this
+    output_dtype: Optional[torch.dtype] = None  # root outputs are cast to this
+    cast_forward_inputs: bool = False  # cast floating inputs of every unit to param_dtype
+    cast_root_forward_inputs: bool = True  # cast floating inputs of the root to param_dtype
+
+    def effective_reduce_dtype(self, master_dtype: torch.dtype) -> torch.dtype:
+        """Reduce in `reduce_dtype`, else in fp32 when parameters are gathered in low
+        precision (bf16 reductions drift at scale), else in the master dtype."""
+        if self.reduce_dtype is not None:
+            return self.reduce_dtype
+        if self.param_dtype is not None and self.param_dtype.itemsize < master_dtype.itemsize:
+            return master_dtype
+        return self.param_dtype or master_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Everything the engine needs to shard a model, as data."""
+
+    units: tuple[UnitSpec, ...]  # post-order, root ("") last
+    mode: ShardingMode = ShardingMode.SHARD
+    mixed_precision: MixedPrecision = MixedPrecision()
+    norm_modules: tuple[str, ...] = ()  # FQNs of modules in the resident norm group
+    ignored_params: tuple[str, ...] = ()  # FQNs of parameters left alone (not sharded)
+    # Declared micro-steps per optimizer step (YaFSDP); gradients are divided once by
+    # world size x this number after the last micro-step's backward.
+    gradient_accumulation_steps: int = 1
+    sync_module_states: bool = False  # broadcast rank 0's parameters and buffers at init
+    cpu_offload: bool = False  # keep fp32 master shards and their gradients on the CPU
+    frontend: str = "engine"  # who built the plan, for messages
+    # Settings a front-end could not honour, each "argument: reason" (warned once at build).
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # Invariants a front-end must guarantee; users never build a Plan by hand.
+        assert self.units and self.units[-1].name == "", "the root unit must come last"
+        names = [unit.name for unit in self.units]
+        assert len(set(names)) == len(names), f"duplicate unit in {names}"
+        assert self.gradient_accumulation_steps >= 1
+
+    @property
+    def unit_names(self) -> tuple[str, ...]:
+        return tuple(unit.name for unit in self.units)
+
+    def describe(self) -> str:
+        """A stable, human-readable text of the plan (also what the fingerprint hashes)."""
+        mp = self.mixed_precision
+        lines = [
+            f"frontend: {self.frontend}",
+            f"mode: {self.mode.value}",
+            "mixed_precision: "
+            + ", ".join(f"{f.name}={getattr(mp, f.name)}" for f in dataclasses.fields(mp)),
+            f"gradient_accumulation_steps: {self.gradient_accumulation_steps}",
+            f"sync_module_states: {self.sync_module_states}",
+            f"cpu_offload: {self.cpu_offload}",
+            "units:",
+        ]
+        for unit in self.units:
+            policy = "reshard-after-forward" if unit.reshard_after_forward else "keep-gathered"
+            lines.append(f"  {unit.name or '<root>'} ({policy})")
+        if self.norm_modules:
+            lines.append("norm group: " + ", ".join(self.norm_modules))
+        if self.ignored_params:
+            lines.append("ignored params: " + ", ".join(self.ignored_params))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def fingerprint(self, extra: str = "") -> int:
+        """A 63-bit hash of the plan (plus `extra`, e.g. the parameter layout)."""
+        digest = hashlib.sha256((self.describe() + "\n" + extra).encode()).digest()
+        return int.from_bytes(digest[:8], "little") >> 1

@@ -1,0 +1,96 @@
+"""Tiny Hugging Face models built from configs (random weights, no downloads), data made in the
+test, and the single-process reference trainer every equivalence test compares against."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+VOCAB = 128
+SEQ = 16
+
+
+def tiny_llama(seed: int = 0, device: str = "cpu"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return LlamaForCausalLM(config)
+
+
+def tiny_gpt2(seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=64,
+        n_layer=3,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(config)
+
+
+def global_batches(steps: int, global_batch: int, seed: int = 1234) -> torch.Tensor:
+    """Token ids of shape (steps, global_batch, SEQ), identical on every rank."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (steps, global_batch, SEQ), generator=generator)
+
+
+def rank_slice(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    per_rank = batch.shape[0] // world
+    return batch[rank * per_rank : (rank + 1) * per_rank]
+
+
+def lm_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
+
+
+def make_adamw(params, lr: float = 1e-3, foreach=None):
+    # eps=1e-5: with the default 1e-8, Adam turns rounding-level differences in near-zero
+    # gradients into 5e-6 parameter differences, even between two single-process runs that
+    # only split the batch differently; at 1e-5 that noise floor is ~1e-7.
+    return torch.optim.AdamW(params, lr=lr, eps=1e-5, weight_decay=0.1, foreach=foreach)
+
+
+def train_reference(model, batches, lr=1e-3, micro_steps=1, clip=None, foreach=None):
+    """Single process on the global batch: per-step losses (and grad norms when clipping)."""
+    optimizer = make_adamw([p for p in model.parameters() if p.requires_grad], lr, foreach)
+    losses, norms = [], []
+    for batch in batches:
+        micro = batch.chunk(micro_steps)
+        total = 0.0
+        for ids in micro:
+            loss = lm_loss(model, ids) / micro_steps
+            loss.backward()
+            total += loss.item()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+    return losses, norms
+
+
+def global_mean(value: float, group=None) -> float:
+    """The mean of a per-rank scalar over the ranks (the global-batch loss)."""
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, group=group)
+    return tensor.item() / dist.get_world_size(group)
