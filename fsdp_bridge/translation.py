@@ -1,0 +1,106 @@
+"""Shared vocabulary of the front-ends: argument tables, clear errors and named warnings.
+
+Each front-end declares one `ArgumentTable`: for every argument of its dialect, whether it is
+translated into a Plan field, ignored (with why), or rejected (with why). The table is the single
+source of truth: the front-end's code asks it how to treat an argument, the docs are rendered
+from it (`render_markdown`), and the codemods read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import warnings
+from typing import Any, Iterable
+
+
+class FsdpBridgeWarning(UserWarning):
+    """A setting we cannot honour; the message names it and says why."""
+
+
+class Treatment(enum.Enum):
+    TRANSLATED = "translated"
+    IGNORED = "ignored"
+    REJECTED = "rejected"
+
+
+@dataclasses.dataclass(frozen=True)
+class Argument:
+    name: str
+    treatment: Treatment
+    detail: str  # the Plan field it becomes, or the reason it is ignored / rejected
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgumentTable:
+    frontend: str  # e.g. "YaFSDP"
+    arguments: tuple[Argument, ...]
+
+    def __getitem__(self, name: str) -> Argument:
+        for argument in self.arguments:
+            if argument.name == name:
+                return argument
+        raise KeyError(name)
+
+    def warn_ignored(self, name: str, value: Any) -> str:
+        """Warn that argument `name` was given a value we cannot honour; returns the note."""
+        argument = self[name]
+        assert argument.treatment is Treatment.IGNORED, name
+        note = f"{self.frontend}({name}={value!r}) is ignored: {argument.detail}"
+        warnings.warn(note, FsdpBridgeWarning, stacklevel=4)
+        return note
+
+    def render_markdown(self) -> str:
+        lines = [
+            f"### {self.frontend}",
+            "",
+            "| argument | treatment | detail |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| `{a.name}` | {a.treatment.value} | {a.detail} |" for a in self.arguments
+        ]
+        return "\n".join(lines)
+
+
+def bad_argument(
+    frontend: str, name: str, value: Any, accepted: str, fix: str, exc=ValueError
+) -> Exception:
+    """An error that names the argument, the value received, what is accepted, and the fix."""
+    shown = repr(value)
+    if len(shown) > 200:
+        shown = shown[:200] + "..."
+    return exc(f"{frontend}: {name}={shown} is not accepted; expected {accepted}. {fix}")
+
+
+def translated(name: str, detail: str) -> Argument:
+    return Argument(name, Treatment.TRANSLATED, detail)
+
+
+def ignored(name: str, reason: str) -> Argument:
+    return Argument(name, Treatment.IGNORED, reason)
+
+
+def rejected(name: str, reason: str) -> Argument:
+    return Argument(name, Treatment.REJECTED, reason)
+
+
+def module_paths(model) -> dict[int, str]:
+    """id(module) -> its FQN in `model` (the first path, for modules registered twice)."""
+    paths: dict[int, str] = {}
+    for name, module in model.named_modules():
+        paths.setdefault(id(module), name)
+    return paths
+
+
+def all_tables() -> Iterable[ArgumentTable]:
+    """Every front-end's table, for the generated docs (front-ends register on import)."""
+    return tuple(_REGISTRY)
+
+
+_REGISTRY: list[ArgumentTable] = []
+
+
+def register_table(table: ArgumentTable) -> ArgumentTable:
+    _REGISTRY.append(table)
+    return table

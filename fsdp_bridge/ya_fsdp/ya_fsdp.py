@@ -1,0 +1,135 @@
+"""`YaFSDP`: YaFSDP's v1 wrapper interface (`ya_fsdp.ya_fsdp.YaFSDP`) over our engine.
+
+Differences from YaFSDP that users can see, all in the direction of torch's conventions:
+`named_parameters()` yields the original parameters (sharded, under their original names) rather
+than two flat tensors, so name-based optimizer groups work; `state_dict()` returns the full fp32
+state dict on every rank (`rank0_only=True` for YaFSDP's "local rank 0 only"), and
+`load_state_dict` accepts one; `zero_grad(set_to_none=True)` is allowed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_bridge import engine
+from fsdp_bridge.translation import bad_argument
+from fsdp_bridge.ya_fsdp._translate import FRONTEND, build_plan, ignored_notes
+
+
+def _device(device_id) -> Optional[torch.device]:
+    if device_id is None:
+        return None
+    if isinstance(device_id, int):
+        return torch.device("cuda", device_id)
+    if isinstance(device_id, (str, torch.device)):
+        return torch.device(device_id)
+    raise bad_argument(FRONTEND, "device_id", device_id, "an int CUDA index, a torch.device or "
+                       "a device string", "e.g. device_id=torch.cuda.current_device() or "
+                       "device_id='cpu'.", exc=TypeError)
+
+
+class YaFSDP(nn.Module):
+    def __init__(
+        self,
+        module: nn.Module,
+        zero_stage: int,
+        param_dtype: torch.dtype,
+        modules_to_wrap_with_names: list[tuple[nn.Module, str]],
+        layer_norm_module_cls: Optional[type],
+        gradient_accumulation_steps: int,
+        data_parallel_process_group: Optional[dist.ProcessGroup] = None,
+        intra_node_data_parallel_process_group: Optional[dist.ProcessGroup] = None,
+        model_parallel_process_group: Optional[dist.ProcessGroup] = None,
+        all_reduce_grads_across_model_parallel_group: bool = False,
+        bit16_reduce_scatter: bool = False,
+        bit32_acc_for_bit16_reduce_scatter: bool = False,
+        hpz_first_layers_num: int = 0,
+        rogue_layer_norm_modules_with_names: Optional[dict[nn.Module, str]] = None,
+        sync_module_states: bool = False,
+        param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+        device_id: Optional[Union[int, torch.device]] = None,
+        is_trainable: bool = True,
+        use_yccl: bool = False,
+        use_yccl_padding: bool = False,
+        yccl_intra_inter_expr=None,
+        yccl_all_gather_stages=None,
+        profile: bool = False,
+    ):
+        super().__init__()
+        notes = ignored_notes(
+            {
+                "intra_node_data_parallel_process_group": intra_node_data_parallel_process_group,
+                "model_parallel_process_group": model_parallel_process_group,
+                "all_reduce_grads_across_model_parallel_group": all_reduce_grads_across_model_parallel_group,
+                "bit32_acc_for_bit16_reduce_scatter": bit32_acc_for_bit16_reduce_scatter,
+                "hpz_first_layers_num": hpz_first_layers_num,
+                "is_trainable": is_trainable,
+                "use_yccl": use_yccl,
+                "use_yccl_padding": use_yccl_padding,
+                "yccl_intra_inter_expr": yccl_intra_inter_expr,
+                "yccl_all_gather_stages": yccl_all_gather_stages,
+                "profile": profile,
+            }
+        )
+        plan = build_plan(
+            module,
+            zero_stage=zero_stage,
+            param_dtype=param_dtype,
+            modules_to_wrap_with_names=modules_to_wrap_with_names,
+            layer_norm_module_cls=layer_norm_module_cls,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            rogue_layer_norm_modules_with_names=rogue_layer_norm_modules_with_names,
+            bit16_reduce_scatter=bit16_reduce_scatter,
+            sync_module_states=sync_module_states,
+            notes=notes,
+        )
+        self._module = module
+        self._sharded = engine.shard_model(
+            module,
+            plan,
+            shard_group=data_parallel_process_group,
+            device=_device(device_id),
+            param_init_fn=param_init_fn,
+        )
+
+    # -- the wrapped model --------------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        return self._module(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["_module"], name)
+
+    @property
+    def plan(self):
+        return self._sharded.plan
+
+    # Parameters and buffers under their original names (no "_module." prefix).
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self._module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self._module.named_buffers(prefix, recurse, remove_duplicate)
+
+    # -- YaFSDP's methods ---------------------------------------------------------------------
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return self._sharded.clip_grad_norm_(max_norm, norm_type)
+
+    def state_dict(self, *args, rank0_only: bool = False, **kwargs):
+        return engine.full_state_dict(self._sharded, rank0_only=rank0_only)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        engine.load_full_state_dict(self._sharded, state_dict, strict=strict)
+        return nn.modules.module._IncompatibleKeys([], [])
+
+    # FSDP-style accumulation also works on top of the declared steps.
+    def no_sync(self):
+        return self._sharded.no_sync()

@@ -1,0 +1,354 @@
+"""Training cases run on spawned gloo ranks by the engine tests (one world, many cases).
+
+Each case trains a tiny HF model on every rank with that rank's slice of one global batch and
+returns, from rank 0, what the parent test compares with a single-process reference: the global
+per-step losses (mean of the rank losses), grad norms where clipped, and the final full state
+dict. Rank 1's results are returned too (some checks look at both ranks).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests import models as M
+
+STEPS = 5
+GLOBAL_BATCH = 8
+
+
+# -- wrapping helpers -------------------------------------------------------------------------
+
+
+def yafsdp_llama(model, zero_stage=3, param_dtype=torch.float32, steps=1, **kwargs):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from fsdp_bridge.ya_fsdp import YaFSDP
+
+    return YaFSDP(
+        model,
+        zero_stage=zero_stage,
+        modules_to_wrap_with_names=[
+            (layer, f"model.layers.{i}") for i, layer in enumerate(model.model.layers)
+        ],
+        rogue_layer_norm_modules_with_names={model.model.norm: "model.norm"},
+        layer_norm_module_cls=LlamaRMSNorm,
+        param_dtype=param_dtype,
+        gradient_accumulation_steps=steps,
+        **kwargs,
+    )
+
+
+def yafsdp_gpt2(model, zero_stage=3, **kwargs):
+    from fsdp_bridge.ya_fsdp import YaFSDP
+
+    return YaFSDP(
+        model,
+        zero_stage=zero_stage,
+        modules_to_wrap_with_names=[
+            (block, f"transformer.h.{i}") for i, block in enumerate(model.transformer.h)
+        ],
+        layer_norm_module_cls=nn.LayerNorm,
+        param_dtype=torch.float32,
+        gradient_accumulation_steps=1,
+        **kwargs,
+    )
+
+
+def engine_plan(model, layer_prefix, mode, reshard=True):
+    from fsdp_bridge.plan import Plan, ShardingMode, UnitSpec
+
+    layers = model.get_submodule(layer_prefix)
+    units = tuple(UnitSpec(f"{layer_prefix}.{i}", reshard) for i in range(len(layers)))
+    return Plan(units=units + (UnitSpec(""),), mode=ShardingMode(mode))
+
+
+# -- the training loop ------------------------------------------------------------------------
+
+
+def train(rank, world, model, optimizer=None, micro_steps=1, divide_loss=True, no_sync=False,
+          clip=None, steps=STEPS):
+    """Train `model` (already sharded) on this rank's slice; returns losses and grad norms."""
+    optimizer = optimizer or M.make_adamw(model.parameters())
+    losses, norms = [], []
+    for batch in M.global_batches(steps, GLOBAL_BATCH):
+        micro = M.rank_slice(batch, rank, world).chunk(micro_steps)
+        total = 0.0
+        for index, ids in enumerate(micro):
+            loss = M.lm_loss(model, ids)
+            if divide_loss:
+                loss = loss / micro_steps
+            last = index == micro_steps - 1
+            if no_sync and not last:
+                with model.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+            total += loss.item() / (1 if divide_loss else micro_steps)
+        if clip is not None:
+            norms.append(float(model.clip_grad_norm_(clip)))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(M.global_mean(total))
+    return losses, norms
+
+
+def full_state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def result(rank, world, model, **train_kwargs):
+    losses, norms = train(rank, world, model, **train_kwargs)
+    return {"losses": losses, "norms": norms, "state": full_state(model)}
+
+
+# -- cases ------------------------------------------------------------------------------------
+
+
+def case_llama_zero3(rank, world):
+    return result(rank, world, yafsdp_llama(M.tiny_llama(), zero_stage=3))
+
+
+def case_llama_zero2(rank, world):
+    return result(rank, world, yafsdp_llama(M.tiny_llama(), zero_stage=2))
+
+
+def _engine_wrapped(model, layer_prefix, mode):
+    from fsdp_bridge import engine
+
+    sharded = engine.shard_model(model, engine_plan(model, layer_prefix, mode))
+    model.no_sync = sharded.no_sync
+    model.clip_grad_norm_ = sharded.clip_grad_norm_
+    return model, sharded
+
+
+def case_llama_replicate(rank, world):
+    from fsdp_bridge import engine
+
+    model, sharded = _engine_wrapped(M.tiny_llama(), "model.layers", "replicate")
+    out = result(rank, world, model)
+    out["state"] = engine.full_state_dict(sharded)
+    return out
+
+
+def case_gpt2_zero3(rank, world):
+    model = M.tiny_gpt2()
+    wrapped = yafsdp_gpt2(model, zero_stage=3)
+    out = result(rank, world, wrapped)
+    out["tied_is_same"] = model.lm_head.weight is model.transformer.wte.weight
+    return out
+
+
+def case_gpt2_replicate(rank, world):
+    from fsdp_bridge import engine
+
+    model, sharded = _engine_wrapped(M.tiny_gpt2(), "transformer.h", "replicate")
+    out = result(rank, world, model)
+    out["state"] = engine.full_state_dict(sharded)
+    return out
+
+
+def case_accumulation_declared(rank, world):
+    # YaFSDP style: 4 declared micro-steps; the loss is not divided, the engine divides by W*4.
+    model = yafsdp_llama(M.tiny_llama(), steps=4)
+    return result(rank, world, model, micro_steps=4, divide_loss=False)
+
+
+def case_accumulation_no_sync(rank, world):
+    # FSDP style: the user divides the loss and wraps all but the last micro-step in no_sync.
+    model = yafsdp_llama(M.tiny_llama())
+    return result(rank, world, model, micro_steps=4, no_sync=True)
+
+
+def case_clip(rank, world):
+    return result(rank, world, yafsdp_llama(M.tiny_llama()), clip=0.5)
+
+
+def case_frozen_embedding(rank, world):
+    model = M.tiny_llama()
+    model.model.embed_tokens.weight.requires_grad_(False)
+    initial = model.model.embed_tokens.weight.detach().clone()
+    wrapped = yafsdp_llama(model)
+    optimizer = M.make_adamw([p for p in wrapped.parameters() if p.requires_grad])
+    out = result(rank, world, wrapped, optimizer=optimizer)
+    frozen_group = next(
+        g for u in wrapped._sharded.units for g in u.groups if not g.requires_grad
+    )
+    out["frozen_initial"] = initial
+    out["frozen_grad_is_none"] = model.model.embed_tokens.weight.grad is None
+    out["frozen_has_grad_memory"] = frozen_group.grad_shard is not None
+    return out
+
+
+def case_meta_init(rank, world):
+    source = M.tiny_llama()  # what the user's init produces (e.g. loaded weights)
+    values = dict(source.named_parameters()) | dict(source.named_buffers())
+    meta = M.tiny_llama(device="meta")
+    prefixes = {id(m): name for name, m in meta.named_modules()}
+
+    def param_init_fn(module):
+        module.to_empty(device="cpu", recurse=False)
+        prefix = prefixes[id(module)]
+        with torch.no_grad():
+            for name, tensor in list(module.named_parameters(recurse=False)) + list(
+                module.named_buffers(recurse=False)
+            ):
+                tensor.copy_(values[f"{prefix}.{name}" if prefix else name])
+
+    return result(rank, world, yafsdp_llama(meta, param_init_fn=param_init_fn))
+
+
+def case_sync_module_states(rank, world):
+    # Every rank initialises differently; rank 0's weights (seed 0) must win.
+    model = M.tiny_llama(seed=rank)
+    return result(rank, world, yafsdp_llama(model, sync_module_states=True))
+
+
+def _param_groups(model):
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        (no_decay if "norm" in name or name.endswith("bias") else decay).append(param)
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+OPTIMIZERS = {
+    "adamw_single": lambda groups: torch.optim.AdamW(groups, lr=1e-3, eps=1e-5, foreach=False),
+    "adam_foreach": lambda groups: torch.optim.Adam(groups, lr=1e-3, eps=1e-5, foreach=True),
+    "adam_single": lambda groups: torch.optim.Adam(groups, lr=1e-3, eps=1e-5, foreach=False),
+    "sgd_foreach": lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, foreach=True),
+    "sgd_single": lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, foreach=False),
+}
+
+
+def case_optimizers(rank, world):
+    out = {}
+    for name, make in OPTIMIZERS.items():
+        model = yafsdp_llama(M.tiny_llama())
+        out[name] = result(rank, world, model, optimizer=make(_param_groups(model)))
+        out[name]["param_names"] = [n for n, _ in model.named_parameters()]
+    return out
+
+
+def case_bf16_vs_fsdp2(rank, world):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    ours = result(rank, world, yafsdp_llama(M.tiny_llama(), param_dtype=torch.bfloat16))
+    native = M.tiny_llama()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in native.model.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(native, mp_policy=policy)
+    losses, _ = train(rank, world, native)
+    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in native.state_dict().items()}
+    return {"ours": ours, "native": {"losses": losses, "state": state}}
+
+
+def case_state_dict_api(rank, world):
+    model = yafsdp_llama(M.tiny_llama(seed=3))
+    reference = M.tiny_llama()
+    model.load_state_dict(reference.state_dict())
+    loaded = full_state(model)
+    rank0_only = model.state_dict(rank0_only=True)
+    return {
+        "loaded": loaded,
+        "rank0_only_len": len(rank0_only),
+        "names": [n for n, _ in model.named_parameters()],
+    }
+
+
+def case_plan_disagreement(rank, world):
+    model = M.tiny_llama()
+    layers = list(model.model.layers)
+    if rank == 1:
+        layers = layers[:-1]  # rank 1 wraps one layer fewer
+    from fsdp_bridge.ya_fsdp import YaFSDP
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    try:
+        YaFSDP(
+            model,
+            zero_stage=3,
+            modules_to_wrap_with_names=[(l, f"model.layers.{i}") for i, l in enumerate(layers)],
+            layer_norm_module_cls=LlamaRMSNorm,
+            param_dtype=torch.float32,
+            gradient_accumulation_steps=1,
+        )
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+WORLD2_CASES = [
+    case_llama_zero3,
+    case_llama_zero2,
+    case_llama_replicate,
+    case_gpt2_zero3,
+    case_gpt2_replicate,
+    case_accumulation_declared,
+    case_accumulation_no_sync,
+    case_clip,
+    case_frozen_embedding,
+    case_meta_init,
+    case_sync_module_states,
+    case_optimizers,
+    case_bf16_vs_fsdp2,
+    case_state_dict_api,
+    case_plan_disagreement,
+]
+
+
+def run_cases(rank, world, case_names):
+    torch.manual_seed(0)
+    out = {}
+    for name in case_names:
+        out[name] = globals()[name](rank, world)
+        dist.barrier()
+    return out
+
+
+# -- world 4: hybrid 2 x 2 ----------------------------------------------------------------------
+
+
+def _hybrid(model, layer_prefix):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_bridge import engine
+    from fsdp_bridge.plan import Plan, ShardingMode, UnitSpec
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    layers = model.get_submodule(layer_prefix)
+    plan = Plan(
+        units=tuple(UnitSpec(f"{layer_prefix}.{i}") for i in range(len(layers))) + (UnitSpec(""),),
+        mode=ShardingMode.HYBRID,
+    )
+    sharded = engine.shard_model(
+        model, plan, shard_group=mesh.get_group("shard"), replicate_group=mesh.get_group("replicate")
+    )
+    model.clip_grad_norm_ = sharded.clip_grad_norm_
+    return model, sharded
+
+
+def case_hybrid_llama(rank, world):
+    from fsdp_bridge import engine
+
+    model, sharded = _hybrid(M.tiny_llama(), "model.layers")
+    out = result(rank, world, model, clip=1.0)
+    out["state"] = engine.full_state_dict(sharded)
+    return out
+
+
+def case_hybrid_gpt2(rank, world):
+    from fsdp_bridge import engine
+
+    model, sharded = _hybrid(M.tiny_gpt2(), "transformer.h")
+    out = result(rank, world, model)
+    out["state"] = engine.full_state_dict(sharded)
+    return out
+
+
+def case_zero3_world4(rank, world):
+    return result(rank, world, yafsdp_llama(M.tiny_llama()))
+
+
+WORLD4_CASES = [case_hybrid_llama, case_hybrid_gpt2, case_zero3_world4]
