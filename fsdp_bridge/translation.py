@@ -63,11 +63,32 @@ class ArgumentTable:
         return "\n".join(lines)
 
 
+class Shown:
+    """A value shown in an error as given text (e.g. a module as its class name)."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def short_repr(value: Any) -> Any:
+    """Modules and (module, name) pairs shown compactly, e.g. (LlamaDecoderLayer, 'model.layers.0')."""
+    from torch import nn
+
+    if isinstance(value, nn.Module):
+        return Shown(type(value).__name__)
+    if isinstance(value, (tuple, list)) and any(isinstance(v, nn.Module) for v in value):
+        return Shown("(" + ", ".join(repr(short_repr(v)) for v in value) + ")")
+    return value
+
+
 def bad_argument(
     frontend: str, name: str, value: Any, accepted: str, fix: str, exc=ValueError
 ) -> Exception:
     """An error that names the argument, the value received, what is accepted, and the fix."""
-    shown = repr(value)
+    shown = repr(short_repr(value))
     if len(shown) > 200:
         shown = shown[:200] + "..."
     return exc(f"{frontend}: {name}={shown} is not accepted; expected {accepted}. {fix}")
