@@ -158,7 +158,18 @@ def case_accumulation_declared(rank, world):
 def case_accumulation_no_sync(rank, world):
     # FSDP style: the user divides the loss and wraps all but the last micro-step in no_sync.
     model = yafsdp_llama(M.tiny_llama())
-    return result(rank, world, model, micro_steps=4, no_sync=True)
+    out = result(rank, world, model, micro_steps=4, no_sync=True)
+    # Inside no_sync, backward communicates nothing (gradients are summed locally).
+    stats = model._sharded.comm.stats
+    ids = M.rank_slice(M.global_batches(1, GLOBAL_BATCH)[0], rank, world)
+    loss = M.lm_loss(model, ids)
+    before = dict(stats.calls)
+    with model.no_sync():
+        loss.backward()
+    out["no_sync_reductions"] = {
+        kind: stats.calls.get(kind, 0) - before.get(kind, 0) for kind in ("reduce_scatter", "all_reduce")
+    }
+    return out
 
 
 def case_clip(rank, world):

@@ -82,6 +82,8 @@ def test_tied_weights_stay_tied(world2):
 def test_four_micro_steps_equal_one_big_step(world2, case):
     # The reference takes one step on the whole global batch (4x each micro-batch).
     assert_matches_reference(world2[0][case], reference("llama"))
+    if case == "case_accumulation_no_sync":
+        assert world2[0][case]["no_sync_reductions"] == {"reduce_scatter": 0, "all_reduce": 0}
 
 
 def test_clip_grad_norm_is_the_global_norm(world2):

@@ -13,6 +13,18 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_bridge.engine.comm import Comm, CollectiveStats
+from fsdp_bridge.engine.full_params import (
+    clip_grads_,
+    full_optim_state_dict,
+    grad_norm,
+    load_sharded_state_dict,
+    optim_state_dict_to_load,
+    owner_of,
+    release,
+    sharded_state_dict,
+    summon_full_params,
+    tag_parameters,
+)
 from fsdp_bridge.engine.runtime import ShardedModel
 from fsdp_bridge.engine.state_dict import full_state_dict, load_full_state_dict
 from fsdp_bridge.plan import Plan, ShardingMode
@@ -20,10 +32,19 @@ from fsdp_bridge.plan import Plan, ShardingMode
 __all__ = [
     "CollectiveStats",
     "ShardedModel",
+    "clip_grads_",
+    "full_optim_state_dict",
     "full_state_dict",
     "get_sharded",
+    "grad_norm",
     "load_full_state_dict",
+    "optim_state_dict_to_load",
+    "owner_of",
+    "release",
     "shard_model",
+    "sharded_state_dict",
+    "load_sharded_state_dict",
+    "summon_full_params",
 ]
 
 ATTRIBUTE = "_fsdp_bridge"
@@ -71,6 +92,7 @@ def shard_model(
     comm = Comm(shard_group, replicate_group, world_group)
     device = torch.device(device) if device is not None else default_device(shard_group)
     sharded = ShardedModel(module, plan, comm, device, param_init_fn)
+    tag_parameters(sharded)
     # object.__setattr__: keep the state out of the module tree (not a submodule).
     object.__setattr__(module, ATTRIBUTE, sharded)
     return sharded

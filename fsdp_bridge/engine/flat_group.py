@@ -63,6 +63,7 @@ class FlatGroup:
         self.accumulator: Optional[torch.Tensor] = None
         self.accumulating_into_user_grads = False
         self.reduced_this_cycle = False
+        self.unsynced_grad: Optional[torch.Tensor] = None  # local sum of no_sync gradients
         self.gate = torch.empty(0, device=device, requires_grad=True)
 
     # -- construction -------------------------------------------------------------------------
@@ -145,6 +146,23 @@ class FlatGroup:
         if padding:
             parts.append(torch.zeros(padding, dtype=out.dtype, device=out.device))
         torch.cat(parts, out=out)
+
+    def accumulate_unsynced(self, grads: tuple) -> None:
+        """Inside no_sync: add this backward's full gradient to a local, unreduced sum."""
+        if self.unsynced_grad is None:
+            self.unsynced_grad = torch.empty(
+                self.padded_numel, dtype=self.reduce_dtype, device=self.master.device
+            )
+            self.write_full_grad(grads, self.unsynced_grad)
+            return
+        full = torch.empty_like(self.unsynced_grad)
+        self.write_full_grad(grads, full)
+        self.unsynced_grad.add_(full)
+
+    def add_unsynced_grad_into(self, full: torch.Tensor) -> None:
+        if self.unsynced_grad is not None:
+            full.add_(self.unsynced_grad)
+            self.unsynced_grad = None
 
     def start_reduce(self, full: torch.Tensor):
         """Start reducing a full gradient; returns (work, shard-sized result tensor)."""

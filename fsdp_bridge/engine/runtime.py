@@ -287,18 +287,25 @@ class ShardedModel:
     def post_backward(self, group: FlatGroup, grads: tuple) -> None:
         """Called by Unflatten.backward once the group's gradient is complete."""
         self._queue_end_of_backward()
-        pool = self.grad_pools[group.reduce_dtype]
-        buffer = pool.acquire(self._finish_reduce)
-        full = buffer.view_for(group.padded_numel)
-        group.write_full_grad(grads, full)
-        work, output = group.start_reduce(full)
-        pending = PendingReduce(group, work, output, buffer)
-        buffer.pending = pending
-        self.pending_reduces.append(pending)
+        if self.requires_sync:
+            buffer = self.grad_pools[group.reduce_dtype].acquire(self._finish_reduce)
+            full = buffer.view_for(group.padded_numel)
+            group.write_full_grad(grads, full)
+            group.add_unsynced_grad_into(full)
+            self._start_reduce(group, full, buffer)
+        else:
+            group.accumulate_unsynced(grads)  # no communication inside no_sync
         unit = self.unit_of_group[id(group)]
         unit.backward_groups_left -= 1
         if unit.backward_groups_left <= 0:
             unit.in_use = False
+
+    def _start_reduce(self, group: FlatGroup, full: torch.Tensor, buffer) -> None:
+        work, output = group.start_reduce(full)
+        pending = PendingReduce(group, work, output, buffer)
+        if buffer is not None:
+            buffer.pending = pending
+        self.pending_reduces.append(pending)
 
     def _finish_reduce(self, pending: PendingReduce) -> None:
         if pending.done:
@@ -308,7 +315,8 @@ class ShardedModel:
         if self.comm.shard_size > 1:  # hybrid: shards are summed across replicas too
             self.comm.all_reduce_replicas(pending.output, async_op=False)
         pending.group.accumulate(pending.output)
-        pending.buffer.pending = None
+        if pending.buffer is not None:
+            pending.buffer.pending = None
         pending.done = True
 
     def _queue_end_of_backward(self) -> None:
@@ -317,6 +325,13 @@ class ShardedModel:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
+        if self.requires_sync:
+            # Groups that accumulated inside no_sync but took no part in this backward.
+            for unit in self.units:
+                for group in unit.trainable_groups:
+                    if group.unsynced_grad is not None:
+                        full, group.unsynced_grad = group.unsynced_grad, None
+                        self._start_reduce(group, full, None)
         for pending in self.pending_reduces:
             self._finish_reduce(pending)
         self.pending_reduces.clear()
@@ -336,9 +351,9 @@ class ShardedModel:
     # -- public operations --------------------------------------------------------------------
 
     def set_requires_gradient_sync(self, requires_sync: bool) -> None:
-        """FSDP-style accumulation: while False, micro-step gradients are reduced and summed
-        into the sharded accumulator but not divided or exposed; the backward that runs with
-        True ends the accumulation cycle."""
+        """FSDP-style accumulation: while False, backward communicates nothing; each group's
+        full gradient is summed locally (FSDP's memory cost: one unsharded gradient per unit)
+        and reduced together with the gradient of the next backward run with True."""
         self.requires_sync = bool(requires_sync)
 
     @contextlib.contextmanager
