@@ -11,8 +11,6 @@ A buffer is never taken from an owner that is in use (between its pre- and post-
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 
@@ -53,10 +51,3 @@ class GradBufferPool:
             finish_pending(buffer.pending)
         return buffer
 
-
-def largest(numels: list[int]) -> int:
-    return max(numels, default=0)
-
-
-def pick_shared(buffers: list[GatherBuffer], index: int) -> Optional[GatherBuffer]:
-    return buffers[index % len(buffers)] if buffers else None
