@@ -1,0 +1,15 @@
+"""Injected into `fsdp-bridge compare-scripts` children through PYTHONPATH: under torchrun
+(RANK is set) with FSDP_BRIDGE_HARNESS_OUT set, record a parameter digest after every optimizer
+step. It changes nothing else in the script. (It shadows any other `sitecustomize` module.)"""
+
+import os
+import sys
+
+if os.environ.get("FSDP_BRIDGE_HARNESS_OUT") and "RANK" in os.environ:
+    try:
+        from fsdp_bridge.harness.step_hook import install
+
+        install(os.environ["FSDP_BRIDGE_HARNESS_OUT"])
+    except Exception as exc:  # noqa: BLE001 - never break the user's script
+        print(f"fsdp-bridge: could not install the optimizer step hook: {exc!r}",
+              file=sys.stderr)

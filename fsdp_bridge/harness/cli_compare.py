@@ -1,0 +1,71 @@
+"""`fsdp-bridge compare`: one recipe under several backends, step by step.
+
+Exit 0 when every backend agrees with the first (the baseline) within the tolerance of the
+recipe's dtype, 1 when one does not (naming the first diverging step), 2 on error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fsdp_bridge.harness.backends import BACKENDS, BackendUnavailable
+from fsdp_bridge.harness.recipes import BUILTIN, OPTIMIZERS, STRATEGIES, Size, builtin_recipe
+
+HELP = "Train a recipe under several FSDP backends and show where they agree or first diverge."
+
+DEFAULT_BACKENDS = "reference,torch-fsdp1,torch-fsdp2"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recipe", default="tiny-llama", choices=sorted(BUILTIN))
+    parser.add_argument("--backends", default=DEFAULT_BACKENDS,
+                        help=f"comma-separated, the first is the baseline; known: "
+                             f"{', '.join(BACKENDS)} (default {DEFAULT_BACKENDS})")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--micro-batches", type=int, default=1,
+                        help="gradient accumulation steps per optimizer step")
+    parser.add_argument("--mp", default="fp32", choices=["fp32", "bf16", "fp16"],
+                        help="compute dtype (low precision: gathered params, fp32 reduction)")
+    parser.add_argument("--strategy", default="full_shard", choices=STRATEGIES)
+    parser.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    size = Size()
+    for field in ("layers", "hidden", "vocab", "seq", "heads"):
+        parser.add_argument(f"--{field}", type=int, default=getattr(size, field))
+    parser.add_argument("--batch", type=int, default=size.batch, help="global batch size")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--rtol", type=float, help="override the dtype's rtol")
+    parser.add_argument("--atol", type=float, help="override the dtype's atol")
+    parser.add_argument("--json", metavar="FILE", help="write the full report as JSON")
+    parser.add_argument("--plot", metavar="FILE.png", help="write loss and deviation curves")
+
+
+def run(args: argparse.Namespace) -> int:
+    from fsdp_bridge.harness.equivalence import EXIT_ERROR, check_equivalence
+    from fsdp_bridge.harness.report import render_table, save_plot, write_json
+
+    try:
+        size = Size(layers=args.layers, hidden=args.hidden, vocab=args.vocab, seq=args.seq,
+                    batch=args.batch, heads=args.heads)
+        recipe = builtin_recipe(args.recipe, size, steps=args.steps,
+                                micro_batches=args.micro_batches, mp=args.mp,
+                                strategy=args.strategy, optimizer=args.optimizer, lr=args.lr,
+                                seed=args.seed)
+        backends = [name.strip() for name in args.backends.split(",") if name.strip()]
+        report = check_equivalence(recipe, backends, nproc=args.nproc, device=args.device,
+                                   rtol=args.rtol, atol=args.atol)
+    except (ValueError, BackendUnavailable) as exc:
+        print(f"fsdp-bridge compare: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    print(render_table(report))
+    for error in report.errors:
+        print(f"error in {error}", file=sys.stderr)
+    if args.json:
+        write_json(report, args.json)
+    if args.plot:
+        save_plot(report, args.plot)
+    print(f"({report.seconds:.1f} s)")
+    return report.exit_code

@@ -1,0 +1,74 @@
+"""`fsdp-bridge compare-scripts A.py B.py --nproc 2 [-- ARGS]`: two training scripts, unmodified.
+
+Exit 0 when B agrees with A step by step, 1 when it does not (naming the first diverging step),
+2 on error (a script failed, printed nothing comparable, or A is not deterministic).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fsdp_bridge.harness.compare import TOLERANCES
+
+HELP = ("Run two training scripts under torchrun and compare their per-step losses and "
+        "parameter digests.")
+
+
+class _SplitAtDoubleDash(argparse.ArgumentParser):
+    """Everything after the first `--` goes to the scripts, untouched, as `script_args`.
+
+    (argparse alone cannot take options both before and after the positionals *and* pass
+    the rest through: `nargs=REMAINDER` would swallow `--nproc` too.)"""
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        split = args.index("--") if "--" in args else len(args)
+        namespace, extras = super().parse_known_args(args[:split], namespace)
+        namespace.script_args = args[split + 1:]
+        return namespace, extras
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.__class__ = _SplitAtDoubleDash
+    parser.usage = "%(prog)s A.py B.py [--nproc N] [options] [-- ARGS for both scripts]"
+    parser.add_argument("script_a", metavar="A.py", help="the baseline script (run twice)")
+    parser.add_argument("script_b", metavar="B.py", help="the script to compare with it")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks per script (default 2)")
+    parser.add_argument("--loss-pattern", default=None,
+                        help="regex with named groups 'step' and 'loss' (default matches "
+                             "lines like 'step 3 loss 4.21')")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(TOLERANCES),
+                        help="dtype whose default tolerance applies (default fp32)")
+    parser.add_argument("--rtol", type=float, help="override the dtype's rtol")
+    parser.add_argument("--atol", type=float, help="override the dtype's atol")
+    parser.add_argument("--no-determinism-check", action="store_true",
+                        help="do not run A twice (faster; a non-deterministic A goes unnoticed)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per script run")
+    parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    parser.add_argument("--plot", metavar="FILE.png", help="write loss and deviation curves")
+
+
+def run(args: argparse.Namespace) -> int:
+    from fsdp_bridge.harness.compare import tolerance_for
+    from fsdp_bridge.harness.report import render_table, save_plot, write_json
+    from fsdp_bridge.harness.scripts import DEFAULT_LOSS_PATTERN, compare_scripts
+
+    try:
+        report = compare_scripts(
+            args.script_a, [args.script_b], nproc=args.nproc,
+            args=getattr(args, "script_args", []),
+            tolerance=tolerance_for(args.dtype, args.rtol, args.atol),
+            pattern=args.loss_pattern or DEFAULT_LOSS_PATTERN,
+            check_determinism=not args.no_determinism_check, timeout=args.timeout)
+    except ValueError as exc:
+        print(f"fsdp-bridge compare-scripts: error: {exc}", file=sys.stderr)
+        return 2
+    print(render_table(report))
+    for error in report.errors:
+        print(f"error: {error}", file=sys.stderr)
+    if args.json:
+        write_json(report, args.json)
+    if args.plot:
+        save_plot(report, args.plot)
+    return report.exit_code

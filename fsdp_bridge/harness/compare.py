@@ -1,0 +1,196 @@
+"""Compare runs: tolerances by dtype, the first diverging step, the parameters that differ most.
+
+Every check is a *ratio*: deviation / allowance, so 1.0 is the edge of the tolerance and the
+numbers of different quantities can be put in one table.
+
+[Note: tolerances]
+Losses, gradient norms and state-dict elements use torch.testing's defaults for the compute
+dtype: |a - b| <= atol + rtol * |b|. The digest sums many elements, so its allowance is the
+root-sum-square of the per-element allowances (elements' rounding errors are independent):
+    sum:   atol * sqrt(N) + rtol * sqrt(sum p^2)
+    sumsq: 2 * (atol * sqrt(sum p^2) + rtol * sqrt(sum p^4))      (d(p^2) = 2 p dp)
+Equivalent fp32 runs on CPU stay orders of magnitude inside these; a bug does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Optional, Sequence
+
+import torch
+
+from fsdp_bridge.harness.digest import Digest
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    dtype: str
+    rtol: float
+    atol: float
+
+    def describe(self) -> str:
+        return (f"{self.dtype}: |a-b| <= {self.atol:g} + {self.rtol:g}*|b| per value "
+                "(torch.testing defaults); digest sums: root-sum-square of those")
+
+    def ratio(self, value: Optional[float], reference: Optional[float]) -> float:
+        if value is None or reference is None:
+            return 0.0 if value is None and reference is None else math.inf
+        if math.isnan(value) or math.isnan(reference):
+            return 0.0 if math.isnan(value) and math.isnan(reference) else math.inf
+        return abs(value - reference) / (self.atol + self.rtol * abs(reference))
+
+    def digest_ratio(self, value: Optional[Digest], reference: Optional[Digest]) -> float:
+        if value is None or reference is None:
+            return 0.0 if value is None and reference is None else math.inf
+        norm = math.sqrt(reference.sumsq)
+        sum_allowance = self.atol * math.sqrt(reference.numel) + self.rtol * norm
+        sumsq_allowance = 2 * (self.atol * norm + self.rtol * math.sqrt(reference.sum4))
+        deviations = [abs(value.sum - reference.sum) / sum_allowance,
+                      abs(value.sumsq - reference.sumsq) / sumsq_allowance]
+        return max(d if not math.isnan(d) else math.inf for d in deviations)
+
+    def tensor_ratio(self, value: torch.Tensor, reference: torch.Tensor) -> float:
+        if not reference.is_floating_point():
+            return 0.0 if torch.equal(value, reference) else math.inf
+        value, reference = value.double(), reference.double()
+        allowance = self.atol + self.rtol * reference.abs()
+        ratio = ((value - reference).abs() / allowance).nan_to_num(math.inf)
+        return float(ratio.max()) if ratio.numel() else 0.0
+
+
+TOLERANCES = {
+    "fp32": Tolerance("fp32", rtol=1.3e-6, atol=1e-5),
+    "bf16": Tolerance("bf16", rtol=1.6e-2, atol=1e-5),
+    "fp16": Tolerance("fp16", rtol=1e-3, atol=1e-5),
+}
+
+
+def tolerance_for(dtype: str, rtol: Optional[float] = None,
+                  atol: Optional[float] = None) -> Tolerance:
+    """The default tolerance of a compute dtype, optionally overridden."""
+    if dtype not in TOLERANCES:
+        raise ValueError(f"dtype={dtype!r} has no default tolerance: use one of "
+                         f"{', '.join(TOLERANCES)}.")
+    base = TOLERANCES[dtype]
+    return dataclasses.replace(base, rtol=base.rtol if rtol is None else rtol,
+                               atol=base.atol if atol is None else atol)
+
+
+@dataclasses.dataclass
+class StepCheck:
+    """One step of a candidate against the baseline; each *_ratio is deviation / allowance."""
+
+    step: int
+    loss: Optional[float]
+    baseline_loss: Optional[float]
+    loss_ratio: float
+    grad_norm_ratio: float
+    digest_ratio: float
+
+    @property
+    def ratio(self) -> float:
+        return max(self.loss_ratio, self.grad_norm_ratio, self.digest_ratio)
+
+    @property
+    def ok(self) -> bool:
+        return self.ratio <= 1.0
+
+
+@dataclasses.dataclass
+class ParamDiff:
+    name: str
+    max_abs: float
+    ratio: float
+
+
+@dataclasses.dataclass
+class Comparison:
+    baseline: str
+    candidate: str
+    steps: list[StepCheck] = dataclasses.field(default_factory=list)
+    params: list[ParamDiff] = dataclasses.field(default_factory=list)  # worst first
+    problems: list[str] = dataclasses.field(default_factory=list)  # errors, missing keys
+
+    @property
+    def first_diverging_step(self) -> Optional[int]:
+        return next((check.step for check in self.steps if not check.ok), None)
+
+    @property
+    def diverging_params(self) -> list[ParamDiff]:
+        return [diff for diff in self.params if diff.ratio > 1.0]
+
+    @property
+    def ok(self) -> bool:
+        return (not self.problems and self.first_diverging_step is None
+                and not self.diverging_params)
+
+    def summary(self) -> str:
+        if self.ok:
+            worst = max([c.ratio for c in self.steps] + [p.ratio for p in self.params] + [0.0])
+            return (f"{self.candidate} agrees with {self.baseline} "
+                    f"(worst deviation {worst:.3g} of tolerance)")
+        parts = [f"{self.candidate} differs from {self.baseline}:"]
+        parts += self.problems[:1]
+        if self.first_diverging_step is not None:
+            parts.append(f"first diverging step {self.first_diverging_step}")
+        if self.diverging_params:
+            names = ", ".join(p.name for p in self.diverging_params[:3])
+            parts.append(f"parameters that differ most: {names}")
+        return " ".join(parts[:1]) + " " + "; ".join(parts[1:])
+
+
+_WRAPPER_PARTS = re.compile(r"(^|\.)(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
+
+
+def clean_key(key: str) -> str:
+    """A state-dict key without wrapper components (FSDP1, activation checkpointing, compile)."""
+    previous = None
+    while previous != key:
+        previous, key = key, _WRAPPER_PARTS.sub(r"\1", key)
+    return key
+
+
+def compare_state_dicts(baseline: dict, candidate: dict, tol: Tolerance,
+                        comparison: Comparison) -> None:
+    base = {clean_key(k): v for k, v in baseline.items()}
+    cand = {clean_key(k): v for k, v in candidate.items()}
+    for key in sorted(base.keys() ^ cand.keys()):
+        where = comparison.baseline if key in base else comparison.candidate
+        comparison.problems.append(f"state dict key {key!r} only in {where}")
+    for key in sorted(base.keys() & cand.keys()):
+        a, b = cand[key], base[key]
+        if a.shape != b.shape:
+            comparison.problems.append(f"{key}: shape {tuple(a.shape)} vs {tuple(b.shape)}")
+            continue
+        max_abs = float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+        comparison.params.append(ParamDiff(key, max_abs, tol.tensor_ratio(a, b)))
+    comparison.params.sort(key=lambda diff: diff.ratio, reverse=True)
+
+
+def compare_steps(baseline_steps: Sequence, candidate_steps: Sequence, tol: Tolerance,
+                  comparison: Comparison) -> None:
+    if len(baseline_steps) != len(candidate_steps):
+        comparison.problems.append(f"{len(candidate_steps)} steps vs {len(baseline_steps)} in "
+                                   f"{comparison.baseline}")
+    for base, cand in zip(baseline_steps, candidate_steps):
+        comparison.steps.append(StepCheck(
+            step=base.step, loss=cand.loss, baseline_loss=base.loss,
+            loss_ratio=tol.ratio(cand.loss, base.loss),
+            grad_norm_ratio=tol.ratio(cand.grad_norm, base.grad_norm),
+            digest_ratio=tol.digest_ratio(cand.digest, base.digest)))
+
+
+def compare_runs(baseline, candidate, tol: Tolerance) -> Comparison:
+    """Compare two RunRecords (see runner.py) step by step and by final state dict."""
+    comparison = Comparison(baseline.backend, candidate.backend)
+    for record in (baseline, candidate):
+        if record.error:
+            comparison.problems.append(f"{record.backend} failed: "
+                                       f"{record.error.strip().splitlines()[-1]}")
+    if comparison.problems:
+        return comparison
+    compare_steps(baseline.steps, candidate.steps, tol, comparison)
+    compare_state_dicts(baseline.state_dict, candidate.state_dict, tol, comparison)
+    return comparison

@@ -1,0 +1,73 @@
+"""The harness's main entry: run a recipe under several backends and judge equivalence."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Optional, Sequence, Union
+
+from fsdp_bridge.harness.backends import Backend
+from fsdp_bridge.harness.compare import Comparison, Tolerance, compare_runs, tolerance_for
+from fsdp_bridge.harness.launcher import run_backends
+from fsdp_bridge.harness.recipes import Recipe
+from fsdp_bridge.harness.runner import RunRecord
+
+EXIT_AGREE, EXIT_DISAGREE, EXIT_ERROR = 0, 1, 2
+
+
+@dataclasses.dataclass
+class Report:
+    """Everything a comparison found; rendered by report.py."""
+
+    title: str
+    settings: dict  # recipe and run settings, for the header and the JSON
+    tolerance: Tolerance
+    runs: list[RunRecord]
+    comparisons: list[Comparison]
+    seconds: float = 0.0
+
+    def curves(self) -> dict[str, list]:
+        """Per backend: [(step, loss)] (step 0 has no loss)."""
+        return {run.backend: [(s.step, s.loss) for s in run.steps] for run in self.runs}
+
+    @property
+    def errors(self) -> list[str]:
+        return [f"{run.backend}: {run.error}" for run in self.runs if run.error]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and all(c.ok for c in self.comparisons)
+
+    @property
+    def exit_code(self) -> int:
+        if self.errors:
+            return EXIT_ERROR
+        return EXIT_AGREE if self.ok else EXIT_DISAGREE
+
+
+def recipe_settings(recipe: Recipe, nproc: int) -> dict:
+    return {"recipe": recipe.name, "nproc": nproc, "steps": recipe.steps,
+            "global_batch": recipe.global_batch, "micro_batches": recipe.micro_batches,
+            "mp": recipe.mp, "strategy": recipe.strategy, "optimizer": recipe.optimizer,
+            "lr": recipe.lr, "seed": recipe.seed}
+
+
+def judge(runs: list[RunRecord], tolerance: Tolerance, baseline: int = 0) -> list[Comparison]:
+    """Compare every run with runs[baseline]."""
+    base = runs[baseline]
+    return [compare_runs(base, run, tolerance) for i, run in enumerate(runs) if i != baseline]
+
+
+def check_equivalence(recipe: Recipe, backends: Sequence[Union[str, Backend]], nproc: int = 2,
+                      device: str = "auto", rtol: Optional[float] = None,
+                      atol: Optional[float] = None) -> Report:
+    """Train `recipe` under every backend (the first is the baseline) and compare them."""
+    if len(backends) < 2:
+        raise ValueError(f"backends={list(backends)!r}: name at least two backends to compare "
+                         "(the first is the baseline), e.g. reference,torch-fsdp2.")
+    started = time.perf_counter()
+    tolerance = tolerance_for(recipe.mp, rtol, atol)
+    runs = run_backends(recipe, backends, nproc=nproc, device=device)
+    return Report(title=f"{recipe.name}, {nproc} ranks, {recipe.steps} steps",
+                  settings=recipe_settings(recipe, nproc), tolerance=tolerance, runs=runs,
+                  comparisons=judge(runs, tolerance), seconds=time.perf_counter() - started)

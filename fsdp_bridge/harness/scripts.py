@@ -1,0 +1,206 @@
+"""Compare training scripts run unmodified under torchrun (`fsdp-bridge compare-scripts`).
+
+Two sources per run:
+- losses, read from the scripts' output with a pattern (named groups `step` and `loss`);
+- parameter digests after every optimizer step, recorded by a hook injected into the children
+  through PYTHONPATH (`_site/sitecustomize.py` -> `step_hook.py`); the script is not modified.
+
+Row k of the comparison holds the loss printed as step k and the digest after the k-th
+optimizer step (digests count from 1).
+
+[Note: determinism]
+Comparing two scripts step by step only means something if each script is deterministic: same
+seed for the weights and the data on every run, no data-order randomness left unseeded. The
+first script is therefore run twice; if the two runs differ beyond the tolerance, the
+comparison is refused (exit 2) and the report says where the repeat diverged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional, Sequence
+
+from fsdp_bridge.harness import step_hook
+from fsdp_bridge.harness.compare import Comparison, Tolerance, compare_steps
+from fsdp_bridge.harness.digest import Digest
+from fsdp_bridge.harness.runner import StepRecord
+
+DEFAULT_LOSS_PATTERN = (r"step\s*[:=#]?\s*(?P<step>\d+).*?loss\s*[:=]?\s*"
+                        r"(?P<loss>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)")
+SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OUTPUT_TAIL = 3000
+
+
+@dataclasses.dataclass
+class ScriptRun:
+    label: str
+    script: str
+    returncode: int
+    output: str  # stdout and stderr, interleaved
+    losses: dict[int, float]
+    digests: list[Digest]
+    seconds: float
+
+    @property
+    def error(self) -> Optional[str]:
+        if self.returncode != 0:
+            return (f"{self.label} ({self.script}) exited with {self.returncode}; output "
+                    f"ends:\n{self.output[-OUTPUT_TAIL:]}")
+        if not self.losses and not self.digests:
+            return (f"{self.label} ({self.script}) printed no loss line matching the pattern "
+                    "and stepped no torch optimizer: nothing to compare")
+        return None
+
+    def records(self) -> list[StepRecord]:
+        """Rows keyed by step: loss printed as step k, digest after optimizer step k."""
+        keys = sorted(set(self.losses) | set(range(1, len(self.digests) + 1)))
+        rows = []
+        for key in keys:
+            digest = self.digests[key - 1] if 1 <= key <= len(self.digests) else None
+            rows.append(StepRecord(key, self.losses.get(key),
+                                   digest.grad_norm if digest else None, digest))
+        return rows
+
+
+def parse_losses(output: str, pattern: str) -> dict[int, float]:
+    """Step -> loss from the output; the first line per step wins (ranks may repeat it)."""
+    regex = re.compile(pattern, re.IGNORECASE)
+    if "loss" not in regex.groupindex:
+        raise ValueError(f"loss pattern {pattern!r} has no named group 'loss': write it like "
+                         f"{DEFAULT_LOSS_PATTERN!r}.")
+    losses: dict[int, float] = {}
+    for line in output.splitlines():
+        match = regex.search(line)
+        if not match:
+            continue
+        step = int(match.group("step")) if "step" in regex.groupindex else len(losses) + 1
+        losses.setdefault(step, float(match.group("loss")))
+    return losses
+
+
+def _read_digests(out_dir: str) -> list[Digest]:
+    path = os.path.join(out_dir, step_hook.FILE_NAME)
+    if not os.path.exists(path):
+        return []
+    with open(path) as handle:
+        rows = [json.loads(line) for line in handle if line.strip()]
+    return [Digest(**{k: v for k, v in row.items() if k != "step"}) for row in rows]
+
+
+def child_env(out_dir: str) -> dict[str, str]:
+    env = dict(os.environ)
+    paths = [SITE_DIR, PACKAGE_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                        if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["FSDP_BRIDGE_HARNESS_OUT"] = out_dir
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run_script(label: str, script: str, nproc: int, args: Sequence[str], pattern: str,
+               timeout: float) -> ScriptRun:
+    """Run `script` under torchrun on `nproc` local ranks with the step hook injected."""
+    if not os.path.isfile(script):
+        raise ValueError(f"script {script!r} does not exist: pass the path of a Python file.")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", script, *args]
+    with tempfile.TemporaryDirectory(prefix="fsdp-bridge-script-") as out_dir:
+        started = time.perf_counter()
+        try:
+            done = subprocess.run(command, env=child_env(out_dir), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, timeout=timeout)
+            returncode, output = done.returncode, done.stdout
+        except subprocess.TimeoutExpired as exc:
+            returncode = 124
+            output = (exc.stdout or b"").decode(errors="replace") + f"\n[timed out {timeout}s]"
+        return ScriptRun(label, script, returncode, output, parse_losses(output, pattern),
+                         _read_digests(out_dir), time.perf_counter() - started)
+
+
+def compare_script_runs(baseline: ScriptRun, candidate: ScriptRun,
+                        tolerance: Tolerance) -> Comparison:
+    comparison = Comparison(baseline.label, candidate.label)
+    compare_steps(baseline.records(), candidate.records(), tolerance, comparison)
+    return comparison
+
+
+@dataclasses.dataclass
+class ScriptReport:
+    title: str
+    settings: dict
+    tolerance: Tolerance
+    runs: list[ScriptRun]
+    comparisons: list[Comparison]
+    notes: list[str]
+    errors: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors and all(c.ok for c in self.comparisons)
+
+    @property
+    def exit_code(self) -> int:
+        if self.errors:
+            return 2
+        return 0 if self.ok else 1
+
+    def curves(self) -> dict[str, list]:
+        return {run.label: sorted(run.losses.items()) for run in self.runs}
+
+
+DETERMINISM = ("requirement: each script seeds everything it draws (weights, data order, "
+               "dropout) so that two runs print the same numbers; the first script is run "
+               "twice to check it")
+
+
+def _determinism_check(first: ScriptRun, repeat: ScriptRun, tolerance: Tolerance,
+                       notes: list[str], errors: list[str]) -> None:
+    check = compare_script_runs(first, repeat, tolerance)
+    if not check.ok:
+        errors.append(f"{first.script} is not deterministic: two runs of it differ from step "
+                      f"{check.first_diverging_step}; seed torch, numpy and random, and the "
+                      "data order, then compare again")
+    elif first.losses != repeat.losses or first.digests != repeat.digests:
+        worst = max([c.ratio for c in check.steps] + [0.0])
+        notes.append(f"{first.script} repeats within tolerance but not bit for bit "
+                     f"(worst {worst:.2g} of tolerance)")
+    else:
+        notes.append(f"{first.script} is deterministic: a second run repeats it bit for bit")
+
+
+def compare_scripts(baseline: str, candidates: Sequence[str], nproc: int = 2,
+                    args: Sequence[str] = (), tolerance: Optional[Tolerance] = None,
+                    pattern: str = DEFAULT_LOSS_PATTERN, check_determinism: bool = True,
+                    timeout: float = 600.0) -> ScriptReport:
+    """Run `baseline` (twice, unless check_determinism=False) and each candidate; compare."""
+    from fsdp_bridge.harness.compare import tolerance_for
+
+    tolerance = tolerance or tolerance_for("fp32")
+    if not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc={nproc!r}: expected a positive int (ranks per script).")
+    re.compile(pattern)
+    first = run_script("A", baseline, nproc, args, pattern, timeout)
+    runs, notes, errors = [first], [DETERMINISM], []
+    if check_determinism and not first.error:
+        repeat = run_script("A (repeat)", baseline, nproc, args, pattern, timeout)
+        _determinism_check(first, repeat, tolerance, notes, errors)
+    for index, script in enumerate(candidates if not errors else ()):  # no point if A varies
+        runs.append(run_script(chr(ord("B") + index), script, nproc, args, pattern, timeout))
+    errors = [run.error for run in runs if run.error] + errors
+    comparisons = [] if errors else [compare_script_runs(first, run, tolerance)
+                                     for run in runs[1:]]
+    for run in runs:
+        notes.append(f"{run.label} = {run.script}: {len(run.losses)} loss lines, "
+                     f"{len(run.digests)} optimizer steps, {run.seconds:.1f} s")
+    settings = {"nproc": nproc, "args": " ".join(args) or "-", "loss pattern": pattern}
+    title = f"compare-scripts {os.path.basename(baseline)} vs " + ", ".join(
+        os.path.basename(c) for c in candidates)
+    return ScriptReport(title, settings, tolerance, runs, comparisons, notes, errors)

@@ -1,0 +1,48 @@
+"""`fsdp-bridge compare-scripts` on tiny scripts: identical -> 0, changed learning rate -> 1
+naming step 1, an unseeded script -> 2 (not deterministic)."""
+
+from __future__ import annotations
+
+import os
+
+from fsdp_bridge.cli import main
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "train_tiny.py")
+
+
+def _variant(tmp_path, name, old, new):
+    with open(SCRIPT) as handle:
+        text = handle.read()
+    assert old in text
+    path = tmp_path / name
+    path.write_text(text.replace(old, new))
+    return str(path)
+
+
+def test_changed_learning_rate_differs_from_step_1(tmp_path, capsys):
+    other = _variant(tmp_path, "train_lr.py", "LR = 1e-2", "LR = 2e-2")
+    code = main(["compare-scripts", SCRIPT, other, "--nproc", "2", "--json",
+                 str(tmp_path / "r.json"), "--", "--steps", "3"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "first diverging step 1" in out
+    assert "is deterministic" in out
+    assert "3 optimizer steps" in out  # digests came from the injected hook
+    assert (tmp_path / "r.json").exists()
+
+
+def test_identical_scripts_agree(tmp_path, capsys):
+    same = _variant(tmp_path, "same.py", "SEED = 0", "SEED = 0  # the same script")
+    code = main(["compare-scripts", SCRIPT, same, "--no-determinism-check", "--", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "RESULT: equivalent" in out
+
+
+def test_unseeded_script_is_refused(tmp_path, capsys):
+    unseeded = _variant(tmp_path, "unseeded.py", "torch.manual_seed(SEED)",
+                        "torch.manual_seed(__import__('time').time_ns() % 1000003)")
+    code = main(["compare-scripts", unseeded, SCRIPT, "--nproc", "1", "--", "--steps", "1"])
+    captured = capsys.readouterr()
+    assert code == 2, captured.out
+    assert "is not deterministic" in captured.err

@@ -1,0 +1,96 @@
+"""Pieces of the harness that need no processes: tolerances, digest weights, recipes, parsing,
+CLI errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fsdp_bridge.cli import main
+from fsdp_bridge.harness.backends import BACKENDS, BackendUnavailable, get_backend
+from fsdp_bridge.harness.compare import clean_key, tolerance_for
+from fsdp_bridge.harness.digest import _weights, global_digest
+from fsdp_bridge.harness.recipes import (Size, builtin_recipe, micro_batches,
+                                         reference_micro_batches)
+from fsdp_bridge.harness.scripts import DEFAULT_LOSS_PATTERN, parse_losses
+
+
+def test_tolerances_follow_torch_defaults():
+    assert (tolerance_for("fp32").rtol, tolerance_for("fp32").atol) == (1.3e-6, 1e-5)
+    assert (tolerance_for("bf16").rtol, tolerance_for("bf16").atol) == (1.6e-2, 1e-5)
+    tol = tolerance_for("fp32")
+    assert tol.ratio(1.0, 1.0) == 0.0
+    assert tol.ratio(1.0 + 2 * (1e-5 + 1.3e-6), 1.0) == pytest.approx(2.0)
+    assert tol.ratio(float("nan"), 1.0) == math.inf
+    with pytest.raises(ValueError, match="dtype='int8'"):
+        tolerance_for("int8")
+
+
+def test_single_process_digest_counts_every_element_once():
+    params = [torch.arange(4.0), torch.ones(2, 3)]
+    digest = global_digest(params, distributed=False)
+    assert (digest.sum, digest.sumsq, digest.numel) == (12.0, 20.0, 10)
+
+
+def test_replication_is_inferred_by_comparing_ranks():
+    # rows: sum, sumsq, sum4, gradsq, numel, replicas(0 = unknown); two ranks, two params
+    same = [3.0, 5.0, 17.0, 0.0, 2.0, 0.0]
+    rank0 = torch.tensor([same, [1.0, 1.0, 1.0, 0.0, 1.0, 0.0]], dtype=torch.float64)
+    rank1 = torch.tensor([same, [2.0, 4.0, 16.0, 0.0, 1.0, 0.0]], dtype=torch.float64)
+    weights = _weights(torch.stack([rank0, rank1]))
+    assert weights[:, 0].tolist() == [0.5, 0.5]  # identical everywhere: replicated
+    assert weights[:, 1].tolist() == [1.0, 1.0]  # different pieces: sharded
+
+
+def test_reference_micro_batches_are_the_union_of_the_ranks():
+    recipe = builtin_recipe("mlp", Size(batch=8, hidden=4), micro_batches=2)
+    x, _ = recipe.batch(1)
+    ranks = [micro_batches(recipe, (x, x), r, 2) for r in range(2)]
+    reference = reference_micro_batches(recipe, (x, x), 2)
+    for m in range(2):
+        assert torch.equal(reference[m][0], torch.cat([ranks[0][m][0], ranks[1][m][0]]))
+    assert torch.equal(torch.cat([r[0] for r in reference]).sort(0).values, x.sort(0).values)
+    with pytest.raises(ValueError, match="global_batch=8"):
+        recipe.check_world(3)
+
+
+def test_recipe_options_are_validated():
+    with pytest.raises(ValueError, match="mp='fp8'"):
+        builtin_recipe("mlp", mp="fp8")
+    with pytest.raises(ValueError, match="recipe='bert'"):
+        builtin_recipe("bert")
+
+
+def test_loss_lines_are_parsed_first_wins():
+    text = "warmup\nstep 1 loss 4.5\nstep 1 loss 9.9\n[rank0] step: 2 | loss=3.25e-1\n"
+    assert parse_losses(text, DEFAULT_LOSS_PATTERN) == {1: 4.5, 2: 0.325}
+    with pytest.raises(ValueError, match="named group 'loss'"):
+        parse_losses(text, r"step (\d+)")
+
+
+def test_wrapper_prefixes_are_removed_from_keys():
+    assert clean_key("_fsdp_wrapped_module.layers.0._fsdp_wrapped_module.w") == "layers.0.w"
+    assert clean_key("model.layers.0.weight") == "model.layers.0.weight"
+
+
+def test_every_backend_is_registered_and_bridge_ones_fail_clearly():
+    assert set(BACKENDS) == {"reference", "torch-fsdp1", "torch-fsdp2", "bridge-fsdp1",
+                             "bridge-fsdp2", "bridge-yafsdp"}
+    for name in ("bridge-fsdp1", "bridge-fsdp2", "bridge-yafsdp"):
+        try:
+            get_backend(name).check_available()
+        except BackendUnavailable as exc:
+            assert f"backend {name} needs fsdp_bridge." in str(exc)
+            assert "not available in this build" in str(exc)
+    with pytest.raises(ValueError, match="backend 'ddp' is unknown"):
+        get_backend("ddp")
+
+
+def test_compare_cli_reports_errors_with_exit_2(capsys):
+    assert main(["compare", "--backends", "reference,nope"]) == 2
+    assert "backend 'nope' is unknown" in capsys.readouterr().err
+    assert main(["compare", "--backends", "reference"]) == 2
+    assert main(["compare", "--batch", "3", "--nproc", "2"]) == 2
+    assert "global_batch=3" in capsys.readouterr().err
