@@ -5,3 +5,12 @@ Dialect front-ends live at paths that mirror the originals: `fsdp_bridge.ya_fsdp
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # `fsdp_bridge.explain(model)`, imported lazily so that `import fsdp_bridge` stays light.
+    if name == "explain":
+        from fsdp_bridge.explain import explain
+
+        return explain
+    raise AttributeError(f"module 'fsdp_bridge' has no attribute {name!r}")

@@ -21,9 +21,13 @@ from fsdp_bridge.engine.full_params import (
     optim_state_dict_to_load,
     owner_of,
     release,
+    reshard_unit,
+    run_as_forward,
+    run_pre_forward,
     sharded_state_dict,
     summon_full_params,
     tag_parameters,
+    unshard_unit,
 )
 from fsdp_bridge.engine.runtime import ShardedModel
 from fsdp_bridge.engine.state_dict import full_state_dict, load_full_state_dict

@@ -297,3 +297,53 @@ def load_sharded_state_dict(sharded: ShardedModel, state_dict: dict, strict: boo
     for unit in sharded.units:
         for group in unit.groups:
             group.invalidate()
+
+
+# -- explicit unshard / reshard and forward-like methods ------------------------------------------
+
+
+def _unit(sharded: ShardedModel, name: str):
+    for unit in sharded.units:
+        if unit.name == name:
+            return unit
+    return sharded.units[-1]  # a module inside a unit: its enclosing root
+
+
+def unshard_unit(sharded: ShardedModel, name: str) -> list:
+    """Start gathering unit `name` (FSDP2's `unshard`): the next forward finds it gathered.
+    Returns the groups whose gathers are in flight (wait with `group.wait_gather()`)."""
+    unit = _unit(sharded, name)
+    started = []
+    for group in unit.groups:
+        owner = group.buffer.owner
+        if group.is_gathered or (owner is not None and sharded.unit_of_group[id(owner)].in_use):
+            continue
+        group.start_gather()
+        started.append(group)
+    return started
+
+
+def reshard_unit(sharded: ShardedModel, name: str) -> None:
+    """Drop unit `name`'s gathered copy (FSDP2's `reshard`), unless it is running."""
+    unit = _unit(sharded, name)
+    if not unit.in_use:
+        for group in unit.groups:
+            group.invalidate()
+
+
+def run_pre_forward(sharded: ShardedModel, name: str, args, kwargs):
+    """Run the engine's pre-forward hook of unit `name` by hand (for a hook registered while
+    the module's own hooks were already being called)."""
+    unit = _unit(sharded, name)
+    return sharded._make_pre_forward(unit)(unit.module, args, kwargs)
+
+
+def run_as_forward(sharded: ShardedModel, name: str, method, args, kwargs):
+    """Call `method` with unit `name` gathered as for its forward (FSDP2's
+    `register_fsdp_forward_method`)."""
+    unit = _unit(sharded, name)
+    if unit.in_use:
+        return method(*args, **kwargs)
+    args, kwargs = sharded._make_pre_forward(unit)(unit.module, args, kwargs)
+    output = method(*args, **kwargs)
+    return sharded._make_post_forward(unit)(unit.module, args, output)

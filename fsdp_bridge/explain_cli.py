@@ -1,0 +1,62 @@
+"""`fsdp-bridge explain`: print every front-end's argument table, or the Plan a demo model gets."""
+
+from __future__ import annotations
+
+HELP = "show the front-ends' argument tables, or the plan a tiny demo model gets"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--write-docs", metavar="PATH", help="write the tables as Markdown "
+                        "to PATH (docs/frontends.md) instead of printing them")
+    parser.add_argument("--demo", action="store_true", help="wrap a tiny Llama with FSDP1 "
+                        "(transformer policy, bf16) in a one-rank world and explain its plan")
+
+
+def _demo() -> str:
+    import functools
+    import os
+    import tempfile
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_bridge.explain import explain
+    from fsdp_bridge.fsdp import FullyShardedDataParallel, MixedPrecision
+    from fsdp_bridge.fsdp.wrap import transformer_auto_wrap_policy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    if not dist.is_initialized():
+        path = os.path.join(tempfile.mkdtemp(), "init")
+        dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped = FullyShardedDataParallel(
+            model,
+            auto_wrap_policy=functools.partial(transformer_auto_wrap_policy,
+                                               transformer_layer_cls={LlamaDecoderLayer}),
+            mixed_precision=MixedPrecision(param_dtype=torch.bfloat16),
+            limit_all_gathers=False,
+        )
+    return explain(wrapped)
+
+
+def run(args) -> int:
+    if args.demo:
+        print(_demo())
+        return 0
+    from fsdp_bridge.explain import render_docs
+
+    text = render_docs()
+    if args.write_docs:
+        with open(args.write_docs, "w") as handle:
+            handle.write(text)
+        print(f"wrote {args.write_docs}")
+    else:
+        print(text)
+    return 0

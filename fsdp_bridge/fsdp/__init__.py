@@ -1,0 +1,64 @@
+"""Drop-in for `torch.distributed.fsdp` (FSDP1 and FSDP2 names) over fsdp_bridge's engine.
+
+Change `torch.distributed.fsdp` to `fsdp_bridge.fsdp` and keep the script. Torch's own enums,
+config dataclasses and policies are re-exported as they are (the same objects: user code mixes
+them with ours); `FullyShardedDataParallel`, `fully_shard` and `FSDPModule` are ours.
+Also reachable as `fsdp_bridge.fsdp.fully_sharded_data_parallel` and, for FSDP2's legacy path
+`torch.distributed._composable.fsdp`, this module itself.
+"""
+
+from torch.distributed.fsdp import (  # noqa: F401  (torch's own objects)
+    BackwardPrefetch,
+    CPUOffload,
+    CPUOffloadPolicy,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+
+from fsdp_bridge.fsdp import wrap  # noqa: F401
+from fsdp_bridge.fsdp._fully_shard import (
+    FSDPModule,
+    UnshardHandle,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+from fsdp_bridge.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
+
+__all__ = [
+    "BackwardPrefetch",
+    "CPUOffload",
+    "FullOptimStateDictConfig",
+    "FullStateDictConfig",
+    "FullyShardedDataParallel",
+    "LocalOptimStateDictConfig",
+    "LocalStateDictConfig",
+    "MixedPrecision",
+    "OptimStateDictConfig",
+    "OptimStateKeyType",
+    "ShardedOptimStateDictConfig",
+    "ShardedStateDictConfig",
+    "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictSettings",
+    "StateDictType",
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "fully_shard",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "register_fsdp_forward_method",
+    "UnshardHandle",
+]

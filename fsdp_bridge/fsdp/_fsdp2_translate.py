@@ -1,0 +1,268 @@
+"""FSDP2's `fully_shard` arguments -> Plan. `check_call` validates one call without processes;
+`build_plan` turns the recorded calls of one model (post-order, root last) into a Plan and the
+engine's groups (it reads the mesh's groups, nothing more)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+from fsdp_bridge.plan import MixedPrecision, Plan, ShardingMode, UnitSpec
+from fsdp_bridge.translation import (
+    ArgumentTable,
+    bad_argument,
+    ignored,
+    module_paths,
+    register_table,
+    rejected,
+    translated,
+)
+
+FRONTEND = "fully_shard"
+
+TABLE = register_table(
+    ArgumentTable(
+        FRONTEND,
+        (
+            translated("module", "one module -> one unit (the first module used is the root); a "
+                       "list -> one group: its modules' parameters join the enclosing unit "
+                       "(tied weights stay together)"),
+            translated("mesh", "None -> all ranks (mode shard); 1-D -> the shard group; 2-D -> "
+                       "mode hybrid (dim 0 replicate, dim 1 shard; names optional)"),
+            translated("reshard_after_forward", "None -> True except the root (FSDP1 "
+                       "FULL_SHARD); True / False -> UnitSpec.reshard_after_forward; int: 1 -> "
+                       "False, the shard size -> True"),
+            ignored("reshard_after_forward=<int>", "hpZ (resharding to a smaller group after "
+                    "forward) is a memory / communication trade-off; units reshard fully, "
+                    "numerics are identical"),
+            translated("mp_policy", "MixedPrecision(param_dtype, reduce_dtype (None -> "
+                       "param_dtype, as FSDP2), cast_forward_inputs for every unit; output_dtype "
+                       "of the root)"),
+            rejected("mp_policy per unit", "every call must use the same param_dtype, "
+                     "reduce_dtype and cast_forward_inputs; output_dtype only on the root"),
+            translated("offload_policy", "CPUOffloadPolicy -> Plan.cpu_offload (pin_memory has "
+                       "no effect without an accelerator); OffloadPolicy() / None -> no offload"),
+            translated("ignored_params", "Plan.ignored_params: neither sharded nor reduced"),
+            translated("shard_placement_fn", "None, or a function returning None / Shard(0) for "
+                       "every parameter (flat sharding is numerically the same)"),
+            rejected("shard_placement_fn=<other placements>", "parameters are sharded as one "
+                     "flat buffer per unit; per-parameter placements are not supported"),
+            rejected("dp_mesh_dims", "SPMD meshes with DTensor parameters are not supported"),
+            translated("set_requires_gradient_sync", "the engine's gradient sync flag (whole model)"),
+            translated("set_gradient_divide_factor", "the engine's gradient divide factor"),
+            translated("unshard / reshard", "gather a unit now (prefetch; async_op returns a "
+                       "handle) / drop its gathered copy; parameters stay 1-D shards outside "
+                       "forward"),
+            ignored("set_reshard_after_forward / set_reshard_after_backward / "
+                    "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch / "
+                    "set_is_last_backward / set_unshard_in_backward / set_requires_all_reduce",
+                    "memory and scheduling hints: the engine's buffers and prefetch order are "
+                    "fixed at init; numerics are identical"),
+            rejected("set_all_reduce_hook / set_custom_all_gather / set_custom_reduce_scatter / "
+                     "set_post_optim_event / set_force_sum_reduction_for_comms",
+                     "the engine runs its own collectives"),
+        ),
+    )
+)
+
+
+def bad(name, value, accepted, fix, exc=ValueError):
+    return bad_argument(FRONTEND, name, value, accepted, fix, exc)
+
+
+def unsupported(method: str) -> Exception:
+    return NotImplementedError(
+        f"FSDPModule.{method} is not supported by fsdp_bridge: the engine runs its own "
+        "collectives. Remove the call; gradients are reduced as FSDP2's defaults do."
+    )
+
+
+def check_bool(method: str, name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise bad_argument(f"FSDPModule.{method}", name, value, "True or False",
+                           f"Pass {name}=True or {name}=False.", exc=TypeError)
+
+
+def accepted_no_op(method: str, value, default) -> None:
+    if value != default:
+        TABLE.warn_ignored("set_reshard_after_forward / set_reshard_after_backward / "
+                           "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch / "
+                           "set_is_last_backward / set_unshard_in_backward / "
+                           "set_requires_all_reduce", f"{method}({value!r})")
+
+
+def check_fsdp_modules(method: str, modules, fsdp_module_cls) -> None:
+    if not isinstance(modules, (list, tuple)) or not all(
+        isinstance(m, fsdp_module_cls) for m in modules
+    ):
+        raise bad_argument(f"FSDPModule.{method}", "modules", modules, "a list of FSDPModule "
+                           "(modules passed to fully_shard)", "Pass the fully_shard-ed "
+                           "modules.", exc=TypeError)
+
+
+def check_factor(factor) -> None:
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+        raise bad_argument("FSDPModule.set_gradient_divide_factor", "factor", factor,
+                           "a positive number", "e.g. set_gradient_divide_factor(world_size).")
+
+
+def check_call(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy,
+               offload_policy, ignored_params, dp_mesh_dims) -> list[nn.Module]:
+    """Validate one fully_shard call; returns its modules."""
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise bad("module", module, "an nn.Module or a non-empty list of them", "Pass the "
+                  "module(s) to shard.", exc=TypeError)
+    for index, m in enumerate(modules):
+        name = "module" if len(modules) == 1 and not isinstance(module, (list, tuple)) \
+            else f"module[{index}]"
+        if not isinstance(m, nn.Module):
+            raise bad(name, m, "an nn.Module", "Pass the module itself.", exc=TypeError)
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            raise bad(name, m, "a module that implements forward (not a ModuleList / "
+                      "ModuleDict container, as FSDP2 requires)", "Call fully_shard on each "
+                      "layer in the container instead.")
+    if mesh is not None:
+        if not isinstance(mesh, DeviceMesh):
+            raise bad("mesh", mesh, "None or a DeviceMesh", "Build one with "
+                      "torch.distributed.device_mesh.init_device_mesh.", exc=TypeError)
+        if mesh.ndim not in (1, 2):
+            raise bad("mesh", mesh, "a 1-D mesh (FSDP) or a 2-D mesh (HSDP: replicate, shard)",
+                      "Slice the data-parallel dimensions out of the mesh first.")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
+        raise bad("reshard_after_forward", reshard_after_forward, "None, True, False or an int "
+                  "dividing the shard-group size", "e.g. reshard_after_forward=True.",
+                  exc=TypeError)
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        shard_size = mesh.size(mesh.ndim - 1) if mesh is not None else _world()
+        if reshard_after_forward < 1 or shard_size % reshard_after_forward:
+            raise bad("reshard_after_forward", reshard_after_forward, f"an int >= 1 dividing "
+                      f"the shard-group size {shard_size}", "e.g. reshard_after_forward=True, "
+                      "or a divisor of the shard-group size.")
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise bad("mp_policy", mp_policy, "a torch.distributed.fsdp.MixedPrecisionPolicy",
+                  "e.g. mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16).",
+                  exc=TypeError)
+    for field in ("param_dtype", "reduce_dtype", "output_dtype"):
+        value = getattr(mp_policy, field)
+        if value is not None and (not isinstance(value, torch.dtype)
+                                  or not value.is_floating_point):
+            raise bad(f"mp_policy.{field}", value, "None or a floating torch.dtype",
+                      f"e.g. {field}=torch.bfloat16.")
+    if offload_policy is not None and not isinstance(offload_policy, OffloadPolicy):
+        raise bad("offload_policy", offload_policy, "OffloadPolicy(), CPUOffloadPolicy(...) "
+                  "or None", "e.g. offload_policy=CPUOffloadPolicy(pin_memory=False).",
+                  exc=TypeError)
+    if ignored_params is not None:
+        if not isinstance(ignored_params, (set, frozenset, list, tuple)) or not all(
+            isinstance(p, nn.Parameter) for p in ignored_params
+        ):
+            raise bad("ignored_params", ignored_params, "None or a set of nn.Parameter",
+                      "e.g. ignored_params={model.embed.weight}.", exc=TypeError)
+    if dp_mesh_dims is not None:
+        raise bad("dp_mesh_dims", dp_mesh_dims, "None", "SPMD meshes with DTensor parameters "
+                  "are not supported; pass the data-parallel mesh as mesh=.")
+    if shard_placement_fn is not None:
+        from torch.distributed.tensor import Shard
+
+        if not callable(shard_placement_fn):
+            raise bad("shard_placement_fn", shard_placement_fn, "None or a callable",
+                      "Drop it to shard on dim 0.", exc=TypeError)
+        for m in modules:
+            for name, param in m.named_parameters():
+                placement = shard_placement_fn(param)
+                if placement is not None and placement != Shard(0):
+                    raise bad("shard_placement_fn", shard_placement_fn, "a function returning "
+                              f"None or Shard(0) (it returned {placement!r} for {name!r})",
+                              "Parameters are sharded as one flat buffer per unit; drop "
+                              "shard_placement_fn.")
+    return modules
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _reshard(value, is_root: bool, shard_size: int) -> tuple[bool, tuple]:
+    if value is None:
+        return not is_root, ()
+    if isinstance(value, bool):
+        return value, ()
+    if value == 1:
+        return False, ()
+    if value == shard_size:
+        return True, ()
+    return True, (TABLE.warn_ignored("reshard_after_forward=<int>", value),)
+
+
+def _mixed_precision(calls) -> MixedPrecision:
+    root_policy: MixedPrecisionPolicy = calls[-1][1].mp_policy
+    for path, call in calls[:-1]:
+        policy: MixedPrecisionPolicy = call.mp_policy
+        for field in ("param_dtype", "reduce_dtype", "cast_forward_inputs"):
+            if getattr(policy, field) != getattr(root_policy, field):
+                raise bad(f"mp_policy.{field} (of {path!r})", getattr(policy, field),
+                          f"the root's value {getattr(root_policy, field)!r}",
+                          "Give every fully_shard call the same MixedPrecisionPolicy "
+                          "(per-unit precision is not supported yet).")
+        if policy.output_dtype is not None:
+            raise bad(f"mp_policy.output_dtype (of {path!r})", policy.output_dtype,
+                      "None below the root", "Set output_dtype on the root's policy only.")
+    param = root_policy.param_dtype
+    return MixedPrecision(
+        param_dtype=param,
+        reduce_dtype=root_policy.reduce_dtype or param,  # FSDP2: None -> param_dtype
+        output_dtype=root_policy.output_dtype,
+        cast_forward_inputs=root_policy.cast_forward_inputs,
+        cast_root_forward_inputs=root_policy.cast_forward_inputs,
+    )
+
+
+def build_plan(root: nn.Module, calls: list[tuple[str, Any]]):
+    """`calls`: (path, FullyShardCall) of every fully_shard-ed module under `root`, post-order,
+    root ("") last. Returns (plan, (shard_group, replicate_group), mesh)."""
+    assert calls and calls[-1][0] == ""
+    root_mesh = calls[-1][1].mesh
+    for path, call in calls:
+        if call.mesh is not root_mesh and call.mesh != root_mesh:
+            raise bad(f"mesh (of {path!r})", call.mesh, f"the root's mesh {root_mesh!r}",
+                      "Pass the same mesh to every fully_shard call.")
+    if root_mesh is None:
+        mode, groups, shard_size = ShardingMode.SHARD, (None, None), _world()
+    elif root_mesh.ndim == 1:
+        mode, groups, shard_size = ShardingMode.SHARD, (root_mesh.get_group(), None), \
+            root_mesh.size()
+    else:
+        mode = ShardingMode.HYBRID
+        groups = (root_mesh.get_group(1), root_mesh.get_group(0))
+        shard_size = root_mesh.size(1)
+    notes: tuple = ()
+    units = []
+    seen_call_ids = set()
+    for path, call in calls:
+        if len(call.modules) > 1:  # a list call: one group, joined to the enclosing unit
+            seen_call_ids.add(id(call))
+            continue
+        reshard, more = _reshard(call.reshard_after_forward, path == "", shard_size)
+        notes += more
+        units.append(UnitSpec(path, reshard))
+    offload = any(isinstance(call.offload_policy, CPUOffloadPolicy) for _, call in calls)
+    names = {id(p): n for n, p in root.named_parameters(remove_duplicate=False)}
+    ignored_names = sorted({names[id(p)] for _, call in calls for p in call.ignored_params
+                            if id(p) in names})
+    plan = Plan(
+        units=tuple(units),
+        mode=mode,
+        mixed_precision=_mixed_precision(calls),
+        ignored_params=tuple(ignored_names),
+        cpu_offload=offload,
+        frontend=FRONTEND,
+        notes=notes,
+    )
+    return plan, groups, root_mesh

@@ -1,0 +1,172 @@
+"""FSDP1's `FullyShardedDataParallel` over our engine.
+
+Differences users can see (all documented in the argument table):
+- Wrappers never stay nested: auto-wrapped units are units of the Plan, not wrapper modules in
+  the tree, and hand-nested wrappers are adopted by the outer one (see `fsdp_bridge.wrapper`).
+  `FSDP.fsdp_modules(model)` therefore lists the root wrappers only.
+- Parameters are always the original ones (1-D local shards, as `use_orig_params=True`).
+- It runs on CPU without `device_id`, with `sync_module_states`, CPU offload and full state
+  dicts offloaded to CPU (all of which native FSDP1 refuses on a CPU-only build).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
+
+from fsdp_bridge import engine
+from fsdp_bridge.fsdp._fsdp1_translate import FRONTEND, build_plan, strategy_of
+from fsdp_bridge.plan import ShardingMode
+from fsdp_bridge.translation import bad_argument
+from fsdp_bridge.wrapper import ShardedWrapper
+
+_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+def resolve_device(device_id) -> Optional[torch.device]:
+    if device_id is None:
+        return None
+    if isinstance(device_id, bool):
+        pass
+    elif isinstance(device_id, int):
+        if not torch.cuda.is_available():
+            raise bad_argument(FRONTEND, "device_id", device_id, "a torch.device or a device "
+                               "string on a machine without CUDA (an int means a CUDA index)",
+                               "Pass device_id=torch.device('cpu'), or leave it None.")
+        return torch.device("cuda", device_id)
+    elif isinstance(device_id, (str, torch.device)):
+        try:
+            return torch.device(device_id)
+        except RuntimeError:
+            pass
+    raise bad_argument(FRONTEND, "device_id", device_id, "None, an int CUDA index, a "
+                       "torch.device or a device string", "e.g. device_id=torch.device('cpu') "
+                       "or device_id=torch.cuda.current_device().", exc=TypeError)
+
+
+def _is_group(value) -> bool:
+    return isinstance(value, dist.ProcessGroup)
+
+
+def resolve_groups(strategy: ShardingStrategy, process_group, device_mesh, device):
+    """(shard_group, replicate_group) for the engine."""
+    if process_group is not None and device_mesh is not None:
+        raise bad_argument(FRONTEND, "device_mesh", device_mesh, "only one of process_group "
+                           "and device_mesh", "Pass the mesh alone (it carries the groups).")
+    if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
+        raise bad_argument(FRONTEND, "device_mesh", device_mesh, "a DeviceMesh", "Build one "
+                           "with torch.distributed.device_mesh.init_device_mesh.", exc=TypeError)
+    if strategy in _HYBRID:
+        if device_mesh is not None:
+            if device_mesh.ndim != 2:
+                raise bad_argument(FRONTEND, "device_mesh", device_mesh, f"a 2-D mesh "
+                                   f"(replicate, shard) for {strategy.name}", "e.g. init_device_"
+                                   "mesh('cuda', (nodes, gpus_per_node), mesh_dim_names="
+                                   "('replicate', 'shard')).")
+            return device_mesh.get_group(1), device_mesh.get_group(0)
+        if process_group is not None:
+            if not (isinstance(process_group, tuple) and len(process_group) == 2
+                    and all(_is_group(g) for g in process_group)):
+                raise bad_argument(FRONTEND, "process_group", process_group, f"a tuple "
+                                   f"(shard_group, replicate_group) for {strategy.name}",
+                                   "Pass both groups, or a 2-D device_mesh.", exc=TypeError)
+            return process_group
+        # [Note: hybrid without groups] torch's FSDP1 uses one shard group per node, sized by
+        # the accelerator count: 1 on CPU, where it then silently never synchronises replicas
+        # (pytorch#154888). We shard within a node (LOCAL_WORLD_SIZE, else the CUDA device
+        # count, else the whole world) and all-reduce across nodes, which is always correct.
+        world = dist.get_world_size()
+        if torch.cuda.is_available() and device is not None and device.type == "cuda":
+            local = torch.cuda.device_count()
+        else:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if local < 1 or world % local:
+            raise bad_argument(FRONTEND, "process_group", None, f"a (shard, replicate) tuple or "
+                               f"a 2-D device_mesh: the node size {local} does not divide the "
+                               f"world size {world}", "Pass the groups explicitly.")
+        mesh = init_device_mesh((device or torch.device("cpu")).type, (world // local, local),
+                                mesh_dim_names=("replicate", "shard"))
+        return mesh.get_group(1), mesh.get_group(0)
+    if device_mesh is not None:
+        if device_mesh.ndim != 1:
+            raise bad_argument(FRONTEND, "device_mesh", device_mesh, f"a 1-D mesh for "
+                               f"{strategy.name} (2-D meshes need HYBRID_SHARD or "
+                               "_HYBRID_SHARD_ZERO2)", "Pass a 1-D mesh, or a hybrid strategy.")
+        return device_mesh.get_group(), None
+    if process_group is not None and not _is_group(process_group):
+        raise bad_argument(FRONTEND, "process_group", process_group, f"None or one "
+                           f"ProcessGroup for {strategy.name} (a tuple only with a hybrid "
+                           "strategy)", "Pass one group, or sharding_strategy=HYBRID_SHARD.",
+                           exc=TypeError)
+    return process_group, None
+
+
+class FullyShardedDataParallel(ShardedWrapper):
+    _frontend = FRONTEND
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group=None,
+        sharding_strategy: Optional[ShardingStrategy] = None,
+        cpu_offload=None,
+        auto_wrap_policy=None,
+        backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision=None,
+        ignored_modules: Optional[Iterable[nn.Module]] = None,
+        param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+        device_id: Optional[Union[int, torch.device]] = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = False,
+        ignored_states=None,
+        device_mesh: Optional[DeviceMesh] = None,
+    ):
+        super().__init__()
+        if isinstance(module, ShardedWrapper):
+            raise bad_argument(FRONTEND, "module", module, "a module that is not already a "
+                               "FullyShardedDataParallel", "Wrap the model once (nested "
+                               "wrappers go inside it, around submodules).")
+        if not isinstance(module, nn.Module):
+            raise bad_argument(FRONTEND, "module", module, "an nn.Module", "Pass the model.",
+                               exc=TypeError)
+        strategy = strategy_of(sharding_strategy)
+        device = resolve_device(device_id)
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise bad_argument(FRONTEND, "param_init_fn", param_init_fn, "None or a callable "
+                               "(module) -> None", "e.g. param_init_fn=lambda m: m.to_empty("
+                               "device=device, recurse=False).", exc=TypeError)
+        # Validate everything that is pure before touching the world (no collective yet).
+        translate_kwargs = dict(
+            sharding_strategy=strategy,
+            auto_wrap_policy=auto_wrap_policy,
+            mixed_precision=mixed_precision,
+            cpu_offload=cpu_offload,
+            ignored_modules=ignored_modules,
+            ignored_states=ignored_states,
+            sync_module_states=sync_module_states,
+            use_orig_params=use_orig_params,
+            backward_prefetch=backward_prefetch,
+            forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+        )
+        shard_group, replicate_group = resolve_groups(strategy, process_group, device_mesh, device)
+        nested = self.release_nested(module)
+        plan = build_plan(module, nested=nested, **translate_kwargs)
+        if plan.mode is ShardingMode.REPLICATE and replicate_group is None:
+            shard_group, replicate_group = None, shard_group
+        sharded = engine.shard_model(module, plan, shard_group=shard_group,
+                                     replicate_group=replicate_group, device=device,
+                                     param_init_fn=param_init_fn)
+        self._attach(module, sharded, dict(translate_kwargs, process_group=process_group,
+                                           device_mesh=device_mesh), nested)
+
+
+FullyShardedDataParallel.__module__ = "fsdp_bridge.fsdp"

@@ -1,0 +1,139 @@
+"""TorchAcc's `Config` -> Plan (plus the data-parallel and FSDP sizes). Pure: the world size
+is an argument.
+
+TorchAcc's eager backend builds torch FSDP1 with `ModuleWrapPolicy(wrap_layer_cls)`,
+FULL_SHARD (HYBRID_SHARD with groups (fsdp, dp) when dp > 1), `MixedPrecision(param=bf16|fp16,
+reduce=fp32, buffer=fp32)` and outputs cast to fp32; we do the same on our engine.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fsdp_bridge import policies
+from fsdp_bridge.plan import MixedPrecision, Plan, ShardingMode, UnitSpec
+from fsdp_bridge.translation import (
+    ArgumentTable,
+    bad_argument,
+    ignored,
+    module_paths,
+    register_table,
+    rejected,
+    translated,
+)
+
+FRONTEND = "torchacc.Config"
+
+TABLE = register_table(
+    ArgumentTable(
+        FRONTEND,
+        (
+            translated("dist.fsdp.size", "the shard-group size; dp = world / size: dp == 1 -> "
+                       "mode shard (FULL_SHARD), dp > 1 -> mode hybrid (shard inside fsdp "
+                       "groups of consecutive ranks, all-reduce across dp), size 1 -> replicate"),
+            translated("dist.dp.size", "None -> world / fsdp.size; must satisfy dp x fsdp = world"),
+            translated("dist.fsdp.wrap_layer_cls", "class names; every module of those classes is "
+                       "a unit (ModuleWrapPolicy)"),
+            translated("dist.fsdp.sync_module_states", "Plan.sync_module_states"),
+            ignored("dist.fsdp.flatten_parameters", "True is what the engine does (one flat "
+                    "buffer per unit); False is ignored: the engine always flattens, and "
+                    "parameters keep their names, so per-parameter optimizer groups still work"),
+            ignored("dist.fsdp.use_spmd", "XLA SPMD FSDPv2; the engine's sharding gives the same "
+                    "numbers"),
+            ignored("dist.fsdp.shard_output_callable", "XLA SPMD output sharding has no "
+                    "meaning without XLA"),
+            translated("compute.bf16 / compute.fp16", "MixedPrecision(param_dtype=bf16|fp16, "
+                       "reduce_dtype=fp32, output_dtype=fp32), buffers kept fp32"),
+            rejected("compute.bf16 and compute.fp16", "only one low-precision dtype"),
+            ignored("compute.acc_scaled_dot_attn", "TorchAcc's flash-attention kernels are not "
+                    "patched in"),
+            translated("compute.disable_kernel_patches", "no kernels are patched either way"),
+            ignored("memory.gc", "gradient checkpointing is not applied (use torch's "
+                    "apply_activation_checkpointing)"),
+            rejected("dist.tp.size / dist.pp.size / dist.sp.size > 1", "tensor, pipeline and "
+                     "sequence parallelism are not supported"),
+            translated("accelerate(dataloader)", "each data-parallel rank gets its slice of "
+                       "every batch (dim 0), moved to the model's device"),
+        ),
+    )
+)
+
+
+def _check_int(name, value, minimum=1):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise bad_argument(FRONTEND, name, value, f"an int >= {minimum}",
+                           f"e.g. config.{name} = {max(minimum, 2)}.")
+
+
+def sizes(config, world: int) -> tuple[int, int]:
+    """(dp, fsdp) sizes."""
+    fsdp = config.dist.fsdp.size
+    _check_int("dist.fsdp.size", fsdp)
+    for name in ("tp", "pp", "sp"):
+        size = getattr(config.dist, name).size
+        if size != 1:
+            raise bad_argument(FRONTEND, f"dist.{name}.size", size, "1 (only data parallelism "
+                               "and FSDP are supported)", f"Set config.dist.{name}.size = 1.")
+    if world % fsdp:
+        raise bad_argument(FRONTEND, "dist.fsdp.size", fsdp, f"a divisor of the world size "
+                           f"{world}", "e.g. config.dist.fsdp.size = world size.")
+    dp = config.dist.dp.size
+    if dp is None:
+        dp = world // fsdp
+    _check_int("dist.dp.size", dp)
+    if dp * fsdp != world:
+        raise bad_argument(FRONTEND, "dist.dp.size", dp, f"world / fsdp.size = {world // fsdp}",
+                           "Leave dist.dp.size None to infer it.")
+    return dp, fsdp
+
+
+def build_plan(model: nn.Module, config, world: int) -> Plan:
+    from fsdp_bridge.torchacc.config import Config
+
+    if not isinstance(model, nn.Module):
+        raise bad_argument(FRONTEND, "model", model, "an nn.Module", "Pass the model.",
+                           exc=TypeError)
+    if not isinstance(config, Config):
+        raise bad_argument("torchacc.accelerate", "config", config, "a torchacc.Config",
+                           "Build one with torchacc.Config() and set its fields.", exc=TypeError)
+    dp, fsdp = sizes(config, world)
+    compute = config.compute
+    if compute.bf16 and compute.fp16:
+        raise bad_argument(FRONTEND, "compute.fp16", compute.fp16, "False when compute.bf16 is "
+                           "True", "Choose one of compute.bf16 and compute.fp16.")
+    notes = ()
+    fc = config.dist.fsdp
+    if not fc.flatten_parameters:
+        notes += (TABLE.warn_ignored("dist.fsdp.flatten_parameters", False),)
+    if fc.use_spmd:
+        notes += (TABLE.warn_ignored("dist.fsdp.use_spmd", True),)
+    if fc.shard_output_callable is not None:
+        notes += (TABLE.warn_ignored("dist.fsdp.shard_output_callable", fc.shard_output_callable),)
+    if compute.acc_scaled_dot_attn:
+        notes += (TABLE.warn_ignored("compute.acc_scaled_dot_attn", True),)
+    if config.memory.gc:
+        notes += (TABLE.warn_ignored("memory.gc", True),)
+    names = fc.wrap_layer_cls
+    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+        raise bad_argument(FRONTEND, "dist.fsdp.wrap_layer_cls", names, "a set of class names "
+                           "(strings)", "e.g. config.dist.fsdp.wrap_layer_cls = {'GPT2Block'}.",
+                           exc=TypeError)
+    present = {type(m).__name__ for m in model.modules()}
+    unknown = sorted(set(names) - present)
+    if unknown:
+        raise bad_argument(FRONTEND, "dist.fsdp.wrap_layer_cls", set(names), "names of module "
+                           "classes in the model (e.g. " + ", ".join(sorted(present)[:6]) + ")",
+                           f"{unknown} not found; check the spelling.")
+    paths = module_paths(model)
+    units = [UnitSpec(paths[id(m)]) for m in policies.post_order(model)
+             if m is not model and type(m).__name__ in names]
+    dtype = torch.bfloat16 if compute.bf16 else torch.float16 if compute.fp16 else None
+    precision = (MixedPrecision(cast_root_forward_inputs=False) if dtype is None else
+                 MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32,
+                                output_dtype=torch.float32))
+    mode = ShardingMode.REPLICATE if fsdp == 1 else (ShardingMode.HYBRID if dp > 1
+                                                     else ShardingMode.SHARD)
+    return Plan(units=tuple(units) + (UnitSpec("", mode is not ShardingMode.REPLICATE),),
+                mode=mode, mixed_precision=precision,
+                sync_module_states=bool(fc.sync_module_states), frontend=FRONTEND, notes=notes)

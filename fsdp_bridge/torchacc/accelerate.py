@@ -1,0 +1,125 @@
+"""`torchacc.accelerate(model, dataloader=None, config=Config())` over our engine."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_bridge import engine
+from fsdp_bridge.plan import ShardingMode
+from fsdp_bridge.torchacc._translate import FRONTEND, build_plan, sizes
+from fsdp_bridge.torchacc.config import Config
+from fsdp_bridge.translation import bad_argument
+from fsdp_bridge.wrapper import ShardedWrapper
+from torch.distributed.fsdp import StateDictSettings, StateDictType, ShardedStateDictConfig
+from torch.distributed.fsdp import ShardedOptimStateDictConfig
+
+
+class AcceleratedModel(ShardedWrapper):
+    """What `accelerate` returns: the model, sharded, with TorchAcc's (torch_xla FSDP's)
+    checkpoint view: `state_dict()` is this rank's shard and `get_shard_metadata()` says how to
+    put the shards back together (`consolidate_sharded_model_checkpoints`)."""
+
+    _frontend = FRONTEND
+
+    def __init__(self, model: nn.Module, sharded):
+        super().__init__()
+        self._attach(model, sharded, {})
+        self._set_state_dict_settings(StateDictSettings(
+            StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(),
+            ShardedOptimStateDictConfig()))
+
+    def get_shard_metadata(self) -> dict:
+        sharded = self._sharded
+        shapes = {}
+        for unit in sharded.units:
+            for group in unit.groups:
+                for slot in group.slots:
+                    for fqn in slot.owner_fqns:
+                        shapes[fqn] = tuple(slot.shape)
+        rank = dist.get_rank(sharded.comm.shard_group) if sharded.comm.shard_group else 0
+        return {"shard_shapes": shapes, "shard_rank": rank,
+                "shard_world_size": sharded.comm.shard_size,
+                "rank": dist.get_rank() if dist.is_initialized() else 0,
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        shapes = self.get_shard_metadata()["shard_shapes"]
+        full = all(tuple(state_dict[k].shape) == shape for k, shape in shapes.items()
+                   if k in state_dict)
+        if full:  # a consolidated checkpoint
+            engine.load_full_state_dict(self._sharded, state_dict, strict=strict)
+            return nn.modules.module._IncompatibleKeys([], [])
+        return super().load_state_dict(state_dict, strict=strict)
+
+
+class RankSliceLoader:
+    """Iterates a dataloader of global batches and yields this data-parallel rank's slice of
+    each (dim 0 of every tensor), on `device`."""
+
+    def __init__(self, loader, rank: int, size: int, device: torch.device):
+        self.loader, self.rank, self.size, self.device = loader, rank, size, device
+
+    def __len__(self):
+        return len(self.loader)
+
+    def _slice(self, value):
+        if isinstance(value, torch.Tensor):
+            if value.dim() == 0:
+                return value.to(self.device)
+            if value.shape[0] % self.size:
+                raise bad_argument("torchacc.accelerate", "dataloader", f"<batch of "
+                                   f"{value.shape[0]}>", f"batches divisible by the "
+                                   f"data-parallel size {self.size}", "Choose a batch size that "
+                                   "is a multiple of the number of data-parallel ranks.")
+            per = value.shape[0] // self.size
+            return value[self.rank * per:(self.rank + 1) * per].to(self.device)
+        if isinstance(value, dict):
+            return type(value)({k: self._slice(v) for k, v in value.items()})
+        if isinstance(value, (list, tuple)):
+            return type(value)(self._slice(v) for v in value)
+        return value
+
+    def __iter__(self):
+        for batch in self.loader:
+            yield self._slice(batch)
+
+
+def _groups(plan, dp: int, fsdp: int):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if plan.mode is ShardingMode.HYBRID:
+        mesh = init_device_mesh("cpu" if not torch.cuda.is_available() else "cuda", (dp, fsdp),
+                                mesh_dim_names=("dp", "fsdp"))
+        return mesh.get_group("fsdp"), mesh.get_group("dp")
+    return None, None
+
+
+def accelerate(model: nn.Module, dataloader=None, config: Optional[Config] = None):
+    """Shard `model` as `config` says; returns the model, or (model, dataloader) when a
+    dataloader is given (each data-parallel rank then iterates its slice of each batch)."""
+    config = config if config is not None else Config()
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+    world = dist.get_world_size()
+    plan = build_plan(model, config, world)
+    dp, fsdp = sizes(config, world)
+    device = None
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    shard_group, replicate_group = _groups(plan, dp, fsdp)
+    sharded = engine.shard_model(model, plan, shard_group=shard_group,
+                                 replicate_group=replicate_group, device=device)
+    wrapped = AcceleratedModel(model, sharded)
+    if dataloader is None:
+        return wrapped
+    # Every rank is a data-parallel rank of the global batch (fsdp ranks see different data).
+    dp_rank, dp_size = dist.get_rank(), world
+    return wrapped, RankSliceLoader(dataloader, dp_rank, dp_size, sharded.device)

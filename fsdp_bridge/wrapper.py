@@ -1,0 +1,275 @@
+"""The FSDP1-style wrapper module shared by the front-ends that return one (FSDP1's
+`FullyShardedDataParallel`, Zeta's `fsdp()`, TorchAcc's `accelerate()`).
+
+It holds the user's module as `_fsdp_wrapped_module` (as FSDP1 does), delegates `forward`,
+attributes and indexing to it, and exposes FSDP1's behaviour on top of the engine: `no_sync`,
+`clip_grad_norm_`, state dicts by `state_dict_type` (FULL / SHARDED), `summon_full_params`,
+optimizer state dicts. Front-ends subclass it and add their constructor (the translation).
+
+[Note: nesting]
+Wrappers never stay nested: when a wrapper is built over a module that already contains
+wrappers (FSDP1 manual wrapping, `enable_wrap`/`wrap`), the inner ones are released (their
+engine state is undone) and replaced in the tree by the modules they wrapped; the outer wrapper
+shards everything with them as units. So the module tree below a wrapper, and every
+`state_dict()` key, are those of the unwrapped model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictSettings,
+    StateDictType,
+)
+
+from fsdp_bridge import engine
+from fsdp_bridge.translation import bad_argument
+
+WRAPPED = "_fsdp_wrapped_module"
+
+
+def _default_config(state_dict_type: StateDictType):
+    if state_dict_type is StateDictType.SHARDED_STATE_DICT:
+        return ShardedStateDictConfig(), ShardedOptimStateDictConfig()
+    return FullStateDictConfig(), FullOptimStateDictConfig()
+
+
+class ShardedWrapper(nn.Module):
+    """Base of our wrapper modules; `_frontend` names the dialect in messages."""
+
+    _frontend = "FullyShardedDataParallel"
+
+    # -- construction -------------------------------------------------------------------------
+
+    def _attach(self, module: nn.Module, sharded, kwargs: dict, nested=()) -> None:
+        self._modules[WRAPPED] = module
+        object.__setattr__(self, "_sharded", sharded)
+        object.__setattr__(self, "_fsdp_kwargs", kwargs)
+        object.__setattr__(self, "_nested_units", tuple(nested))
+        self._set_state_dict_settings(StateDictSettings(StateDictType.FULL_STATE_DICT,
+                                                        *_default_config(StateDictType.FULL_STATE_DICT)))
+
+    @staticmethod
+    def release_nested(module: nn.Module) -> tuple[tuple[str, dict], ...]:
+        """Release wrappers inside `module` (post-order, outermost first in each branch) and put
+        their modules back in the tree; returns (FQN in `module`, kwargs) for each unit,
+        including units the released wrappers had themselves adopted."""
+        found: list[tuple[str, dict]] = []
+
+        def visit(parent: nn.Module, prefix: str) -> None:
+            for name, child in list(parent.named_children()):
+                path = f"{prefix}{name}"
+                if isinstance(child, ShardedWrapper):
+                    inner = child._modules[WRAPPED]
+                    engine.release(child._sharded)
+                    parent._modules[name] = inner
+                    found.extend((f"{path}.{n}", kw) for n, kw in child._nested_units)
+                    found.append((path, child._unit_kwargs()))
+                else:
+                    visit(child, path + ".")
+
+        visit(module, "")
+        return tuple(found)
+
+    def _unit_kwargs(self) -> dict:
+        """The settings a unit made from this wrapper keeps when an outer wrapper adopts it."""
+        return {k: self._fsdp_kwargs.get(k) for k in ("sharding_strategy", "mixed_precision")}
+
+    # -- the wrapped model --------------------------------------------------------------------
+
+    @property
+    def module(self) -> nn.Module:
+        return self._modules[WRAPPED]
+
+    @property
+    def plan(self):
+        return self._sharded.plan
+
+    def forward(self, *args, **kwargs):
+        return self._modules[WRAPPED](*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules[WRAPPED], name)
+
+    def __getitem__(self, key):
+        return self._modules[WRAPPED].__getitem__(key)
+
+    def check_is_root(self) -> bool:
+        return True
+
+    # -- training -----------------------------------------------------------------------------
+
+    def no_sync(self):
+        return self._sharded.no_sync()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return self._sharded.clip_grad_norm_(max_norm, norm_type)
+
+    def register_comm_hook(self, state: object, hook) -> None:
+        raise NotImplementedError(
+            f"{self._frontend}.register_comm_hook is not supported by fsdp_bridge: the engine "
+            "runs its own reduce-scatter / all-reduce. Remove the hook (the default hooks "
+            "compute the same mean), or use set_gradient_divide_factor-style scaling."
+        )
+
+    # -- state dicts --------------------------------------------------------------------------
+
+    def _set_state_dict_settings(self, settings: StateDictSettings) -> None:
+        object.__setattr__(self, "_state_dict_settings", settings)
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        settings = self._state_dict_settings
+        if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
+            result = engine.sharded_state_dict(self._sharded)
+        else:
+            config = settings.state_dict_config
+            result = engine.full_state_dict(
+                self._sharded,
+                rank0_only=getattr(config, "rank0_only", False),
+                cpu_offload=getattr(config, "offload_to_cpu", False),
+            )
+        if destination is None:
+            return result if not prefix else {prefix + k: v for k, v in result.items()}
+        for key, value in result.items():
+            destination[prefix + key] = value
+        return destination
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if self._state_dict_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
+            engine.load_sharded_state_dict(self._sharded, state_dict, strict=strict)
+        else:
+            engine.load_full_state_dict(self._sharded, state_dict, strict=strict)
+        return nn.modules.module._IncompatibleKeys([], [])
+
+    # -- FSDP1's static helpers ---------------------------------------------------------------
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["ShardedWrapper"]:
+        return [m for m in module.modules() if isinstance(m, ShardedWrapper)]
+
+    @staticmethod
+    def set_state_dict_type(
+        module: nn.Module, state_dict_type: StateDictType, state_dict_config=None,
+        optim_state_dict_config=None,
+    ) -> StateDictSettings:
+        if state_dict_type not in (StateDictType.FULL_STATE_DICT,
+                                   StateDictType.SHARDED_STATE_DICT):
+            raise bad_argument(
+                "FullyShardedDataParallel", "state_dict_type", state_dict_type,
+                "StateDictType.FULL_STATE_DICT or StateDictType.SHARDED_STATE_DICT",
+                "LOCAL_STATE_DICT exposes FSDP1's flat parameters, which fsdp_bridge does not "
+                "have; use SHARDED_STATE_DICT for per-rank checkpoints.")
+        default_config, default_optim = _default_config(state_dict_type)
+        settings = StateDictSettings(state_dict_type, state_dict_config or default_config,
+                                     optim_state_dict_config or default_optim)
+        wrappers = ShardedWrapper.fsdp_modules(module)
+        if not wrappers:
+            raise bad_argument("FullyShardedDataParallel", "module", module, "a module that "
+                               "contains a FullyShardedDataParallel instance", "Pass the wrapped "
+                               "model.")
+        previous = wrappers[0]._state_dict_settings
+        for wrapper in wrappers:
+            wrapper._set_state_dict_settings(settings)
+        return previous
+
+    @staticmethod
+    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
+        return ShardedWrapper.fsdp_modules(module)[0]._state_dict_settings
+
+    @staticmethod
+    @contextlib.contextmanager
+    def state_dict_type(module: nn.Module, state_dict_type: StateDictType,
+                        state_dict_config=None, optim_state_dict_config=None):
+        previous = ShardedWrapper.set_state_dict_type(module, state_dict_type, state_dict_config,
+                                                      optim_state_dict_config)
+        try:
+            yield
+        finally:
+            for wrapper in ShardedWrapper.fsdp_modules(module):
+                wrapper._set_state_dict_settings(previous)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True,
+                           rank0_only: bool = False, offload_to_cpu: bool = False,
+                           with_grads: bool = False):
+        if rank0_only and writeback:
+            raise bad_argument("FullyShardedDataParallel", "writeback", writeback, "False when "
+                               "rank0_only=True", "Other ranks hold no full parameters to write "
+                               "back; pass writeback=False (as torch's FSDP1 requires).")
+        with contextlib.ExitStack() as stack:
+            for wrapper in ShardedWrapper.fsdp_modules(module):
+                stack.enter_context(engine.summon_full_params(
+                    wrapper._sharded, writeback=writeback, rank0_only=rank0_only,
+                    with_grads=with_grads))
+            yield
+
+    def apply(self, fn):
+        with ShardedWrapper.summon_full_params(self, writeback=True):
+            return nn.Module.apply(self, fn)
+
+    @staticmethod
+    def _root(model: nn.Module) -> "ShardedWrapper":
+        wrappers = ShardedWrapper.fsdp_modules(model)
+        if not wrappers:
+            raise bad_argument("FullyShardedDataParallel", "model", model, "the wrapped model",
+                               "Pass the FullyShardedDataParallel instance.")
+        return wrappers[0]
+
+    @staticmethod
+    def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
+                         optim_state_dict: Optional[dict] = None, group=None) -> dict:
+        root = ShardedWrapper._root(model)
+        settings = root._state_dict_settings
+        if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
+            return optim.state_dict()
+        rank0_only = getattr(settings.optim_state_dict_config, "rank0_only", False)
+        return engine.full_optim_state_dict(root._sharded, optim, rank0_only=rank0_only)
+
+    @staticmethod
+    def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
+                                 optim_state_dict: dict, is_named_optimizer: bool = False,
+                                 load_directly: bool = False, group=None) -> dict:
+        root = ShardedWrapper._root(model)
+        if root._state_dict_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
+            result = optim_state_dict
+        else:
+            result = engine.optim_state_dict_to_load(root._sharded, optim, optim_state_dict)
+        if load_directly:
+            optim.load_state_dict(result)
+        return result
+
+    @staticmethod
+    def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input=None,
+                              rank0_only: bool = True, group=None) -> dict:
+        return engine.full_optim_state_dict(ShardedWrapper._root(model)._sharded, optim,
+                                            rank0_only=rank0_only)
+
+    @staticmethod
+    def shard_full_optim_state_dict(full_optim_state_dict: dict, model: nn.Module,
+                                    optim_input=None, optim=None) -> dict:
+        if optim is None:
+            raise bad_argument("FullyShardedDataParallel", "optim", optim, "the optimizer",
+                               "Pass optim=optimizer (optim_input is deprecated in torch too).")
+        return engine.optim_state_dict_to_load(ShardedWrapper._root(model)._sharded, optim,
+                                               full_optim_state_dict)
+
+    @staticmethod
+    def scatter_full_optim_state_dict(full_optim_state_dict: Optional[dict], model: nn.Module,
+                                      optim_input=None, optim=None, group=None) -> dict:
+        holder: list[Any] = [full_optim_state_dict]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(holder, src=0)
+        return ShardedWrapper.shard_full_optim_state_dict(holder[0], model, optim=optim)
