@@ -1,0 +1,134 @@
+"""`--to bridge`: point FSDP/YaFSDP/Zeta/TorchAcc imports at the mirrored fsdp_bridge modules.
+
+The drop-in contract (DESIGN §2) is that our module paths mirror the originals name for name, so
+this target only rewrites module paths, in imports and in dotted uses such as
+`torch.distributed.fsdp.FullyShardedDataParallel(...)` after a plain `import torch.distributed.fsdp`.
+Nothing else changes; it always translates fully.
+
+    python -m libcst.tool codemod to_bridge.ToBridgeCommand PATH
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+import libcst.matchers as m
+from libcst.codemod.visitors import AddImportsVisitor
+from libcst.helpers import get_full_name_for_node
+
+from codemods._common import IN_PLACE, FsdpCodemod, parse_expr
+
+# original module -> ours. Longest match wins (`torch.distributed.fsdp.wrap` before `...fsdp`).
+MODULE_MAP = {
+    "torch.distributed.fsdp.wrap": "fsdp_bridge.fsdp.wrap",
+    "torch.distributed.fsdp.fully_sharded_data_parallel": "fsdp_bridge.fsdp",
+    "torch.distributed.fsdp.api": "fsdp_bridge.fsdp",
+    "torch.distributed.fsdp": "fsdp_bridge.fsdp",
+    "torch.distributed._composable.fsdp": "fsdp_bridge.fsdp",
+    "ya_fsdp.ya_fsdp": "fsdp_bridge.ya_fsdp",
+    "ya_fsdp": "fsdp_bridge.ya_fsdp",
+    "zeta.training": "fsdp_bridge.zeta",
+    "torchacc": "fsdp_bridge.torchacc",
+}
+
+# `from torch.distributed import fsdp` names a mirrored module through its parent package.
+PARENT_MAP = {
+    ("torch.distributed", "fsdp"): ("fsdp_bridge", "fsdp"),
+    ("torch.distributed._composable", "fsdp"): ("fsdp_bridge", "fsdp"),
+    ("zeta", "training"): ("fsdp_bridge", "zeta"),
+}
+
+
+def mirrored(module: str) -> str | None:
+    """Our module for an original module path, exact match only."""
+    return MODULE_MAP.get(module)
+
+
+def _module_node(dotted_name: str) -> cst.Attribute | cst.Name:
+    return parse_expr(dotted_name)  # type: ignore[return-value]
+
+
+class ToBridgeCommand(FsdpCodemod):
+    DESCRIPTION = "Rewrite FSDP/YaFSDP/Zeta/TorchAcc imports to the mirrored fsdp_bridge modules."
+
+    def __init__(self, context) -> None:
+        super().__init__(context)
+        # Dotted module names bound by a plain `import a.b.c` that we rewrote: their uses
+        # (`a.b.c.X`) must be rewritten too.
+        self._plain_dotted: set[str] = set()
+        self._in_import = 0
+
+    # -- imports -------------------------------------------------------------------------
+
+    def visit_Import(self, node: cst.Import) -> None:
+        self._in_import += 1
+
+    def leave_Import(self, original: cst.Import, updated: cst.Import) -> cst.Import:
+        self._in_import -= 1
+        names = []
+        for alias in updated.names:
+            old = get_full_name_for_node(alias.name)
+            new = mirrored(old or "")
+            if new is None:
+                names.append(alias)
+                continue
+            self.site("FB001", IN_PLACE, original, f"import {old}", f"now imports {new}")
+            if alias.asname is not None:  # `import ya_fsdp as y` -> `import fsdp_bridge.ya_fsdp as y`
+                names.append(alias.with_changes(name=_module_node(new)))
+            elif "." not in old:  # `import torchacc` -> `import fsdp_bridge.torchacc as torchacc`
+                names.append(
+                    alias.with_changes(
+                        name=_module_node(new),
+                        asname=cst.AsName(name=cst.Name(old)),
+                    )
+                )
+            else:  # `import torch.distributed.fsdp`: uses are dotted, rewrite them below
+                self._plain_dotted.add(old)
+                names.append(alias.with_changes(name=_module_node(new)))
+        return updated.with_changes(names=names)
+
+    def visit_ImportFrom(self, node: cst.ImportFrom) -> None:
+        self._in_import += 1
+
+    def leave_ImportFrom(self, original: cst.ImportFrom, updated: cst.ImportFrom) -> cst.ImportFrom:
+        self._in_import -= 1
+        if updated.relative or updated.module is None:
+            return updated
+        old = get_full_name_for_node(updated.module) or ""
+        new = mirrored(old)
+        if new is not None:
+            self.site("FB001", IN_PLACE, original, f"from {old} import ...", f"now from {new}")
+            return updated.with_changes(module=_module_node(new))
+        if isinstance(updated.names, cst.ImportStar):
+            return updated
+        # `from torch.distributed import fsdp`: only when every imported name is mirrored.
+        targets = {PARENT_MAP.get((old, get_full_name_for_node(a.name) or "")) for a in updated.names}
+        if len(targets) == 1 and None not in targets:
+            parent, child = targets.pop()
+            self.site("FB001", IN_PLACE, original, f"from {old} import ...", f"now from {parent}")
+            names = [
+                a.with_changes(
+                    name=cst.Name(child),
+                    asname=a.asname
+                    or (cst.AsName(name=cst.Name(a.name.value)) if a.name.value != child else None),
+                )
+                for a in updated.names
+            ]
+            return updated.with_changes(module=_module_node(parent), names=names)
+        return updated
+
+    # -- dotted uses of a plain `import a.b.c` ----------------------------------------------
+
+    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
+        if self._in_import or not self._plain_dotted:
+            return updated
+        for name in self.qualified(original):
+            if name in self._plain_dotted and get_full_name_for_node(original) == name:
+                return _module_node(MODULE_MAP[name])
+        return updated
+
+    def leave_Module(self, original: cst.Module, updated: cst.Module) -> cst.Module:
+        # `import torch.distributed.fsdp` also bound `torch`; keep it bound if still used.
+        if any(n.startswith("torch.") for n in self._plain_dotted):
+            if m.findall(updated, m.Attribute(value=m.Name("torch"))):
+                AddImportsVisitor.add_needed_import(self.context, "torch")
+        return updated

@@ -1,0 +1,102 @@
+"""`fsdp-bridge migrate PATH... --to {bridge,fsdp2,yafsdp}`.
+
+Exit codes: 0 nothing to change (or everything written), 1 changes pending (--diff, --check),
+2 errors (a file that fails to parse is reported; the other files are still processed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+import sys
+import time
+
+from fsdp_bridge.migrate import report
+from fsdp_bridge.migrate.driver import TARGETS, FileResult, run_all, write_atomic
+from fsdp_bridge.migrate.files import walk
+
+HELP = "Rewrite FSDP code between dialects (FSDP1 -> bridge / FSDP2 / YaFSDP) with libcst."
+
+PROGRESS_MIN_FILES = 200  # below this a progress bar is noise
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="files or directories to migrate")
+    parser.add_argument("--to", required=True, choices=TARGETS, dest="target",
+                        help="bridge: import fsdp_bridge's mirrored modules; fsdp2: native torch "
+                        "fully_shard; yafsdp: fsdp_bridge.ya_fsdp.YaFSDP")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--diff", dest="mode", action="store_const", const="diff",
+                      help="show unified diffs, write nothing (default)")
+    mode.add_argument("--write", dest="mode", action="store_const", const="write",
+                      help="rewrite the files in place (atomically)")
+    mode.add_argument("--check", dest="mode", action="store_const", const="check",
+                      help="write nothing; exit 1 if any file would change")
+    parser.set_defaults(mode="diff")
+    parser.add_argument("--report", metavar="FILE", help="write every site to FILE (.json or .md)")
+    parser.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                        help="skip paths matching this gitignore-style glob (repeatable)")
+    parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
+                        help="worker processes for the files that need parsing (default: all cores)")
+
+
+class _Progress:
+    """A one-line progress bar on stderr, only on a terminal and only for large trees."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done = total, 0
+        self.enabled = sys.stderr.isatty() and total >= PROGRESS_MIN_FILES
+
+    def __call__(self) -> None:
+        self.done += 1
+        if self.enabled and (self.done % 25 == 0 or self.done == self.total):
+            filled = 30 * self.done // self.total
+            sys.stderr.write(f"\r[{'#' * filled}{' ' * (30 - filled)}] {self.done}/{self.total} files")
+            if self.done == self.total:
+                sys.stderr.write("\r" + " " * 60 + "\r")
+            sys.stderr.flush()
+
+
+def _diff(result: FileResult) -> str:
+    old = result.old_source.decode("utf-8").splitlines(keepends=True)
+    new = result.new_source.decode("utf-8").splitlines(keepends=True)
+    return "".join(difflib.unified_diff(old, new, f"a/{result.path}", f"b/{result.path}"))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.jobs < 1:
+        print(f"fsdp-bridge migrate: -j {args.jobs}: the number of jobs must be at least 1.", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    try:
+        paths = list(walk(args.paths, args.exclude))
+    except FileNotFoundError as exc:
+        print(f"fsdp-bridge migrate: {exc}", file=sys.stderr)
+        return 2
+    progress = _Progress(len(paths))
+    results = []
+    for result in run_all(paths, args.target, args.jobs, progress):
+        results.append(result)
+        if result.error:
+            print(f"error: {result.path}: {result.error}", file=sys.stderr)
+        elif result.changed and args.mode == "diff":
+            sys.stdout.write(_diff(result))
+        elif result.changed and args.mode == "check":
+            print(f"would rewrite {result.path}")
+        elif result.changed and args.mode == "write":
+            write_atomic(result.path, result.new_source)
+    if args.report:
+        report.write(args.report, results, args.target)
+    totals = report.summary(results)
+    by_status = ", ".join(f"{n} {status}" for status, n in totals["by_status"].items())
+    verb = "rewritten" if args.mode == "write" else "to change"
+    print(
+        f"fsdp-bridge migrate --to {args.target}: {totals['files']} files, {totals['parsed']} parsed, "
+        f"{totals['changed']} {verb}, {totals['sites']} sites" + (f" ({by_status})" if by_status else "")
+        + f", {totals['errors']} errors in {time.perf_counter() - started:.2f}s",
+        file=sys.stderr,
+    )
+    if totals["errors"]:
+        return 2
+    return 1 if totals["changed"] and args.mode != "write" else 0

@@ -1,0 +1,77 @@
+"""The `--report FILE` writer: every site, its rule code, how it was handled and why."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from typing import Sequence
+
+from fsdp_bridge.migrate.driver import FileResult
+
+
+def summary(results: Sequence[FileResult]) -> dict:
+    statuses = Counter(site["status"] for r in results for site in r.sites)
+    return {
+        "files": len(results),
+        "parsed": sum(r.parsed for r in results),
+        "changed": sum(r.changed for r in results),
+        "errors": sum(r.error is not None for r in results),
+        "sites": sum(statuses.values()),
+        "by_status": dict(sorted(statuses.items())),
+    }
+
+
+def _entries(results: Sequence[FileResult]) -> list[dict]:
+    return [
+        {"path": r.path, "changed": r.changed, "error": r.error,
+         "sites": sorted(r.sites, key=lambda site: site["line"])}
+        for r in results
+        if r.sites or r.error or r.changed
+    ]
+
+
+def to_json(results: Sequence[FileResult], target: str) -> str:
+    document = {"target": target, "summary": summary(results), "files": _entries(results)}
+    return json.dumps(document, indent=2) + "\n"
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def to_markdown(results: Sequence[FileResult], target: str) -> str:
+    totals = summary(results)
+    lines = [
+        f"# fsdp-bridge migrate --to {target}",
+        "",
+        f"{totals['files']} files, {totals['parsed']} parsed, {totals['changed']} changed, "
+        f"{totals['errors']} errors, {totals['sites']} sites ("
+        + ", ".join(f"{n} {status}" for status, n in totals["by_status"].items()) + ")",
+        "",
+    ]
+    for entry in _entries(results):
+        lines += [f"## {entry['path']}", ""]
+        if entry["error"]:
+            lines += [f"**error:** {_cell(entry['error'])}", ""]
+        if entry["sites"]:
+            lines += ["| line | rule | status | site | reason |", "|---:|---|---|---|---|"]
+            for site in entry["sites"]:
+                lines.append(
+                    f"| {site['line']} | {site['rule']} | {site['status']} | "
+                    f"`{_cell(site['what'])}` | {_cell(site['reason'])} |"
+                )
+            lines.append("")
+    return "\n".join(lines)
+
+
+def write(path: str, results: Sequence[FileResult], target: str) -> None:
+    extension = os.path.splitext(path)[1].lower()
+    if extension == ".json":
+        text = to_json(results, target)
+    elif extension in (".md", ".markdown"):
+        text = to_markdown(results, target)
+    else:
+        raise ValueError(f"--report {path!r}: the file name must end in .json or .md")
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(text)

@@ -1,0 +1,91 @@
+"""`fsdp-bridge migrate`: modes, exit codes, report, walker, byte-identical files, libcst runner."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+from fsdp_bridge.cli import main
+from fsdp_bridge.migrate.files import may_use_fsdp
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+FSDP1 = "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\nmodel = FSDP(model)  # wrap\n"
+PLAIN = "import torch\r\n\r\nx = torch.ones(2)  # CRLF and odd   spacing\r\n"
+
+
+def _tree(tmp_path: pathlib.Path) -> pathlib.Path:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "train.py").write_text(FSDP1)
+    (tmp_path / "pkg" / "plain.py").write_bytes(PLAIN.encode())
+    (tmp_path / "build").mkdir()
+    (tmp_path / "build" / "copy.py").write_text(FSDP1)
+    (tmp_path / "vendor").mkdir()
+    (tmp_path / "vendor" / "v.py").write_text(FSDP1)
+    (tmp_path / ".gitignore").write_text("build/\n")
+    return tmp_path
+
+
+def test_diff_check_write_and_exit_codes(tmp_path, capsys):
+    root = _tree(tmp_path)
+    assert main(["migrate", str(root), "--to", "fsdp2", "--exclude", "vendor/", "-j", "1"]) == 1
+    out, err = capsys.readouterr()
+    assert "+model = fully_shard(model)  # wrap" in out
+    assert "build/copy.py" not in out and "vendor" not in out  # .gitignore and --exclude
+    assert len(err.strip().splitlines()) == 1 and "1 to change" in err  # one summary line
+
+    assert main(["migrate", str(root), "--to", "fsdp2", "--check", "--exclude", "vendor/"]) == 1
+    assert (root / "pkg" / "train.py").read_text() == FSDP1  # --check writes nothing
+
+    assert main(["migrate", str(root), "--to", "fsdp2", "--write", "--exclude", "vendor/"]) == 0
+    assert "fully_shard(model)" in (root / "pkg" / "train.py").read_text()
+    assert (root / "pkg" / "plain.py").read_bytes() == PLAIN.encode()  # byte-identical
+    assert (root / "build" / "copy.py").read_text() == FSDP1
+    assert main(["migrate", str(root), "--to", "fsdp2", "--check", "--exclude", "vendor/"]) == 0
+
+
+def test_parse_error_is_reported_and_others_continue(tmp_path, capsys):
+    (tmp_path / "bad.py").write_text("import torch.distributed.fsdp\ndef f(:\n")
+    (tmp_path / "good.py").write_text(FSDP1)
+    report = tmp_path / "report.json"
+    assert main(["migrate", str(tmp_path), "--to", "fsdp2", "--write", "--report", str(report)]) == 2
+    assert "fully_shard" in (tmp_path / "good.py").read_text()
+    data = json.loads(report.read_text())
+    entries = {pathlib.Path(e["path"]).name: e for e in data["files"]}
+    assert "Syntax" in entries["bad.py"]["error"]
+    assert entries["good.py"]["sites"][0]["rule"] == "FB100"
+    assert data["summary"]["errors"] == 1
+
+
+def test_markdown_report_lists_todos_and_config_lines(tmp_path, capsys):
+    (tmp_path / "sub.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel\n\nclass W(FullyShardedDataParallel):\n    pass\n"
+    )
+    (tmp_path / "hf.py").write_text(
+        "from transformers import TrainingArguments\n\nargs = TrainingArguments('o', fsdp='full_shard')\n"
+    )
+    (tmp_path / "accelerate.yaml").write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\n")
+    report = tmp_path / "report.md"
+    main(["migrate", str(tmp_path), "--to", "fsdp2", "--report", str(report)])
+    text = report.read_text()
+    assert "| FB201 | left with TODO |" in text
+    assert "| FB400 | report only |" in text and "| FB401 | report only |" in text
+
+
+def test_prefilter():
+    assert may_use_fsdp(b"from torch.distributed import (\n    fsdp,\n)\n", "fsdp2")
+    assert may_use_fsdp(b"import torch.distributed._composable.fsdp\n", "fsdp2")
+    assert may_use_fsdp(b"import torchacc\n", "bridge")
+    assert not may_use_fsdp(b"import torch\nfrom torch.nn.parallel import DistributedDataParallel\n", "fsdp2")
+    assert not may_use_fsdp(b"def is_fsdp_enabled():\n    return False\n", "fsdp2")
+
+
+def test_libcst_runner(tmp_path):
+    target = tmp_path / "t.py"
+    target.write_text(FSDP1)
+    result = subprocess.run(
+        [sys.executable, "-m", "libcst.tool", "codemod", "--no-format", "to_fsdp2.ToFsdp2Command", str(target)],
+        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "model = fully_shard(model)  # wrap" in target.read_text()

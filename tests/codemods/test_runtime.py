@@ -1,0 +1,74 @@
+"""The runtime helpers' pure parts (no processes): FSDP1 unit selection, option mapping, errors."""
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.fsdp import FullStateDictConfig, ShardingStrategy, StateDictType
+from torch.distributed.fsdp.wrap import (
+    CustomPolicy,
+    ModuleWrapPolicy,
+    size_based_auto_wrap_policy,
+    transformer_auto_wrap_policy,
+)
+
+from fsdp_bridge.migrate.runtime import (
+    fsdp1_state_dict_options,
+    fsdp1_units,
+    yafsdp_modules_to_wrap,
+    yafsdp_zero_stage,
+)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+
+def _model():
+    return nn.Sequential(Block(), Block(), nn.Linear(4, 2))
+
+
+def test_units_children_first_root_excluded():
+    model = _model()
+    for policy in (ModuleWrapPolicy({Block}),
+                   functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})):
+        assert [m for m, _ in fsdp1_units(model, policy)] == [model[0], model[1]]
+    linears = [m for m, _ in fsdp1_units(model, ModuleWrapPolicy({nn.Linear}))]
+    assert linears == [model[0].a, model[0].b, model[1].a, model[1].b, model[2]]
+
+
+def test_size_based_policy_follows_fsdp1_recursion():
+    model = _model()
+    policy = functools.partial(size_based_auto_wrap_policy, min_num_params=30)
+    # Each Block holds 40 parameters (>= 30) but each Linear only 20: FSDP1 wraps the Blocks.
+    assert [m for m, _ in fsdp1_units(model, policy)] == [model[0], model[1]]
+
+
+def test_custom_policy_overrides_are_returned():
+    model = _model()
+    policy = CustomPolicy(lambda m: {"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP} if m is model[1] else False)
+    assert fsdp1_units(model, policy) == [(model[1], {"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP})]
+
+
+def test_yafsdp_mapping():
+    model = _model()
+    assert yafsdp_zero_stage(None) == 3 and yafsdp_zero_stage(ShardingStrategy.SHARD_GRAD_OP) == 2
+    with pytest.raises(ValueError, match="HYBRID_SHARD has no YaFSDP zero_stage"):
+        yafsdp_zero_stage(ShardingStrategy.HYBRID_SHARD)
+    assert yafsdp_modules_to_wrap(model, ModuleWrapPolicy({Block})) == [(model[0], "0"), (model[1], "1")]
+
+
+def test_state_dict_options():
+    full = fsdp1_state_dict_options(StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True))
+    assert full.full_state_dict and full.cpu_offload
+    assert not fsdp1_state_dict_options(StateDictType.SHARDED_STATE_DICT).full_state_dict
+    with pytest.raises(ValueError, match="LOCAL_STATE_DICT has no FSDP2 form"):
+        fsdp1_state_dict_options(StateDictType.LOCAL_STATE_DICT)
+
+
+def test_bad_policy_names_the_argument():
+    with pytest.raises(TypeError, match="auto_wrap_policy=42 is not a wrap policy"):
+        fsdp1_units(_model(), 42)
