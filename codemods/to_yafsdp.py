@@ -10,8 +10,8 @@ FB302  FSDP1 settings YaFSDP cannot express (hybrid/NO_SHARD, CPU offload, ignor
 FB303  `isinstance(x, FSDP)` -> `isinstance(x, YaFSDP)`.
 FB304  `with FSDP.state_dict_type(model, FULL_STATE_DICT...)`: YaFSDP's `state_dict()` is full, so
        the block's body stays and the `with` goes.
-FB310  `no_sync()`: YaFSDP counts backward passes instead; left with a TODO to set
-       `gradient_accumulation_steps`.
+`no_sync()` blocks stay as they are: `fsdp_bridge.ya_fsdp.YaFSDP` keeps FSDP's `no_sync()` beside
+YaFSDP's declared `gradient_accumulation_steps` (written as 1).
 The FSDP1 uses it cannot translate share FSDP2's codes (FB201-FB299).
 """
 
@@ -37,12 +37,6 @@ class ToYafsdpCommand(ToFsdp2Command):
     WRAPPED_CLASS = ("fsdp_bridge.ya_fsdp", "YaFSDP", "FB303", "the wrapped model is a YaFSDP instance")
     UNWRAP_MODULE_ATTRIBUTE = False  # YaFSDP is a wrapper: `model.module` keeps its meaning
 
-    def visit_Module(self, node: cst.Module) -> None:
-        super().visit_Module(node)
-        import libcst.matchers as m
-
-        self._uses_no_sync = bool(m.findall(node, m.Call(func=m.Attribute(attr=m.Name("no_sync")))))
-
     # -- FSDP(...) -----------------------------------------------------------------------
 
     def _constructor(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
@@ -57,7 +51,6 @@ class ToYafsdpCommand(ToFsdp2Command):
             self.site("FB301", RUNTIME, original, "FullyShardedDataParallel(...)", "; ".join(reasons))
             self.need(RUNTIME_MODULE, "fsdp1_to_yafsdp")
             self.drop_import_of(original.func)
-            self._accumulation_todo(original)
             return updated.with_changes(func=cst.Name("fsdp1_to_yafsdp"),
                                         args=self._append(updated.args, [_arg("gradient_accumulation_steps", "1")]))
         return self._in_place(original, updated, args)
@@ -128,7 +121,6 @@ class ToYafsdpCommand(ToFsdp2Command):
         extra = [_arg(k, v) for k, v in (("zero_stage", "3"), ("modules_to_wrap_with_names", "[]"))
                  if k not in present]
         extra.append(_arg("gradient_accumulation_steps", "1"))
-        self._accumulation_todo(original)
         self.site("FB300", IN_PLACE, original, "FullyShardedDataParallel(...)",
                   "; ".join(reasons + ["YaFSDP reduces gradients in fp32"]))
         self.need(YAFSDP_MODULE, "YaFSDP")
@@ -159,11 +151,6 @@ class ToYafsdpCommand(ToFsdp2Command):
             return "modules_to_wrap_with_names", cst.parse_expression(listing)
         return None, None  # dropped (prefetch/rate-limit flags, cpu_offload=None...)
 
-    def _accumulation_todo(self, node: cst.CSTNode) -> None:
-        if self._uses_no_sync:
-            self.todo("FB310", node, "gradient_accumulation_steps=1", "this file accumulates with "
-                      "no_sync(); YaFSDP needs the number of micro-batches per optimizer step here")
-
     @staticmethod
     def _append(args, extra: list[cst.Arg]) -> list[cst.Arg]:
         """Append keyword arguments, following the call's one-per-line layout if it has one."""
@@ -191,10 +178,8 @@ class ToYafsdpCommand(ToFsdp2Command):
     # -- other sites ---------------------------------------------------------------------
 
     def _method(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
-        if original.func.attr.value == "no_sync" and not original.args:
-            self.todo("FB310", original, f"{code(original.func)}()", "YaFSDP has no no_sync(): it counts "
-                      "backward passes; set gradient_accumulation_steps in YaFSDP(...) and drop this block")
-        return updated  # YaFSDP has clip_grad_norm_, state_dict and load_state_dict itself
+        # fsdp_bridge's YaFSDP has no_sync, clip_grad_norm_, state_dict and load_state_dict.
+        return updated
 
     def _static_method(self, original: cst.Call, updated: cst.Call, method: str) -> cst.BaseExpression:
         if method == "state_dict_type":

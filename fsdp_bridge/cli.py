@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, str] = {
     "migrate": "fsdp_bridge.migrate.cli",
     "compare": "fsdp_bridge.harness.cli_compare",
     "compare-scripts": "fsdp_bridge.harness.cli_compare_scripts",
+    "convert-checkpoint": "fsdp_bridge.checkpoint.cli",
 }
 
 

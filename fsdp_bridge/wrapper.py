@@ -205,16 +205,42 @@ class ShardedWrapper(nn.Module):
     def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True,
                            rank0_only: bool = False, offload_to_cpu: bool = False,
                            with_grads: bool = False):
+        """FSDP1's `summon_full_params`. Inside, `named_parameters()` / `named_buffers()` of a
+        wrapper give clean names (no `_fsdp_wrapped_module.`), as FSDP1's do. `module` may also
+        be a submodule of a wrapped model (FSDP1 users pass an auto-wrapped layer): the whole
+        model it belongs to is gathered then (a collective over its ranks either way)."""
         if rank0_only and writeback:
             raise bad_argument("FullyShardedDataParallel", "writeback", writeback, "False when "
                                "rank0_only=True", "Other ranks hold no full parameters to write "
                                "back; pass writeback=False (as torch's FSDP1 requires).")
+        wrappers = ShardedWrapper.fsdp_modules(module)
+        models = [wrapper._sharded for wrapper in wrappers]
+        if not models:  # a module inside a wrapped model: its owner, found by its parameters
+            for param in module.parameters():
+                owner = engine.owner_of(param)
+                if owner is not None and all(owner is not m for m in models):
+                    models.append(owner)
         with contextlib.ExitStack() as stack:
-            for wrapper in ShardedWrapper.fsdp_modules(module):
+            for sharded in models:
                 stack.enter_context(engine.summon_full_params(
-                    wrapper._sharded, writeback=writeback, rank0_only=rank0_only,
-                    with_grads=with_grads))
+                    sharded, writeback=writeback, rank0_only=rank0_only,
+                    with_grads=with_grads, offload_to_cpu=offload_to_cpu))
+            for wrapper in wrappers:
+                wrapper.__dict__["_summoning"] = wrapper.__dict__.get("_summoning", 0) + 1
+                stack.callback(wrapper.__dict__.__setitem__, "_summoning",
+                               wrapper.__dict__["_summoning"] - 1)
             yield
+
+    def named_parameters(self, *args, **kwargs):
+        """Inside `summon_full_params`, names without the wrapper prefix (as FSDP1)."""
+        clean = self.__dict__.get("_summoning", 0) > 0
+        for name, param in super().named_parameters(*args, **kwargs):
+            yield (name.replace(WRAPPED + ".", "") if clean else name), param
+
+    def named_buffers(self, *args, **kwargs):
+        clean = self.__dict__.get("_summoning", 0) > 0
+        for name, buffer in super().named_buffers(*args, **kwargs):
+            yield (name.replace(WRAPPED + ".", "") if clean else name), buffer
 
     def apply(self, fn):
         with ShardedWrapper.summon_full_params(self, writeback=True):

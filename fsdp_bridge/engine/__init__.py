@@ -24,6 +24,7 @@ from fsdp_bridge.engine.full_params import (
     reshard_unit,
     run_as_forward,
     run_pre_forward,
+    set_gradient_divide_factor,
     sharded_state_dict,
     summon_full_params,
     tag_parameters,
@@ -99,7 +100,17 @@ def shard_model(
     tag_parameters(sharded)
     # object.__setattr__: keep the state out of the module tree (not a submodule).
     object.__setattr__(module, ATTRIBUTE, sharded)
+    _route_torch_state_dict_helpers()
     return sharded
+
+
+def _route_torch_state_dict_helpers() -> None:
+    # torch.distributed.checkpoint.state_dict's helpers must see our shards as pieces of whole
+    # parameters, not as whole parameters: see [Note: routing torch's state-dict helpers] in
+    # fsdp_bridge/checkpoint/dsd.py (a layer above the engine, imported lazily).
+    from fsdp_bridge.checkpoint import dsd
+
+    dsd.install()
 
 
 def get_sharded(module: nn.Module) -> Optional[ShardedModel]:

@@ -56,6 +56,14 @@ class Comm:
             dist.get_world_size(replicate_group) if replicate_group is not None else 1
         )
         self.stats = CollectiveStats()
+        # [Note: gloo reduce-scatter] gloo's reduce_scatter_tensor clones its whole input,
+        # all-reduces the clone and copies this rank's chunk out when waited on
+        # (ProcessGroupGloo::reduce_scatter_tensor_coalesced). All-reducing the full gradient
+        # buffer, which the engine owns and reuses anyway, in place moves the same bytes
+        # without the clone, its full-size scratch memory, and the copy.
+        self.reduce_scatter_in_place = (
+            shard_group is not None and dist.get_backend(shard_group) == "gloo"
+        )
 
     @property
     def data_parallel_size(self) -> int:
@@ -77,6 +85,14 @@ class Comm:
         self.stats.record("reduce_scatter", full)
         return dist.reduce_scatter_tensor(
             output.data, full.data, op=dist.ReduceOp.SUM, group=self.shard_group, async_op=True
+        )
+
+    def reduce_scatter_in_buffer(self, full: torch.Tensor):
+        """Sum `full` in place over the shard group (gloo: see [Note: gloo reduce-scatter]);
+        the caller keeps its own slice of it."""
+        self.stats.record("all_reduce", full)
+        return dist.all_reduce(
+            full.data, op=dist.ReduceOp.SUM, group=self.shard_group, async_op=True
         )
 
     def all_reduce_replicas(self, tensor: torch.Tensor, async_op: bool = True):

@@ -171,6 +171,9 @@ class FlatGroup:
         """Start reducing a full gradient; returns (work, shard-sized result tensor)."""
         if self.comm.shard_size == 1:
             return self.comm.all_reduce_replicas(full), full
+        if self.comm.reduce_scatter_in_place:
+            work = self.comm.reduce_scatter_in_buffer(full)
+            return work, full[self.shard_start : self.shard_start + self.shard_numel]
         output = torch.empty(self.shard_numel, dtype=full.dtype, device=full.device)
         return self.comm.reduce_scatter(output, full), output
 

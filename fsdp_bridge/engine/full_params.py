@@ -80,16 +80,20 @@ def summon_full_params(
     writeback: bool = True,
     rank0_only: bool = False,
     with_grads: bool = False,
+    offload_to_cpu: bool = False,
 ):
     """Inside the context, every parameter is its full fp32 value (a plain `nn.Parameter`);
     with `writeback`, in-place changes are copied back into the shards on exit. With
-    `rank0_only`, other ranks keep their shards. A collective: every rank must enter."""
+    `rank0_only`, other ranks keep their shards; with `offload_to_cpu`, the full values (and
+    gradients) live on the CPU. A collective: every rank must enter."""
     on_this_rank = not rank0_only or _world_rank(sharded) == 0
     swapped = []  # (owner, attr, local param)
     gathered = []  # (group, full flat)
     for unit in sharded.units:
         for group in unit.groups:
             flat = group.gather_full_master()
+            if offload_to_cpu and on_this_rank:
+                flat = flat.cpu()  # written back from here on exit
             grads = None
             if with_grads and group.requires_grad and any(
                 p.grad is not None for p in group.local_params
@@ -99,10 +103,12 @@ def summon_full_params(
                     lo, hi = group._local_range(index)
                     if param.grad is not None:
                         local[lo:hi] = param.grad
-                grads = torch.empty_like(flat)
+                grads = torch.empty(flat.shape, dtype=local.dtype, device=local.device)
                 work = group.comm.all_gather(grads, local)
                 if work is not None:
                     work.wait()
+                if offload_to_cpu:
+                    grads = grads.cpu()
             gathered.append((group, flat))
             if not on_this_rank:
                 continue
@@ -121,7 +127,7 @@ def summon_full_params(
             owner._parameters[attr] = local
         if writeback and not rank0_only:
             for group, flat in gathered:
-                group.load_full_master(flat)
+                group.load_full_master(flat.to(group.master.device))
 
 
 def grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
@@ -209,6 +215,13 @@ def full_optim_state_dict(sharded: ShardedModel, optimizer, rank0_only: bool = F
                 for slot, value in _slot_values(group, full):
                     if slot.fqn in state:
                         state[slot.fqn][key] = value.clone()
+    # Parameters the engine does not shard (ignored modules / states): whole on every rank,
+    # their state is kept as it is, under their FQN (as FSDP1's).
+    for name, param in _unmanaged_names(sharded, fqn_of).items():
+        if param in optimizer.state:
+            state[name] = {k: (v.clone() if torch.is_tensor(v) else v)
+                           for k, v in optimizer.state[param].items()}
+            fqn_of[id(param)] = name
     param_groups = []
     for pg in optimizer.param_groups:
         entry = {k: v for k, v in pg.items() if k != "params"}
@@ -219,10 +232,20 @@ def full_optim_state_dict(sharded: ShardedModel, optimizer, rank0_only: bool = F
     return {"state": state, "param_groups": param_groups}
 
 
+def _unmanaged_names(sharded: ShardedModel, managed) -> dict:
+    """FQN -> parameter for the parameters of the model the engine does not shard."""
+    found = {}
+    for name, param in nn.Module.named_parameters(sharded.module):
+        if id(param) not in managed:
+            found[name] = param
+    return found
+
+
 def optim_state_dict_to_load(sharded: ShardedModel, optimizer, full_osd: dict) -> dict:
     """A full (FQN-keyed) optimizer state dict turned into one this rank's optimizer can
     `load_state_dict`: per-parameter tensors sliced to the local shards. No collectives."""
     where = _param_index(sharded)
+    unmanaged = {id(p): name for name, p in _unmanaged_names(sharded, where).items()}
     state: dict[int, dict] = {}
     param_groups = []
     position = 0
@@ -244,6 +267,10 @@ def optim_state_dict_to_load(sharded: ShardedModel, optimizer, full_osd: dict) -
                             if torch.is_tensor(v) and v.dim() > 0 else v)
                         for k, v in saved.items()
                     }
+            elif id(param) in unmanaged and unmanaged[id(param)] in full_osd["state"]:
+                saved = full_osd["state"][unmanaged[id(param)]]
+                state[position] = {k: (v.clone() if torch.is_tensor(v) else v)
+                                   for k, v in saved.items()}
             position += 1
         entry["params"] = ids
         param_groups.append(entry)
@@ -303,10 +330,22 @@ def load_sharded_state_dict(sharded: ShardedModel, state_dict: dict, strict: boo
 
 
 def _unit(sharded: ShardedModel, name: str):
+    """Unit `name`, or for a module inside a unit (e.g. a module of an FSDP2 list call) the
+    innermost unit that encloses it."""
+    best = None
     for unit in sharded.units:
         if unit.name == name:
             return unit
-    return sharded.units[-1]  # a module inside a unit: its enclosing root
+        if unit.name == "" or name.startswith(unit.name + "."):
+            if best is None or len(unit.name) > len(best.name):
+                best = unit
+    return best if best is not None else sharded.units[-1]
+
+
+def set_gradient_divide_factor(sharded: ShardedModel, name: str, factor: Optional[float]) -> None:
+    """Divide the reduced gradients of unit `name` (or of the unit enclosing module `name`) by
+    `factor` instead of the data-parallel size (FSDP2's per-module divide factor)."""
+    _unit(sharded, name).gradient_divide_factor = None if factor is None else float(factor)
 
 
 def unshard_unit(sharded: ShardedModel, name: str) -> list:

@@ -55,6 +55,8 @@ class Unit:
         self.reshard_after_forward = spec.reshard_after_forward and not is_root
         self.in_use = False
         self.backward_groups_left = 0
+        # FSDP2's per-module `set_gradient_divide_factor`; None: the model's divisor.
+        self.gradient_divide_factor: Optional[float] = None
 
     @property
     def trainable_groups(self) -> list[FlatGroup]:
@@ -197,6 +199,7 @@ class ShardedModel:
         for unit in self.units:
             for group in unit.groups:
                 group.invalidate()
+                group.release_dropped_grads()
         if self.forward_order:
             self.last_forward_order = self.forward_order
         self.forward_order = []
@@ -299,6 +302,19 @@ class ShardedModel:
         unit.backward_groups_left -= 1
         if unit.backward_groups_left <= 0:
             unit.in_use = False
+            # Its gather buffer is free now: start the next unit backward needs. (At that
+            # unit's pre-backward hook, or at the one before, the buffer was still in use, so
+            # the gather would otherwise run there, unoverlapped.)
+            self._prefetch(self._next_to_gather_in_backward(unit))
+
+    def _next_to_gather_in_backward(self, unit: Unit) -> Optional[Unit]:
+        """The first unit after `unit` in backward order that is not gathered yet."""
+        candidate = self._previous_in_forward(unit)
+        for _ in range(len(self.forward_order)):  # bounded: a unit may run several times
+            if candidate is None or not all(g.is_gathered for g in candidate.groups):
+                return candidate
+            candidate = self._previous_in_forward(candidate)
+        return None
 
     def _start_reduce(self, group: FlatGroup, full: torch.Tensor, buffer) -> None:
         work, output = group.start_reduce(full)
@@ -318,6 +334,9 @@ class ShardedModel:
         if pending.buffer is not None:
             pending.buffer.pending = None
         pending.done = True
+        # Drop the work handle and the reduced shard now, not at the end of backward: gloo's
+        # work keeps a full-size scratch copy of its input alive as long as the handle lives.
+        pending.work = pending.output = None
 
     def _queue_end_of_backward(self) -> None:
         if not self.callback_queued:
@@ -335,11 +354,14 @@ class ShardedModel:
         for pending in self.pending_reduces:
             self._finish_reduce(pending)
         self.pending_reduces.clear()
+        for pool in self.grad_pools.values():
+            pool.release()
         self.micro_step += 1
         steps = self.plan.gradient_accumulation_steps
         if self.requires_sync and self.micro_step % steps == 0:
-            divisor = self.gradient_divide_factor or self.comm.data_parallel_size * steps
+            default = self.gradient_divide_factor or self.comm.data_parallel_size * steps
             for unit in self.units:
+                divisor = unit.gradient_divide_factor or default
                 for group in unit.trainable_groups:
                     group.finalize_grads(divisor)
             self.micro_step = 0

@@ -53,7 +53,11 @@ TABLE = register_table(
                      "flat buffer per unit; per-parameter placements are not supported"),
             rejected("dp_mesh_dims", "SPMD meshes with DTensor parameters are not supported"),
             translated("set_requires_gradient_sync", "the engine's gradient sync flag (whole model)"),
-            translated("set_gradient_divide_factor", "the engine's gradient divide factor"),
+            translated("set_gradient_divide_factor", "the divisor of this module's unit (per "
+                       "module, as FSDP2; a module of a list call shares its enclosing unit's)"),
+            translated("set_force_sum_reduction_for_comms", "accepted: the engine always "
+                       "reduces with SUM and divides once afterwards (FSDP2's numbers with the "
+                       "flag set)"),
             translated("unshard / reshard", "gather a unit now (prefetch; async_op returns a "
                        "handle) / drop its gathered copy; parameters stay 1-D shards outside "
                        "forward"),
@@ -63,7 +67,7 @@ TABLE = register_table(
                     "memory and scheduling hints: the engine's buffers and prefetch order are "
                     "fixed at init; numerics are identical"),
             rejected("set_all_reduce_hook / set_custom_all_gather / set_custom_reduce_scatter / "
-                     "set_post_optim_event / set_force_sum_reduction_for_comms",
+                     "set_post_optim_event",
                      "the engine runs its own collectives"),
         ),
     )

@@ -155,8 +155,11 @@ class FSDPModule:
         T.check_fsdp_modules("set_modules_to_backward_prefetch", modules, FSDPModule)
 
     def set_gradient_divide_factor(self, factor: float) -> None:
+        """This module's reduced gradients are divided by `factor` (FSDP2: per module, not
+        recursive; a module of a list call shares the factor of the unit it joined)."""
         T.check_factor(factor)
-        self._fsdp_root_state().gradient_divide_factor = float(factor)
+        sharded = self._fsdp_root_state()
+        engine.set_gradient_divide_factor(sharded, _path_in_root(self, sharded), float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         self.set_gradient_divide_factor(factor)
@@ -177,7 +180,9 @@ class FSDPModule:
         raise T.unsupported("set_post_optim_event")
 
     def set_force_sum_reduction_for_comms(self, enable: bool):
-        raise T.unsupported("set_force_sum_reduction_for_comms")
+        # The engine always reduces with SUM and divides once afterwards: the numbers FSDP2
+        # computes with this flag set, whatever its value.
+        T.check_bool("set_force_sum_reduction_for_comms", "enable", enable)
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -317,6 +322,9 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make `module.<method_name>()` gather like `forward` does (e.g. `generate`)."""
     if not isinstance(module, FSDPModule):
         return
+    if not hasattr(module, method_name):
+        raise T.bad("method_name", method_name, f"the name of a method of "
+                    f"{type(module).__name__}", "Register an existing method (e.g. 'generate').")
     method = getattr(module, method_name)
     if getattr(method, "_fsdp_bridge_wrapped", False):
         return

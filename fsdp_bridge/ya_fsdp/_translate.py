@@ -27,7 +27,8 @@ TABLE = register_table(
             translated("module", "the model to shard (wrapped, forward delegates to it)"),
             translated("zero_stage", "3 -> units reshard after forward (ZeRO-3); 2 -> keep "
                        "gathered until backward (ZeRO-2)"),
-            translated("param_dtype", "MixedPrecision.param_dtype (gather and compute dtype)"),
+            translated("param_dtype", "MixedPrecision.param_dtype (gather and compute dtype; "
+                       "omitted: the parameters' own dtype)"),
             translated("modules_to_wrap_with_names", "Plan.units, in the given order; each "
                        "name must be the module's path in the model"),
             translated("layer_norm_module_cls", "every module of this class joins the resident "
@@ -93,7 +94,9 @@ def _check_zero_stage(zero_stage) -> bool:
     return zero_stage == 3
 
 
-def _check_dtype(param_dtype) -> torch.dtype:
+def _check_dtype(param_dtype) -> Optional[torch.dtype]:
+    if param_dtype is None:
+        return None
     if not isinstance(param_dtype, torch.dtype) or not param_dtype.is_floating_point:
         raise bad_argument(
             FRONTEND, "param_dtype", param_dtype, "a floating torch.dtype such as "
@@ -210,7 +213,8 @@ def build_plan(
         mode=ShardingMode.SHARD,
         mixed_precision=MixedPrecision(
             param_dtype=dtype,
-            reduce_dtype=dtype if bit16_reduce_scatter else torch.float32,
+            # YaFSDP reduces in fp32 unless told to reduce in param_dtype.
+            reduce_dtype=dtype if bit16_reduce_scatter and dtype is not None else torch.float32,
             cast_root_forward_inputs=False,  # YaFSDP casts nothing; inputs are token ids
         ),
         norm_modules=norms,

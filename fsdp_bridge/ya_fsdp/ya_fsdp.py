@@ -37,10 +37,12 @@ class YaFSDP(nn.Module):
         self,
         module: nn.Module,
         zero_stage: int,
-        param_dtype: torch.dtype,
-        modules_to_wrap_with_names: list[tuple[nn.Module, str]],
-        layer_norm_module_cls: Optional[type],
-        gradient_accumulation_steps: int,
+        # YaFSDP requires the next four; we accept their omission (None: the parameters' own
+        # dtype; no units besides the root; no norm group; no declared accumulation).
+        param_dtype: Optional[torch.dtype] = None,
+        modules_to_wrap_with_names: list[tuple[nn.Module, str]] = (),
+        layer_norm_module_cls: Optional[type] = None,
+        gradient_accumulation_steps: int = 1,
         data_parallel_process_group: Optional[dist.ProcessGroup] = None,
         intra_node_data_parallel_process_group: Optional[dist.ProcessGroup] = None,
         model_parallel_process_group: Optional[dist.ProcessGroup] = None,
