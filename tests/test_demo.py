@@ -6,8 +6,9 @@ import sys
 
 
 def test_demo_yafsdp_example_matches_reference():
+    # Part 2 of `make demo`; part 1 (migrate + compare-scripts) is test_demo_migrate_flow below.
     completed = subprocess.run(
-        [sys.executable, "-m", "fsdp_bridge", "demo", "--steps", "4"],
+        [sys.executable, "-m", "fsdp_bridge", "demo", "--only", "yafsdp", "--steps", "4"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -18,3 +19,17 @@ def test_demo_yafsdp_example_matches_reference():
     first, last = (float(rows[i].split()[1]) for i in (0, -1))
     assert last < first, "the example must actually train"
     assert "equivalent (fp32 tolerance" in completed.stdout
+
+
+def test_demo_migrate_flow(tmp_path):
+    completed = subprocess.run(
+        [sys.executable, "-m", "fsdp_bridge", "demo", "--only", "migrate", "--migrate-steps", "2",
+         "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert "migrated --to bridge" in completed.stdout and "migrated --to fsdp2" in completed.stdout
+    assert (tmp_path / "compare.png").stat().st_size > 0
+    assert (tmp_path / "fsdp1_train_llama_to_fsdp2.py").read_text().count("fully_shard(") >= 1

@@ -368,6 +368,10 @@ class ShardedModel:
         for unit in self.units:
             unit.in_use = False
             unit.backward_groups_left = 0
+            # A prefetch nobody uses this step must not stay in flight past it: the step may
+            # be the last before the script tears its process group down.
+            for group in unit.groups:
+                group.wait_gather()
         self.callback_queued = False
 
     # -- public operations --------------------------------------------------------------------

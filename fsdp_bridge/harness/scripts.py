@@ -31,6 +31,7 @@ from fsdp_bridge.harness import step_hook
 from fsdp_bridge.harness.compare import Comparison, Tolerance, compare_steps
 from fsdp_bridge.harness.digest import Digest
 from fsdp_bridge.harness.runner import StepRecord
+from fsdp_bridge.harness.torchrun import run_torchrun
 
 DEFAULT_LOSS_PATTERN = (r"step\s*[:=#]?\s*(?P<step>\d+).*?loss\s*[:=]?\s*"
                         r"(?P<loss>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)")
@@ -115,9 +116,7 @@ def run_script(label: str, script: str, nproc: int, args: Sequence[str], pattern
     with tempfile.TemporaryDirectory(prefix="fsdp-bridge-script-") as out_dir:
         started = time.perf_counter()
         try:
-            done = subprocess.run(command, env=child_env(out_dir), stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, timeout=timeout)
-            returncode, output = done.returncode, done.stdout
+            returncode, output, _ = run_torchrun(command, child_env(out_dir), timeout)
         except subprocess.TimeoutExpired as exc:
             returncode = 124
             output = (exc.stdout or b"").decode(errors="replace") + f"\n[timed out {timeout}s]"

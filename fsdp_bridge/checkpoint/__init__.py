@@ -1,0 +1,58 @@
+"""Checkpoints that cross dialects, world sizes and failures.
+
+- torch's `torch.distributed.checkpoint.state_dict` functions (`get_model_state_dict`,
+  `set_model_state_dict`, `get_optimizer_state_dict`, `set_optimizer_state_dict`,
+  `get_state_dict`, `set_state_dict`) work on models sharded by any of our front-ends, full
+  and sharded, with optimizer state keyed by parameter name; sharded values are DTensors laid
+  out as native FSDP2's, so `dcp.save` / `dcp.load` reshard between any world sizes and
+  interoperate with native FSDP2 and FSDP1 (see `model_state` and `dsd`). They are
+  re-exported here.
+- `save` / `load`: DCP, atomic (a crash never leaves a partial checkpoint) and checked before
+  reading (truncated files, missing / unexpected keys, wrong shapes: `CheckpointError`).
+- `save_state` / `load_state` / `CheckpointManager`: a model and its optimizers in one call.
+- `hf`: Hugging Face `save_pretrained` directories (safetensors) in and out.
+- `convert`: offline conversion between torch, DCP and safetensors files
+  (`fsdp-bridge convert-checkpoint`).
+"""
+
+from __future__ import annotations
+
+from torch.distributed.checkpoint.state_dict import (  # noqa: F401  (routed, see dsd)
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+
+from fsdp_bridge.checkpoint import dsd as _dsd
+from fsdp_bridge.checkpoint.api import (
+    CheckpointManager,
+    load,
+    load_state,
+    save,
+    save_state,
+    training_state,
+)
+from fsdp_bridge.checkpoint.validate import CheckpointError
+
+_dsd.install()
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "StateDictOptions",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "get_state_dict",
+    "load",
+    "load_state",
+    "save",
+    "save_state",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+    "set_state_dict",
+    "training_state",
+]

@@ -1,0 +1,34 @@
+"""`fsdp-bridge convert-checkpoint SRC DST --to {torch,dcp,safetensors}`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = "convert a checkpoint between torch.save, DCP and safetensors, offline (no ranks)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", metavar="SRC", help="a torch.save file, a DCP directory, a "
+                        ".safetensors file or a save_pretrained directory (detected)")
+    parser.add_argument("destination", metavar="DST", help="where to write (a file for torch "
+                        "and *.safetensors, a directory otherwise)")
+    parser.add_argument("--to", required=True, choices=("torch", "dcp", "safetensors"))
+    parser.add_argument("--key", default=None, help="for --to safetensors: the sub-dict whose "
+                        "tensors to keep (default: 'model' when the source has one)")
+    parser.add_argument("--force", action="store_true", help="replace DST if it exists")
+
+
+def run(args: argparse.Namespace) -> int:
+    from fsdp_bridge.checkpoint.convert import convert
+    from fsdp_bridge.checkpoint.validate import CheckpointError
+
+    try:
+        report = convert(args.source, args.destination, args.to, key=args.key,
+                         force=args.force)
+    except (CheckpointError, ValueError) as exc:
+        print(f"fsdp-bridge convert-checkpoint: error: {exc}", file=sys.stderr)
+        return 2
+    for line in report.lines():
+        print(line)
+    return 0

@@ -1,0 +1,280 @@
+"""Optimizer state dicts of a model sharded by our engine, keyed by parameter name, in the
+form torch's `get_optimizer_state_dict` gives for native FSDP2:
+
+    {"state": {fqn: {"step": tensor, "exp_avg": DTensor | Tensor, ...}},
+     "param_groups": [{"lr": ..., ..., "params": [fqn, ...]}, ...]}
+
+Per-parameter tensors (those shaped like the local shard) are reported with the parameter's
+full shape: DTensors over the rows when sharded, plain tensors when full (see
+[Note: sharded state dicts are DTensors over the rows] in `model_state`). Everything else
+(`step`, scalars) is copied as it is. Loading accepts either form, from any world size, and
+also the FSDP1 FULL form (`FSDP.optim_state_dict`, plain full tensors).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_bridge.checkpoint.model_state import global_shape, to_dtensor, to_full
+from fsdp_bridge.checkpoint.parts import entries, find_parts, mesh_of, world_rank
+
+STATE, GROUPS, PARAMS = "state", "param_groups", "params"
+
+
+def _init_optim_state(optim) -> None:
+    # torch's own lazy-state initialisation (a step with zero gradients and lr 0), so that
+    # every rank reports (and can load) the same keys before the first real step.
+    from torch.distributed.checkpoint.state_dict import _init_optim_state as init
+
+    init(optim)
+
+
+def _names(model: nn.Module, parts):
+    """id(parameter) -> (canonical name, Entry) for every parameter of the model."""
+    named = {}
+    for entry in entries(model, parts):
+        if not entry.is_buffer and id(entry.tensor) not in named:
+            named[id(entry.tensor)] = (entry.key, entry)
+    return named
+
+
+def _per_param_keys(optim, params) -> list[str]:
+    keys = set()
+    for param in params:
+        for key, value in optim.state.get(param, {}).items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape:
+                keys.add(key)
+    return sorted(keys)
+
+
+def _check_agreement(signature) -> None:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, signature)
+    for rank, other in enumerate(everyone):
+        if other != everyone[0]:
+            raise RuntimeError(
+                f"optimizer state differs in structure between rank 0 and rank {rank} "
+                "(parameters with state, or state keys): every rank must have stepped the "
+                "same parameters. Call the state-dict functions on every rank, after the same "
+                "number of optimizer steps.")
+
+
+def get_optimizer_state_dict(model: nn.Module, optimizers: Iterable, *,
+                             full_state_dict: bool = False, cpu_offload: bool = False) -> dict:
+    parts = find_parts(model)
+    named = _names(model, parts)
+    result: dict[str, Any] = {STATE: {}, GROUPS: []}
+    for optim in optimizers:
+        _init_optim_state(optim)
+        params = [p for pg in optim.param_groups for p in pg[PARAMS]]
+        unknown = [i for i, p in enumerate(params) if id(p) not in named]
+        if unknown:
+            raise ValueError(
+                f"the optimizer holds {len(unknown)} parameter(s) (positions {unknown[:5]}) that "
+                "are not parameters of the model passed in: pass the model the optimizer was "
+                "built on.")
+        for pg in optim.param_groups:
+            entry = {k: v for k, v in pg.items() if k != PARAMS}
+            entry[PARAMS] = [named[id(p)][0] for p in pg[PARAMS]]
+            result[GROUPS].append(entry)
+        in_optim = {id(p) for p in params}
+        _check_agreement([(named[id(p)][0], sorted(optim.state.get(p, {}))) for p in params])
+        done = set()
+        for part in parts:
+            mesh = None if full_state_dict else mesh_of(part.sharded)
+            for unit in part.sharded.units:
+                for group in unit.groups:
+                    mine = [p for p in group.local_params if id(p) in in_optim]
+                    if mine:
+                        _group_state(optim, group, named, mesh, result[STATE])
+                        done.update(id(p) for p in mine)
+        for param in params:  # parameters the engine does not manage: plain values
+            if id(param) in done or param not in optim.state:
+                continue
+            result[STATE][named[id(param)][0]] = {
+                k: (v.detach().clone() if torch.is_tensor(v) else v)
+                for k, v in optim.state[param].items()}
+    if full_state_dict and cpu_offload and world_rank() != 0:
+        return {}
+    if cpu_offload:
+        result[STATE] = {fqn: {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in s.items()}
+                         for fqn, s in result[STATE].items()}
+    return result
+
+
+def _group_state(optim, group, named, mesh, out: dict) -> None:
+    params = group.local_params
+    per_param = _per_param_keys(optim, params)
+    for param in params:
+        if param in optim.state:
+            out[named[id(param)][0]] = {
+                k: (v.detach().clone() if torch.is_tensor(v) else v)
+                for k, v in optim.state[param].items() if k not in per_param}
+    for key in per_param:
+        sample = next(optim.state[p][key] for p in params
+                      if p in optim.state and key in optim.state[p])
+        local = torch.zeros(group.shard_numel, dtype=sample.dtype, device=sample.device)
+        for index, param in enumerate(params):
+            value = optim.state.get(param, {}).get(key)
+            if value is not None:
+                lo, hi = group._local_range(index)
+                local[lo:hi] = value
+        full = torch.empty(group.padded_numel, dtype=local.dtype, device=local.device)
+        work = group.comm.all_gather(full, local)
+        if work is not None:
+            work.wait()
+        for index, (slot, param) in enumerate(zip(group.slots, params)):
+            fqn = named[id(param)][0]
+            if fqn not in out:
+                continue
+            value = full[group.offsets[index]: group.offsets[index] + group.numels[index]]
+            value = value.view(slot.shape)
+            out[fqn][key] = value.clone() if mesh is None else to_dtensor(value, mesh)
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+
+def set_optimizer_state_dict(model: nn.Module, optimizers: Iterable, state_dict: dict, *,
+                             strict: bool = True, broadcast_from_rank0: bool = False) -> None:
+    """Load a name-keyed optimizer state dict (full tensors, DTensors of any world size, or
+    FSDP1's FULL form) into optimizers over the sharded model. A collective."""
+    if broadcast_from_rank0:
+        state_dict = broadcast_object_tree(state_dict if world_rank() == 0 else None)
+    if STATE not in state_dict or GROUPS not in state_dict:
+        raise ValueError(
+            "optimizer state dict: expected the keys 'state' and 'param_groups' (the form "
+            "get_optimizer_state_dict and FSDP.optim_state_dict return); got keys "
+            f"{sorted(state_dict)[:8]}. A flattened state dict "
+            "(flatten_optimizer_state_dict=True) is not supported for fsdp_bridge models.")
+    parts = find_parts(model)
+    named = _names(model, parts)
+    saved_state, saved_groups = state_dict[STATE], state_dict[GROUPS]
+    model_names = {name for name, _ in named.values()}
+    unknown = [fqn for fqn in saved_state if fqn not in model_names]
+    if strict and unknown:
+        raise ValueError(
+            f"optimizer state dict: state for {len(unknown)} parameter(s) the model does not "
+            f"have: {unknown[:8]}. Load the optimizer state of this model.")
+    optimizers = list(optimizers)
+    plans = []
+    for optim in optimizers:  # check everything before loading anything
+        _init_optim_state(optim)
+        plans.append(_plan_load(optim, named, saved_state, saved_groups))
+    for optim, (groups, order) in zip(optimizers, plans):
+        state = {}
+        with torch.no_grad():
+            for position, param, saved in order:
+                state[position] = _local_state(param, named[id(param)], saved)
+        optim.load_state_dict({STATE: state, GROUPS: groups})
+
+
+def _plan_load(optim, named, saved_state, saved_groups):
+    groups, order, position = [], [], 0
+    where = {}
+    for index, pg in enumerate(saved_groups):
+        for fqn in pg[PARAMS]:
+            where[fqn] = index
+    for pg in optim.param_groups:
+        fqns = [named[id(p)][0] for p in pg[PARAMS]]
+        indices = {where[f] for f in fqns if f in where}
+        if len(indices) > 1:
+            raise ValueError(f"optimizer state dict: parameters {fqns[:4]}... form one group "
+                             "here but several in the state dict.")
+        if not indices and len(saved_groups) != len(optim.param_groups):
+            raise ValueError(f"optimizer state dict: no saved param group holds {fqns[:4]}.")
+        saved_pg = saved_groups[indices.pop() if indices else len(groups)]
+        entry = {k: v for k, v in saved_pg.items() if k != PARAMS}
+        entry[PARAMS] = list(range(position, position + len(fqns)))
+        groups.append(entry)
+        for param, fqn in zip(pg[PARAMS], fqns):
+            if fqn in saved_state:
+                _check_state_shapes(fqn, param, named[id(param)][1], saved_state[fqn])
+                order.append((position, param, saved_state[fqn]))
+            position += 1
+    return groups, order
+
+
+def _full_shape(entry) -> tuple:
+    if entry.part is not None:
+        return tuple(entry.group.slots[entry.index].shape)
+    return tuple(entry.tensor.shape)
+
+
+def _check_state_shapes(fqn, param, entry, saved: dict) -> None:
+    full = _full_shape(entry)
+    for key, value in saved.items():
+        shape = global_shape(value)
+        if shape is None or len(shape) == 0 or shape == full:
+            continue
+        if entry.part is not None and shape == tuple(param.shape) and not _is_distributed(value):
+            continue  # this rank's own piece, saved at the same world size and layout
+        hint = ""
+        if entry.part is not None and len(shape) == 1:
+            hint = (" It looks like one rank's piece of a per-rank optimizer state dict "
+                    "(optim.state_dict()), saved at another world size or wrapping: such a "
+                    "layout only loads where it was saved. Save with get_optimizer_state_dict "
+                    "(or FSDP.optim_state_dict) to load at any world size.")
+        raise ValueError(
+            f"optimizer state dict: {fqn!r} state {key!r} has shape {shape}; the parameter is "
+            f"{full} (this rank holds {tuple(param.shape)} of it).{hint}")
+
+
+def _is_distributed(value) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor) or type(value).__name__ == "ShardedTensor"
+
+
+def _local_state(param, named_entry, saved: dict) -> dict:
+    _, entry = named_entry
+    full_shape = _full_shape(entry)
+    out = {}
+    for key in sorted(saved):  # sorted: the same collective order on every rank
+        value = saved[key]
+        shape = global_shape(value)
+        if shape is None or len(shape) == 0 or entry.part is None:
+            value = to_full(value) if shape is not None else value
+            out[key] = value.detach().clone() if torch.is_tensor(value) else value
+            continue
+        if shape != full_shape:  # this rank's own piece (checked in _check_state_shapes)
+            out[key] = value.detach().clone()
+            continue
+        group, index = entry.group, entry.index
+        lo, hi = group._local_range(index)
+        start = group.shard_start + lo - group.offsets[index]
+        full = to_full(value)
+        out[key] = full.reshape(-1)[start: start + (hi - lo)].clone()
+    return out
+
+
+def broadcast_object_tree(tree):
+    """Rank 0's nested dict/list of tensors and Python values, on every rank: the structure
+    (with tensor shapes) as one object, then each tensor by a broadcast."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    if world_rank() == 0:
+        leaves, spec = tree_flatten(tree)
+        meta = [("t", tuple(x.shape), x.dtype) if torch.is_tensor(x) else ("v", x)
+                for x in leaves]
+        header = [(spec, meta)]
+    else:
+        header = [None]
+    dist.broadcast_object_list(header, src=0)
+    spec, meta = header[0]
+    out = []
+    for index, item in enumerate(meta):
+        if item[0] == "v":
+            out.append(item[1])
+            continue
+        tensor = (to_full(leaves[index]).detach().clone() if world_rank() == 0
+                  else torch.empty(item[1], dtype=item[2]))
+        dist.broadcast(tensor, src=0)
+        out.append(tensor)
+    return tree_unflatten(out, spec)

@@ -1,0 +1,160 @@
+"""Where a model's sharded parts are, and what every tensor is called in a state dict.
+
+A "part" is a module sharded by the engine (`engine.get_sharded(module)`), found anywhere in
+the model handed to a state-dict function: the model itself, the module inside one of our
+wrappers (FSDP1's `_fsdp_wrapped_module`, YaFSDP's `_module`), or several independently
+sharded submodules. State-dict keys are canonical FQNs: the path from the model with our
+wrappers' inner attribute left out, exactly as torch's state-dict helpers name a native FSDP1
+model (and as our wrappers' own `state_dict()` does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_bridge import engine
+from fsdp_bridge.engine.runtime import ShardedModel
+
+MESH_ATTRIBUTE = "_fsdp_bridge_checkpoint_mesh"
+
+
+@dataclasses.dataclass
+class Part:
+    prefix: str  # canonical key prefix of the sharded module: "" or "a.b."
+    sharded: ShardedModel
+
+
+@dataclasses.dataclass
+class Entry:
+    """One state-dict key of the model."""
+
+    key: str
+    tensor: torch.Tensor  # what the module holds (a local shard for managed parameters)
+    is_buffer: bool
+    part: Optional[Part] = None
+    group: object = None  # FlatGroup of a managed parameter
+    index: int = -1  # its slot in the group
+    dtype: Optional[torch.dtype] = None  # the dtype to report (buffers kept in another dtype)
+
+
+def _transparent_child(module: nn.Module) -> Optional[str]:
+    """The child attribute a wrapper of ours hides from state-dict names, if any."""
+    sharded = getattr(module, "_sharded", None)
+    if isinstance(sharded, ShardedModel):
+        for name, child in module._modules.items():
+            if child is sharded.module:
+                return name
+    return None
+
+
+def ensure_sharded(model: nn.Module) -> None:
+    """FSDP2's front-end shards lazily (on first use): make sure that happened."""
+    for module in model.modules():
+        if hasattr(module, "_fsdp_root_state") and engine.get_sharded(module) is None:
+            module._fsdp_root_state()
+            return
+
+
+def find_parts(model: nn.Module) -> list[Part]:
+    ensure_sharded(model)
+    parts: list[Part] = []
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        sharded = engine.get_sharded(module)
+        if sharded is not None:
+            parts.append(Part(prefix, sharded))
+            return
+        hidden = _transparent_child(module)
+        for name, child in module._modules.items():
+            if child is None:
+                continue
+            visit(child, prefix if name == hidden else f"{prefix}{name}.")
+
+    visit(model, "")
+    return parts
+
+
+def is_ours(model: nn.Module) -> bool:
+    """Whether `model` contains a module sharded by our engine."""
+    if not isinstance(model, nn.Module):
+        return False
+    for module in model.modules():
+        if engine.get_sharded(module) is not None or hasattr(module, "_fsdp_root_state"):
+            return True
+    return False
+
+
+def entries(model: nn.Module, parts: list[Part]) -> list[Entry]:
+    """Every key `nn.Module.state_dict` would give the unwrapped model, in the same order
+    (tied parameters under each of their names)."""
+    where = {}
+    for part in parts:
+        for unit in part.sharded.units:
+            for group in unit.groups:
+                for index, param in enumerate(group.local_params):
+                    where[id(param)] = (part, group, index)
+    buffer_dtypes = {}
+    for part in parts:
+        for name, dtype in part.sharded.buffer_dtypes.items():
+            buffer_dtypes[part.prefix + name] = dtype
+    result: list[Entry] = []
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            located = where.get(id(param))
+            if located is None:
+                result.append(Entry(prefix + name, param, False))
+            else:
+                part, group, index = located
+                result.append(Entry(prefix + name, param, False, part, group, index))
+        for name, buffer in module._buffers.items():
+            if buffer is None or name in module._non_persistent_buffers_set:
+                continue
+            key = prefix + name
+            result.append(Entry(key, buffer, True, dtype=buffer_dtypes.get(key)))
+        hidden = _transparent_child(module)
+        for name, child in module._modules.items():
+            if child is not None:
+                visit(child, prefix if name == hidden else f"{prefix}{name}.")
+
+    visit(model, "")
+    return result
+
+
+def world_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def mesh_of(sharded: ShardedModel):
+    """The DeviceMesh over which a part's parameters are sharded (dim "shard"), with the
+    replicate dim first for hybrid sharding; None when parameters are not sharded."""
+    comm = sharded.comm
+    if comm.shard_size == 1:
+        return None
+    mesh = getattr(sharded, MESH_ATTRIBUTE, None)
+    if mesh is not None:
+        return mesh
+    from torch.distributed.device_mesh import DeviceMesh
+
+    device_type = sharded.device.type
+    if comm.replicate_size == 1:
+        mesh = DeviceMesh.from_group(comm.shard_group, device_type, mesh_dim_names=("shard",))
+    else:
+        # The global rank at (replicate index, shard index), agreed by every rank.
+        me = (dist.get_rank(), dist.get_rank(comm.replicate_group), comm.shard_rank)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, me)
+        grid = torch.empty(comm.replicate_size, comm.shard_size, dtype=torch.int)
+        for rank, rep, shard in everyone:
+            grid[rep, shard] = rank
+        mesh = DeviceMesh.from_group([comm.replicate_group, comm.shard_group], device_type,
+                                     mesh=grid, mesh_dim_names=("replicate", "shard"))
+    object.__setattr__(sharded, MESH_ATTRIBUTE, mesh)
+    return mesh
