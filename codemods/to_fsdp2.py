@@ -395,6 +395,12 @@ class ToFsdp2Command(FsdpCodemod):
         if policy is not None:
             self._insert_loop(code(values["module"]), policy, kwargs)
             reasons.insert(0, f"{policy.what} expanded into a loop of fully_shard calls")
+            if "mp_policy" in kwargs:
+                # FSDP1 wraps _module_classes_to_ignore (BatchNorm by default) in their own fp32
+                # units under a policy; the rewrite does not. Say so rather than change it silently.
+                reasons.append("BatchNorm modules, which FSDP1 keeps in fp32 under a wrap policy "
+                               "with mixed precision, get the same mp_policy as their parent: "
+                               "fully_shard them first with MixedPrecisionPolicy() if the model has any")
         self.site("FB100", IN_PLACE, original, "FullyShardedDataParallel(...)",
                   "; ".join(reasons) or "fully_shard with the same settings")
         self.need(FSDP, "fully_shard")
