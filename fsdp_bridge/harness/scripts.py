@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -116,12 +117,22 @@ def run_script(label: str, script: str, nproc: int, args: Sequence[str], pattern
     with tempfile.TemporaryDirectory(prefix="fsdp-bridge-script-") as out_dir:
         started = time.perf_counter()
         try:
-            returncode, output, _ = run_torchrun(command, child_env(out_dir), timeout)
+            returncode, output, _ = run_torchrun(command, child_env(out_dir), timeout,
+                                                 before_retry=lambda: _clear(out_dir))
         except subprocess.TimeoutExpired as exc:
             returncode = 124
             output = (exc.stdout or b"").decode(errors="replace") + f"\n[timed out {timeout}s]"
         return ScriptRun(label, script, returncode, output, parse_losses(output, pattern),
                          _read_digests(out_dir), time.perf_counter() - started)
+
+
+def _clear(folder: str) -> None:
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
 
 
 def compare_script_runs(baseline: ScriptRun, candidate: ScriptRun,

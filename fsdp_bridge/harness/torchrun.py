@@ -12,14 +12,18 @@ once more rather than reported as a failed script.
 from __future__ import annotations
 
 import subprocess
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 
-def run_torchrun(command: Sequence[str], env: dict, timeout: float) -> tuple[int, str, bool]:
-    """Run `command`; returns (exit code, stdout+stderr, whether it was retried)."""
+def run_torchrun(command: Sequence[str], env: dict, timeout: float,
+                 before_retry: Optional[Callable[[], None]] = None) -> tuple[int, str, bool]:
+    """Run `command`; returns (exit code, stdout+stderr, whether it was retried).
+    `before_retry` clears what the first attempt left behind (e.g. recorded digests)."""
     for attempt in range(2):
+        if attempt and before_retry is not None:
+            before_retry()
         done = subprocess.run(list(command), env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, timeout=timeout)
         if done.returncode == 0 or TEARDOWN_ABORT not in done.stdout:
