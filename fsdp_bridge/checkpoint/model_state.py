@@ -181,7 +181,7 @@ def set_model_state_dict(model: nn.Module, state_dict: dict, *, strict: bool = T
     shapes = {k: global_shape(v) for k, v in state_dict.items()}
     missing, unexpected = check_against_model(ents, shapes, strict)
     with torch.no_grad():
-        _load_groups(parts, ents, state_dict, source=lambda key: to_full(state_dict[key]))
+        _load_groups(parts, state_dict, source=lambda key: to_full(state_dict[key]))
         for entry in ents:
             if entry.part is None and entry.key in state_dict:
                 entry.tensor.copy_(to_full(state_dict[entry.key]))
@@ -193,7 +193,9 @@ def _group_keys(part, group) -> list[Optional[str]]:
     return [[part.prefix + fqn for fqn in slot.owner_fqns] for slot in group.slots]
 
 
-def _load_groups(parts, ents, present, source) -> None:
+def _load_groups(parts, present, source, broadcast: bool = False) -> None:
+    """Lay each group's values, read with `source(key)`, into a full flat buffer and keep this
+    rank's range. With `broadcast`, only rank 0 reads `source` and sends the buffer."""
     for part in parts:
         for unit in part.sharded.units:
             for group in unit.groups:
@@ -206,10 +208,12 @@ def _load_groups(parts, ents, present, source) -> None:
                                        device=group.master.device)
                 else:  # keep the current values of what the state dict lacks
                     flat = group.gather_full_master()
-                for name, offset, numel in zip(names, group.offsets, group.numels):
-                    if name is not None:
-                        value = source(name)
-                        flat[offset: offset + numel].copy_(value.reshape(-1))
+                if not broadcast or world_rank() == 0:
+                    for name, offset, numel in zip(names, group.offsets, group.numels):
+                        if name is not None:
+                            flat[offset: offset + numel].copy_(source(name).reshape(-1))
+                if broadcast:
+                    dist.broadcast(flat, src=0)
                 group.load_full_master(flat)
 
 
@@ -228,25 +232,7 @@ def _load_broadcast(parts, ents, state_dict, strict):
         raise ValueError(message[0])
     present, (missing, unexpected) = set(message[1][0]), message[1][1]
     with torch.no_grad():
-        for part in parts:
-            for unit in part.sharded.units:
-                for group in unit.groups:
-                    names = [next((k for k in keys if k in present), None)
-                             for keys in _group_keys(part, group)]
-                    if all(name is None for name in names):
-                        continue
-                    if all(name is not None for name in names):
-                        flat = torch.zeros(group.padded_numel, dtype=group.master.dtype,
-                                           device=group.master.device)
-                    else:
-                        flat = group.gather_full_master()
-                    if world_rank() == 0:
-                        for name, offset, numel in zip(names, group.offsets, group.numels):
-                            if name is not None:
-                                value = to_full(state_dict[name])
-                                flat[offset: offset + numel].copy_(value.reshape(-1))
-                    dist.broadcast(flat, src=0)
-                    group.load_full_master(flat)
+        _load_groups(parts, present, lambda key: to_full(state_dict[key]), broadcast=True)
         for entry in ents:
             if entry.part is None and entry.key in present:
                 value = entry.tensor.detach().clone()
