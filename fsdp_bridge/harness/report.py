@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import textwrap
 from typing import Optional
 
 from fsdp_bridge.harness.compare import Comparison
@@ -117,7 +118,8 @@ def save_plot(report, path: str) -> None:
         points = [(step, loss) for step, loss in curve if loss is not None]
         top.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
     top.set_ylabel("loss")
-    top.set_title(report.title)
+    # Long titles (script paths) are wrapped rather than cut at the figure's edge.
+    top.set_title(textwrap.fill(report.title, 70), fontsize=10)
     top.legend()
     for comparison in report.comparisons:
         steps = [c.step for c in comparison.steps]
@@ -126,7 +128,8 @@ def save_plot(report, path: str) -> None:
         bottom.semilogy(steps, ratios, marker="o", label=comparison.candidate)
     bottom.axhline(1.0, color="red", linestyle="--", label="tolerance")
     bottom.set_xlabel("step")
-    bottom.set_ylabel(f"deviation / tolerance ({report.tolerance.dtype})")
+    # Exact agreement (deviation 0) is drawn at the bottom of the axis, 1e-12.
+    bottom.set_ylabel(f"deviation / tolerance ({report.tolerance.dtype}; 0 shown as 1e-12)")
     bottom.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=100)
