@@ -103,9 +103,7 @@ def get_model_state_dict(model: nn.Module, *, full_state_dict: bool = False,
         for unit in part.sharded.units:
             for group in unit.groups:
                 flat = group.gather_full_master()
-                for index, (slot, offset, numel) in enumerate(
-                        zip(group.slots, group.offsets, group.numels)):
-                    value = flat[offset: offset + numel].view(slot.shape)
+                for index, (_, value) in enumerate(group.split(flat)):
                     value = value.clone() if mesh is None else to_dtensor(value, mesh)
                     values[id(group.local_params[index])] = value
                 del flat
@@ -209,9 +207,9 @@ def _load_groups(parts, present, source, broadcast: bool = False) -> None:
                 else:  # keep the current values of what the state dict lacks
                     flat = group.gather_full_master()
                 if not broadcast or world_rank() == 0:
-                    for name, offset, numel in zip(names, group.offsets, group.numels):
+                    for name, (_, view) in zip(names, group.split(flat)):
                         if name is not None:
-                            flat[offset: offset + numel].copy_(source(name).reshape(-1))
+                            view.copy_(source(name).reshape(view.shape))
                 if broadcast:
                     dist.broadcast(flat, src=0)
                 group.load_full_master(flat)

@@ -129,12 +129,10 @@ def _group_state(optim, group, named, mesh, out: dict) -> None:
         work = group.comm.all_gather(full, local)
         if work is not None:
             work.wait()
-        for index, (slot, param) in enumerate(zip(group.slots, params)):
+        for (_, value), param in zip(group.split(full), params):
             fqn = named[id(param)][0]
             if fqn not in out:
                 continue
-            value = full[group.offsets[index]: group.offsets[index] + group.numels[index]]
-            value = value.view(slot.shape)
             out[fqn][key] = value.clone() if mesh is None else to_dtensor(value, mesh)
 
 

@@ -43,13 +43,19 @@ __all__ = [
     "get_sharded",
     "grad_norm",
     "load_full_state_dict",
+    "load_sharded_state_dict",
     "optim_state_dict_to_load",
     "owner_of",
     "release",
+    "reshard_unit",
+    "run_as_forward",
+    "run_pre_forward",
+    "set_gradient_divide_factor",
     "shard_model",
     "sharded_state_dict",
-    "load_sharded_state_dict",
     "summon_full_params",
+    "tag_parameters",
+    "unshard_unit",
 ]
 
 ATTRIBUTE = "_fsdp_bridge"

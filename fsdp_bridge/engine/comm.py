@@ -66,6 +66,11 @@ class Comm:
         )
 
     @property
+    def world_rank(self) -> int:
+        """This rank's index among every rank taking part (0 without a process group)."""
+        return dist.get_rank(self.world_group) if self.world_group is not None else 0
+
+    @property
     def data_parallel_size(self) -> int:
         """How many ranks contribute gradients: what the gradient sum is divided by."""
         return self.shard_size * self.replicate_size

@@ -128,12 +128,13 @@ class FlatGroup:
         if self.buffer is not None and self.buffer.owner is self:
             self.buffer.owner = None
 
+    def split(self, flat: torch.Tensor):
+        """(slot, view of its parameter in `flat`) for every parameter of a full flat buffer."""
+        for slot, offset, numel in zip(self.slots, self.offsets, self.numels):
+            yield slot, flat[offset : offset + numel].view(slot.shape)
+
     def full_views(self) -> list[torch.Tensor]:
-        flat = self.gathered_flat()
-        return [
-            flat[offset : offset + numel].view(slot.shape)
-            for slot, offset, numel in zip(self.slots, self.offsets, self.numels)
-        ]
+        return [view for _, view in self.split(self.gathered_flat())]
 
     # -- gradients ----------------------------------------------------------------------------
 

@@ -17,7 +17,6 @@ import weakref
 from typing import Iterable, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fsdp_bridge.engine.runtime import ShardedModel, _grad_norm
@@ -37,16 +36,6 @@ def owner_of(param: torch.Tensor) -> Optional[ShardedModel]:
     return ref() if ref is not None else None
 
 
-def _slot_values(group, flat: torch.Tensor):
-    for slot, offset, numel in zip(group.slots, group.offsets, group.numels):
-        yield slot, flat[offset : offset + numel].view(slot.shape)
-
-
-def _world_rank(sharded: ShardedModel) -> int:
-    group = sharded.comm.world_group
-    return dist.get_rank(group) if group is not None else 0
-
-
 def release(sharded: ShardedModel) -> None:
     """Undo `shard_model`: every parameter becomes an ordinary full `nn.Parameter` again (the
     original objects, refilled), buffers get back their dtypes, hooks are removed. A collective:
@@ -60,7 +49,7 @@ def release(sharded: ShardedModel) -> None:
             for group in unit.groups:
                 group.invalidate()
                 flat = group.gather_full_master()
-                for slot, value in _slot_values(group, flat):
+                for slot, value in group.split(flat):
                     slot.param.data = value.clone()
                     slot.param.requires_grad_(group.requires_grad)
                     slot.param.grad = None
@@ -86,7 +75,7 @@ def summon_full_params(
     with `writeback`, in-place changes are copied back into the shards on exit. With
     `rank0_only`, other ranks keep their shards; with `offload_to_cpu`, the full values (and
     gradients) live on the CPU. A collective: every rank must enter."""
-    on_this_rank = not rank0_only or _world_rank(sharded) == 0
+    on_this_rank = not rank0_only or sharded.comm.world_rank == 0
     swapped = []  # (owner, attr, local param)
     gathered = []  # (group, full flat)
     for unit in sharded.units:
@@ -112,11 +101,11 @@ def summon_full_params(
             gathered.append((group, flat))
             if not on_this_rank:
                 continue
-            for index, (slot, value) in enumerate(_slot_values(group, flat)):
+            grad_views = ([view for _, view in group.split(grads)] if grads is not None
+                          else [None] * len(group.slots))
+            for (slot, value), grad in zip(group.split(flat), grad_views):
                 full = nn.Parameter(value, requires_grad=group.requires_grad)
-                if grads is not None:
-                    offset, numel = group.offsets[index], group.numels[index]
-                    full.grad = grads[offset : offset + numel].view(slot.shape)
+                full.grad = grad
                 for owner, attr in slot.owners:
                     swapped.append((owner, attr, owner._parameters[attr]))
                     owner._parameters[attr] = full
@@ -212,7 +201,7 @@ def full_optim_state_dict(sharded: ShardedModel, optimizer, rank0_only: bool = F
                 work = group.comm.all_gather(full, local)
                 if work is not None:
                     work.wait()
-                for slot, value in _slot_values(group, full):
+                for slot, value in group.split(full):
                     if slot.fqn in state:
                         state[slot.fqn][key] = value.clone()
     # Parameters the engine does not shard (ignored modules / states): whole on every rank,
@@ -227,7 +216,7 @@ def full_optim_state_dict(sharded: ShardedModel, optimizer, rank0_only: bool = F
         entry = {k: v for k, v in pg.items() if k != "params"}
         entry["params"] = [fqn_of.get(id(p), f"<unmanaged {i}>") for i, p in enumerate(pg["params"])]
         param_groups.append(entry)
-    if rank0_only and _world_rank(sharded) != 0:
+    if rank0_only and sharded.comm.world_rank != 0:
         return {}
     return {"state": state, "param_groups": param_groups}
 

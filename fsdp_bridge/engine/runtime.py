@@ -31,7 +31,7 @@ from fsdp_bridge.engine.buffers import GatherBuffer, GradBufferPool
 from fsdp_bridge.engine.comm import Comm
 from fsdp_bridge.engine.flat_group import FlatGroup
 from fsdp_bridge.engine.layout import assign_groups, describe_layout
-from fsdp_bridge.plan import Plan, ShardingMode, UnitSpec
+from fsdp_bridge.plan import Plan, UnitSpec
 
 
 @dataclasses.dataclass

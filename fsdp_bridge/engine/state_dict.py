@@ -4,7 +4,6 @@ model's `state_dict()` has (tied weights under each of their names), in the same
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fsdp_bridge.engine.runtime import ShardedModel
@@ -16,11 +15,6 @@ def _unwrapped_entries(sharded: ShardedModel) -> dict[str, torch.Tensor]:
     return nn.Module.state_dict(sharded.module, keep_vars=True)
 
 
-def _world_rank(sharded: ShardedModel) -> int:
-    group = sharded.comm.world_group
-    return dist.get_rank(group) if group is not None else 0
-
-
 def full_state_dict(
     sharded: ShardedModel, rank0_only: bool = False, cpu_offload: bool = True
 ) -> dict[str, torch.Tensor]:
@@ -29,11 +23,11 @@ def full_state_dict(
     for unit in sharded.units:
         for group in unit.groups:
             flat = group.gather_full_master()
-            for slot, offset, numel in zip(group.slots, group.offsets, group.numels):
-                value = flat[offset : offset + numel].view(slot.shape).clone()
+            for slot, view in group.split(flat):
+                value = view.clone()
                 for fqn in slot.owner_fqns:
                     full_values[fqn] = value
-    if rank0_only and _world_rank(sharded) != 0:
+    if rank0_only and sharded.comm.world_rank != 0:
         return {}
     result = {}
     for key, value in _unwrapped_entries(sharded).items():
@@ -88,11 +82,11 @@ def _check_shape(key: str, value: torch.Tensor, shape) -> None:
 
 def _load_group(group, state_dict, strict: bool) -> None:
     current = group.gather_full_master()
-    for slot, offset, numel in zip(group.slots, group.offsets, group.numels):
+    for slot, view in group.split(current):
         key = next((fqn for fqn in slot.owner_fqns if fqn in state_dict), None)
         if key is None:
             continue  # strict mode already refused missing keys
         value = state_dict[key]
         _check_shape(key, value, slot.shape)
-        current[offset : offset + numel].copy_(value.reshape(-1))
+        view.copy_(value)
     group.load_full_master(current)

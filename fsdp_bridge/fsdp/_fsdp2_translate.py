@@ -4,7 +4,7 @@ engine's groups (it reads the mesh's groups, nothing more)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,7 +16,6 @@ from fsdp_bridge.translation import (
     ArgumentTable,
     bad_argument,
     ignored,
-    module_paths,
     register_table,
     rejected,
     translated,

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_bridge import engine
 from fsdp_bridge.fsdp import _fsdp2_translate as T

@@ -426,12 +426,7 @@ def hf_interop(rank, world, directory, model_name):
 def native_fsdp2_interop(rank, world, directory, model_name="llama"):
     """native FSDP2 (dcp.save of torch's own state dicts) -> ours, and ours -> native FSDP2."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     from fsdp_bridge import checkpoint
     out = {}
@@ -447,18 +442,7 @@ def native_fsdp2_interop(rank, world, directory, model_name="llama"):
     out["in_after_load"] = _pair_diffs(truth(native, native_opt), truth(ours, ours_opt))
     out["in_step"] = _pair_diffs(_step_truth(native, native_opt), _step_truth(ours, ours_opt))
     # Ours -> native.
-    path = os.path.join(directory, f"ours_to_native_fsdp2_{model_name}")
-    checkpoint.save_state(path, ours, ours_opt)
-    native = build("native_fsdp2", model_name, seed=8)
-    native_opt = optimizer_for(native)
-    state = {"model": get_model_state_dict(native),
-             "optim": get_optimizer_state_dict(native, native_opt)}
-    dcp.load(state, checkpoint_id=path)
-    set_model_state_dict(native, state["model"])
-    set_optimizer_state_dict(native, native_opt, state["optim"])
-    out["out_after_load"] = _pair_diffs(truth(native, native_opt), truth(ours, ours_opt))
-    out["out_step"] = _pair_diffs(_step_truth(native, native_opt, 3),
-                                  _step_truth(ours, ours_opt, 3))
+    out.update(_ours_to_native(directory, "native_fsdp2", model_name, 8, ours, ours_opt))
     return out
 
 
@@ -468,8 +452,6 @@ def native_fsdp1_interop(rank, world, directory, model_name="llama"):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
@@ -515,19 +497,36 @@ def native_fsdp1_interop(rank, world, directory, model_name="llama"):
     out["full_step"] = _pair_diffs(native_next, _step_truth(ours, ours_opt))
     out["sharded_step"] = _pair_diffs(native_next, _step_truth(ours2, ours2_opt))
     # Ours -> native FSDP1 (torch's own helpers, SHARDED under the hood).
-    path = os.path.join(directory, f"ours_to_native_fsdp1_{model_name}")
-    checkpoint.save_state(path, ours2, ours2_opt)
-    native = build("native_fsdp1", model_name, seed=11)
+    out.update(_ours_to_native(directory, "native_fsdp1", model_name, 11, ours2, ours2_opt))
+    return out
+
+
+def _ours_to_native(directory, native_kind, model_name, seed, ours, ours_opt) -> dict:
+    """Save ours with our checkpoint API, load it into a fresh native model through torch's
+    own DCP helpers, and compare after the load and after one more step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from fsdp_bridge import checkpoint
+
+    path = os.path.join(directory, f"ours_to_{native_kind}_{model_name}")
+    checkpoint.save_state(path, ours, ours_opt)
+    native = build(native_kind, model_name, seed=seed)
     native_opt = optimizer_for(native)
     state = {"model": get_model_state_dict(native),
              "optim": get_optimizer_state_dict(native, native_opt)}
     dcp.load(state, checkpoint_id=path)
     set_model_state_dict(native, state["model"])
     set_optimizer_state_dict(native, native_opt, state["optim"])
-    out["out_after_load"] = _pair_diffs(truth(native, native_opt), truth(ours2, ours2_opt))
-    out["out_step"] = _pair_diffs(_step_truth(native, native_opt, 3),
-                                  _step_truth(ours2, ours2_opt, 3))
-    return out
+    return {
+        "out_after_load": _pair_diffs(truth(native, native_opt), truth(ours, ours_opt)),
+        "out_step": _pair_diffs(_step_truth(native, native_opt, 3), _step_truth(ours, ours_opt, 3)),
+    }
 
 
 def world2_first(rank, world, directory):

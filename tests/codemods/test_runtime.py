@@ -3,7 +3,6 @@
 import functools
 
 import pytest
-import torch
 from torch import nn
 from torch.distributed.fsdp import FullStateDictConfig, ShardingStrategy, StateDictType
 from torch.distributed.fsdp.wrap import (

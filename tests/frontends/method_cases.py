@@ -431,7 +431,7 @@ def run_cases(rank, world, names):
         for name in names:
             try:
                 out[name] = CASES[name](rank, world)
-            except Exception as exc:  # noqa: BLE001 - reported per case; the world goes on
+            except Exception:  # noqa: BLE001 - reported per case; the world goes on
                 import traceback
 
                 out[name] = {"error": traceback.format_exc()}
