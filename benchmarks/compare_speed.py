@@ -32,6 +32,7 @@ def hand_training(backend_name: str) -> None:
 
     from fsdp_bridge.harness.backends import RankEnv, get_backend
     from fsdp_bridge.harness.recipes import builtin_recipe, micro_batches
+    from fsdp_bridge.harness.teardown import leave_world
 
     recipe = builtin_recipe("tiny-llama", steps=STEPS)
     backend = get_backend(backend_name)
@@ -51,7 +52,7 @@ def hand_training(backend_name: str) -> None:
         if rank == 0:
             print(f"step {step} loss {loss.item():.6f}")
     if backend.distributed:
-        dist.destroy_process_group()
+        leave_world()  # [Note: gloo teardown abort] in fsdp_bridge/harness/teardown.py
 
 
 def _timed(command: list[str]) -> float:

@@ -372,7 +372,9 @@ def _rank_entry(rank: int, world: int, init_file: str, out_dir: str, s: dict) ->
         result = {"error": traceback.format_exc()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
         json.dump(result, handle)
-    dist.destroy_process_group()
+    from fsdp_bridge.harness.teardown import leave_world
+
+    leave_world()  # the result is on disk; see [Note: gloo teardown abort]
 
 
 def _run_world(s: dict) -> list[dict]:

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fsdp_bridge.harness.teardown import leave_world
+
 
 def _entry(rank, world_size, init_file, out_dir, fn, args):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -39,11 +41,9 @@ def _entry(rank, world_size, init_file, out_dir, fn, args):
         result = ("error", traceback.format_exc())
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as handle:
         pickle.dump(result, handle)
-    try:
-        if result[0] == "ok":
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    if result[0] == "ok":
+        dist.barrier()
+    leave_world()  # results are on disk; see [Note: gloo teardown abort]
 
 
 def run_world(fn, world_size: int = 2, *args, timeout: float = 600.0):

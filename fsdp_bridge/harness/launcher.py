@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 from fsdp_bridge.harness.backends import Backend, RankEnv, get_backend
 from fsdp_bridge.harness.recipes import Recipe
 from fsdp_bridge.harness.runner import RunRecord, cpu_count, train
+from fsdp_bridge.harness.teardown import leave_world
 
 
 def resolve_device(device: str, nproc: int) -> str:
@@ -74,8 +75,10 @@ def _rank_main(rank, world_size, init_file, out_dir, recipe, backends, device_ty
         if rank == 0:
             with open(os.path.join(out_dir, "records.pkl"), "wb") as handle:
                 pickle.dump(records, handle)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise  # the spawn machinery reports it with this rank's traceback
+    leave_world()  # [Note: gloo teardown abort]
 
 
 def run_backends(recipe: Recipe, backends: Sequence[Union[str, Backend]], nproc: int = 2,

@@ -27,7 +27,7 @@ KWARGS_FIXTURE = pathlib.Path(__file__).parent / "runnable" / "fsdp1_kwargs_mode
 
 def _torchrun(script: pathlib.Path, out: pathlib.Path) -> list[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    # run_torchrun retries once on torch's gloo teardown abort (see its note).
+    # run_torchrun retries once on torch's gloo teardown abort (fsdp_bridge/harness/teardown.py).
     returncode, output, _ = run_torchrun(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
          str(script), "--steps", "3", "--out", str(out)],

@@ -1,8 +1,9 @@
-"""run_torchrun reruns a command once when it ends in torch's gloo teardown abort, and only then."""
+"""run_torchrun reruns a command when it ends in torch's gloo teardown abort, and only then."""
 
 import sys
 
-from fsdp_bridge.harness.torchrun import TEARDOWN_ABORT, run_torchrun
+from fsdp_bridge.harness.teardown import TEARDOWN_ABORT
+from fsdp_bridge.harness.torchrun import ATTEMPTS, run_torchrun
 
 FLAKY = f"""
 import os, sys
@@ -30,3 +31,11 @@ def test_other_failures_are_not_retried(tmp_path):
         [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], {}, timeout=60
     )
     assert (code, retried) == (3, False) and "boom" in output
+
+
+def test_retries_stop_after_the_last_attempt(tmp_path):
+    always = f"import sys; print({TEARDOWN_ABORT!r}, flush=True); sys.exit(134)"
+    cleared = []
+    code, output, retried = run_torchrun([sys.executable, "-c", always], {}, timeout=60,
+                                         before_retry=lambda: cleared.append(True))
+    assert (code, retried, len(cleared)) == (134, True, ATTEMPTS - 1)

@@ -16,6 +16,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from fsdp_bridge.harness.teardown import leave_world  # noqa: E402
+
 STEPS, EVERY = 6, 2
 
 
@@ -50,7 +52,7 @@ def main():
         torch.save({"params": params, "optim": optim, "attempt": attempt, "resumed_from": start},
                    os.path.join(out, "final.pt"))
     dist.barrier()
-    dist.destroy_process_group()
+    leave_world()  # final.pt is written; see [Note: gloo teardown abort]
 
 
 if __name__ == "__main__":
