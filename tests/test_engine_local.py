@@ -96,3 +96,22 @@ def test_plan_is_printable_and_fingerprint_stable():
     assert "model.layers.2 (reshard-after-forward)" in text and "<root>" in text
     assert plan.fingerprint() == llama_plan(param_dtype=torch.bfloat16).fingerprint()
     assert plan.fingerprint() != llama_plan().fingerprint()
+
+
+def test_shared_gather_buffers_hold_memory_only_while_needed():
+    model = M.tiny_llama()
+    engine.shard_model(model, llama_plan())
+    sharded = engine.get_sharded(model)
+    assert len(sharded.shared_buffers) == 2
+
+    def held():
+        return [b for b in sharded.shared_buffers if b.tensor.untyped_storage().nbytes() > 0]
+
+    assert held() == []  # nothing allocated before the first gather
+    loss = M.lm_loss(model, M.global_batches(1, 2)[0])
+    last_layer = sharded.units[2]
+    assert last_layer.name == "model.layers.2"
+    # Through the turn to backward only the last layer's weights stay gathered.
+    assert [b.owner for b in held()] == last_layer.groups
+    loss.backward()
+    assert held() == []  # freed before the optimizer step

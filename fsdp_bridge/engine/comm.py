@@ -64,6 +64,13 @@ class Comm:
         self.reduce_scatter_in_place = (
             shard_group is not None and dist.get_backend(shard_group) == "gloo"
         )
+        # [Note: gloo gather input] a gloo work object keeps its input alive until the work
+        # is destroyed. Holding the work's future instead of the work lets gloo free the
+        # input (under mixed precision, a cast copy of the shard) as soon as the gather
+        # finishes, not when the engine waits, one unit later for a prefetch. (Measured: a
+        # finished 32 MiB gather still held its input through the work, not through the
+        # future.)
+        self.wait_on_futures = self.reduce_scatter_in_place
 
     @property
     def world_rank(self) -> int:
@@ -81,9 +88,10 @@ class Comm:
             output.data.copy_(shard)
             return None
         self.stats.record("all_gather", output)
-        return dist.all_gather_into_tensor(
+        work = dist.all_gather_into_tensor(
             output.data, shard, group=self.shard_group, async_op=True
         )
+        return work.get_future() if self.wait_on_futures else work
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor):
         """Sum `full` over the shard group, keeping this rank's part in `output`."""

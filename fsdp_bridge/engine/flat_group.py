@@ -57,7 +57,7 @@ class FlatGroup:
         # Set by the runtime: where the gathered parameters live.
         self.buffer: Optional[GatherBuffer] = None
         self.dedicated = False
-        self.pending_gather = None  # (work, source) of an in-flight gather
+        self.pending_gather = None  # the handle of an in-flight gather (work or future)
         # Gradient state of the current accumulation cycle.
         self.grad_shard: Optional[torch.Tensor] = None  # exposed to the user as .grad views
         self.accumulator: Optional[torch.Tensor] = None
@@ -113,13 +113,13 @@ class FlatGroup:
         if previous is not None and previous is not self:
             previous.wait_gather()  # never write over an in-flight gather
         self.buffer.owner = self
-        source = self.master.to(self.compute_dtype)
-        work = self.comm.all_gather(self.gathered_flat(), source)
-        self.pending_gather = (work, source) if work is not None else None
+        # The collective keeps its input alive until it has finished.
+        self.pending_gather = self.comm.all_gather(self.gathered_flat(),
+                                                   self.master.to(self.compute_dtype))
 
     def wait_gather(self) -> None:
         if self.pending_gather is not None:
-            self.pending_gather[0].wait()
+            self.pending_gather.wait()
             self.pending_gather = None
 
     def invalidate(self) -> None:

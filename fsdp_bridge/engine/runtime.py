@@ -6,11 +6,13 @@ Order of events in one training step (ZeRO-3, units u0..u3 inside the root):
     root pre-forward   every gathered copy is marked stale (the optimizer moved the masters),
                        the root unit is gathered and stays gathered until the step ends
     ui pre-forward     wait for ui's gather, install its views, prefetch u(i+1)
-    ui post-forward    remove the views; ui's buffer may now be taken by u(i+2)
+    ui post-forward    remove the views; ui's buffer may now be taken by u(i+2); after the
+                       last unit, the other shared buffers release their memory
     ui pre-backward    (hook on ui's outputs) gather ui again unless its buffer still holds it,
                        prefetch u(i-1)
     ui post-backward   (Unflatten.backward) lay out the gradient, start its reduction
-    end of backward    finish the reductions; on the last micro-step divide once and expose .grad
+    end of backward    finish the reductions; on the last micro-step divide once and expose
+                       .grad; the shared gather buffers release their memory
 """
 
 from __future__ import annotations
@@ -134,11 +136,15 @@ class ShardedModel:
                 else:
                     group.buffer = GatherBuffer(group.padded_numel, group.compute_dtype, self.device)
                     group.dedicated = True
+        self.shared_buffers: list[GatherBuffer] = []
         for dtype, groups in shared.items():
             size = max(group.padded_numel for group in groups)
             pair = [GatherBuffer(size, dtype, self.device) for _ in range(min(2, len(groups)))]
             for index, group in enumerate(groups):
                 group.buffer = pair[index % len(pair)]
+            self.shared_buffers.extend(pair)
+        for buffer in self.shared_buffers:
+            buffer.release()  # allocated at the first gather
         sizes: dict[torch.dtype, int] = {}
         for unit in self.units:
             for group in unit.trainable_groups:
@@ -181,14 +187,19 @@ class ShardedModel:
         def post_forward(module, args, output):
             self._remove_views(unit)
             unit.in_use = False
+            if unit is self._last_in_forward():
+                self._release_shared_buffers(keep=unit)
             if torch.is_grad_enabled():
                 tensors = [
                     t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
                 ]
                 if tensors:
                     register_multi_grad_hook(tensors, self._make_pre_backward(unit), mode="any")
-            if unit.is_root and self.mp.output_dtype is not None:
-                output = self._cast_floating(output, self.mp.output_dtype)
+            if unit.is_root and self.forward_order:
+                # Again, in case this forward's last unit was not the expected one.
+                self._release_shared_buffers(keep=self.forward_order[-1])
+                if self.mp.output_dtype is not None:
+                    output = self._cast_floating(output, self.mp.output_dtype)
             return output
 
         return post_forward
@@ -203,6 +214,14 @@ class ShardedModel:
         if self.forward_order:
             self.last_forward_order = self.forward_order
         self.forward_order = []
+
+    def _release_shared_buffers(self, keep: Optional[Unit] = None) -> None:
+        # Activations peak at the turn to backward (the head and the loss run after the last
+        # unit): through it, hold only the weights of `keep`, the unit backward starts with
+        # ([Note: two buffers]).
+        for buffer in self.shared_buffers:
+            if keep is None or buffer.owner not in keep.groups:
+                buffer.release()
 
     def _install_views(self, unit: Unit) -> None:
         for group in unit.groups:
@@ -259,8 +278,16 @@ class ShardedModel:
                 continue
             group.start_gather()
 
+    def _expected_forward_order(self) -> list[Unit]:
+        """The last forward's order; before any forward, the Plan's."""
+        return self.last_forward_order or [u for u in self.units if not u.is_root]
+
+    def _last_in_forward(self) -> Optional[Unit]:
+        order = [u for u in self._expected_forward_order() if not u.is_root]
+        return order[-1] if order else None
+
     def _next_in_forward(self, unit: Unit) -> Optional[Unit]:
-        order = self.last_forward_order or [u for u in self.units if not u.is_root]
+        order = self._expected_forward_order()
         for index, candidate in enumerate(order[:-1]):
             if candidate is unit:
                 following = order[index + 1]
@@ -372,6 +399,9 @@ class ShardedModel:
             # be the last before the script tears its process group down.
             for group in unit.groups:
                 group.wait_gather()
+        # The next forward gathers every unit again (the masters move): nothing in the shared
+        # buffers is worth holding through the optimizer step.
+        self._release_shared_buffers()
         self.callback_queued = False
 
     # -- public operations --------------------------------------------------------------------
