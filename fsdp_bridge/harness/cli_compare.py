@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fsdp_bridge.harness.equivalence import EXIT_ERROR, check_equivalence
+    from fsdp_bridge.harness.compare import EXIT_ERROR
+    from fsdp_bridge.harness.equivalence import check_equivalence
     from fsdp_bridge.harness.report import render_table, save_plot, write_json
 
     try:

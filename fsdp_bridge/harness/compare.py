@@ -23,6 +23,15 @@ import torch
 
 from fsdp_bridge.harness.digest import Digest
 
+EXIT_AGREE, EXIT_DISAGREE, EXIT_ERROR = 0, 1, 2
+
+
+def exit_code_for(errors: Sequence[str], comparisons: Sequence[Comparison]) -> int:
+    """The harness's exit status: 2 when a run failed, else 0 if every comparison agrees, else 1."""
+    if errors:
+        return EXIT_ERROR
+    return EXIT_AGREE if all(c.ok for c in comparisons) else EXIT_DISAGREE
+
 
 @dataclasses.dataclass(frozen=True)
 class Tolerance:

@@ -7,12 +7,18 @@ import time
 from typing import Optional, Sequence, Union
 
 from fsdp_bridge.harness.backends import Backend
-from fsdp_bridge.harness.compare import Comparison, Tolerance, compare_runs, tolerance_for
+from fsdp_bridge.harness.compare import (
+    EXIT_AGREE,
+    Comparison,
+    Tolerance,
+    compare_runs,
+    exit_code_for,
+    tolerance_for,
+)
 from fsdp_bridge.harness.launcher import run_backends
 from fsdp_bridge.harness.recipes import Recipe
 from fsdp_bridge.harness.runner import RunRecord
 
-EXIT_AGREE, EXIT_DISAGREE, EXIT_ERROR = 0, 1, 2
 
 
 @dataclasses.dataclass
@@ -36,13 +42,11 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return not self.errors and all(c.ok for c in self.comparisons)
+        return self.exit_code == EXIT_AGREE
 
     @property
     def exit_code(self) -> int:
-        if self.errors:
-            return EXIT_ERROR
-        return EXIT_AGREE if self.ok else EXIT_DISAGREE
+        return exit_code_for(self.errors, self.comparisons)
 
 
 def recipe_settings(recipe: Recipe, nproc: int) -> dict:

@@ -29,7 +29,13 @@ import time
 from typing import Optional, Sequence
 
 from fsdp_bridge.harness import step_hook
-from fsdp_bridge.harness.compare import Comparison, Tolerance, compare_steps
+from fsdp_bridge.harness.compare import (
+    EXIT_AGREE,
+    Comparison,
+    Tolerance,
+    compare_steps,
+    exit_code_for,
+)
 from fsdp_bridge.harness.digest import Digest
 from fsdp_bridge.harness.runner import StepRecord
 from fsdp_bridge.harness.torchrun import run_torchrun
@@ -154,13 +160,11 @@ class ScriptReport:
 
     @property
     def ok(self) -> bool:
-        return not self.errors and all(c.ok for c in self.comparisons)
+        return self.exit_code == EXIT_AGREE
 
     @property
     def exit_code(self) -> int:
-        if self.errors:
-            return 2
-        return 0 if self.ok else 1
+        return exit_code_for(self.errors, self.comparisons)
 
     def curves(self) -> dict[str, list]:
         return {run.label: sorted(run.losses.items()) for run in self.runs}
