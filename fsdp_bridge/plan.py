@@ -32,6 +32,16 @@ class ShardingMode(enum.Enum):
     HYBRID = "hybrid"  # 2-D mesh: shard inside a group, all-reduce across replica groups
 
 
+class ParamLayout(enum.Enum):
+    """How a rank's shard of a unit is cut from its parameters, and what the user holds."""
+
+    # One contiguous range of the unit's concatenated parameters (FSDP1 / YaFSDP): the user
+    # holds 1-D local pieces of each parameter.
+    FLAT = "flat"
+    # Each parameter split by rows as torch's Shard(0) (FSDP2): the user holds DTensors.
+    ROWS = "rows"
+
+
 @dataclasses.dataclass(frozen=True)
 class UnitSpec:
     """One flat unit: the module at `name` ("" is the root) and its resharding policy."""
@@ -77,6 +87,7 @@ class Plan:
     gradient_accumulation_steps: int = 1
     sync_module_states: bool = False  # broadcast rank 0's parameters and buffers at init
     cpu_offload: bool = False  # keep fp32 master shards and their gradients on the CPU
+    param_layout: ParamLayout = ParamLayout.FLAT
     frontend: str = "engine"  # who built the plan, for messages
     # Settings a front-end could not honour, each "argument: reason" (warned once at build).
     notes: tuple[str, ...] = ()
@@ -103,6 +114,7 @@ class Plan:
             f"gradient_accumulation_steps: {self.gradient_accumulation_steps}",
             f"sync_module_states: {self.sync_module_states}",
             f"cpu_offload: {self.cpu_offload}",
+            f"param_layout: {self.param_layout.value}",
             "units:",
         ]
         for unit in self.units:

@@ -37,6 +37,18 @@ from fsdp_bridge.translation import bad_argument
 WRAPPED = "_fsdp_wrapped_module"
 
 
+def shard_flat(module: nn.Module, plan, **kwargs):
+    """`engine.shard_model` for the front-ends whose parameters are flat 1-D local pieces
+    (FSDP1, YaFSDP, Zeta, TorchAcc). torch's `torch.distributed.checkpoint.state_dict` helpers
+    cannot tell such a piece from a whole parameter, so they are routed to our state-dict code
+    for these models (see [Note: routing torch's state-dict helpers] in
+    fsdp_bridge/checkpoint/dsd.py); FSDP2 models hold DTensors and need no routing."""
+    from fsdp_bridge.checkpoint import dsd
+
+    dsd.install()
+    return engine.shard_model(module, plan, **kwargs)
+
+
 def _default_config(state_dict_type: StateDictType):
     if state_dict_type is StateDictType.SHARDED_STATE_DICT:
         return ShardedStateDictConfig(), ShardedOptimStateDictConfig()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 
 from fsdp_bridge.checkpoint import model_state, optim_state
-from fsdp_bridge.checkpoint.parts import is_ours
+from fsdp_bridge.checkpoint.parts import has_flat_shards
 
 _WORKERS = ("_get_model_state_dict", "_load_model_state_dict", "_get_optim_state_dict",
             "_load_optim_state_dict")
@@ -42,7 +42,7 @@ def install() -> None:
 
     @functools.wraps(original["_get_model_state_dict"])
     def _get_model_state_dict(model, info):
-        if not info.handle_model or not is_ours(model):
+        if not info.handle_model or not has_flat_shards(model):
             return original["_get_model_state_dict"](model, info)
         return model_state.get_model_state_dict(
             model, full_state_dict=info.full_state_dict, cpu_offload=info.cpu_offload,
@@ -50,7 +50,7 @@ def install() -> None:
 
     @functools.wraps(original["_load_model_state_dict"])
     def _load_model_state_dict(model, state_dict, info):
-        if not info.handle_model or not is_ours(model):
+        if not info.handle_model or not has_flat_shards(model):
             return original["_load_model_state_dict"](model, state_dict, info)
         if not state_dict and not info.broadcast_from_rank0:
             return original["_load_model_state_dict"](model, state_dict, info)
@@ -59,7 +59,7 @@ def install() -> None:
 
     @functools.wraps(original["_get_optim_state_dict"])
     def _get_optim_state_dict(model, optimizers, info):
-        if not info.handle_optim or not is_ours(model):
+        if not info.handle_optim or not has_flat_shards(model):
             return original["_get_optim_state_dict"](model, optimizers, info)
         result = optim_state.get_optimizer_state_dict(
             model, optimizers, full_state_dict=info.full_state_dict, cpu_offload=info.cpu_offload)
@@ -69,7 +69,7 @@ def install() -> None:
 
     @functools.wraps(original["_load_optim_state_dict"])
     def _load_optim_state_dict(model, optimizers, state_dict, info):
-        if not info.handle_optim or not is_ours(model):
+        if not info.handle_optim or not has_flat_shards(model):
             return original["_load_optim_state_dict"](model, optimizers, state_dict, info)
         optim_state.set_optimizer_state_dict(
             model, optimizers, state_dict, strict=info.strict,

@@ -19,6 +19,7 @@ from torch import nn
 
 from fsdp_bridge import engine
 from fsdp_bridge.engine.runtime import ShardedModel
+from fsdp_bridge.plan import ParamLayout
 
 MESH_ATTRIBUTE = "_fsdp_bridge_checkpoint_mesh"
 
@@ -79,12 +80,15 @@ def find_parts(model: nn.Module) -> list[Part]:
     return parts
 
 
-def is_ours(model: nn.Module) -> bool:
-    """Whether `model` contains a module sharded by our engine."""
+def has_flat_shards(model: nn.Module) -> bool:
+    """Whether `model` contains a module our engine shards in the flat layout (FSDP1,
+    YaFSDP, Zeta, TorchAcc: parameters are 1-D local pieces that torch cannot recognise).
+    FSDP2 models hold DTensors, which torch's own state-dict code handles as they are."""
     if not isinstance(model, nn.Module):
         return False
     for module in model.modules():
-        if engine.get_sharded(module) is not None or hasattr(module, "_fsdp_root_state"):
+        sharded = engine.get_sharded(module)
+        if sharded is not None and sharded.plan.param_layout is ParamLayout.FLAT:
             return True
     return False
 

@@ -15,6 +15,7 @@ from torch import nn
 from fsdp_bridge.engine.comm import Comm, CollectiveStats
 from fsdp_bridge.engine.full_params import (
     clip_grads_,
+    expose_unit,
     full_optim_state_dict,
     grad_norm,
     load_sharded_state_dict,
@@ -38,6 +39,7 @@ __all__ = [
     "CollectiveStats",
     "ShardedModel",
     "clip_grads_",
+    "expose_unit",
     "full_optim_state_dict",
     "full_state_dict",
     "get_sharded",
@@ -106,17 +108,7 @@ def shard_model(
     tag_parameters(sharded)
     # object.__setattr__: keep the state out of the module tree (not a submodule).
     object.__setattr__(module, ATTRIBUTE, sharded)
-    _route_torch_state_dict_helpers()
     return sharded
-
-
-def _route_torch_state_dict_helpers() -> None:
-    # torch.distributed.checkpoint.state_dict's helpers must see our shards as pieces of whole
-    # parameters, not as whole parameters: see [Note: routing torch's state-dict helpers] in
-    # fsdp_bridge/checkpoint/dsd.py (a layer above the engine, imported lazily).
-    from fsdp_bridge.checkpoint import dsd
-
-    dsd.install()
 
 
 def get_sharded(module: nn.Module) -> Optional[ShardedModel]:

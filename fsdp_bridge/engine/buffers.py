@@ -43,8 +43,7 @@ class GatherBuffer:
         share the storage object, so when backward gathers the unit into the buffer again they
         read its parameters, as they do after any other unit used the buffer in between."""
         if self.owner is not None:
-            self.owner.wait_gather()  # never free memory a gather is writing into
-            self.owner = None
+            self.owner.invalidate()  # waits: never free memory a gather is writing into
         self.tensor.untyped_storage().resize_(0)
 
 

@@ -40,18 +40,10 @@ class FlatGroup:
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
         self.numels = [slot.numel for slot in self.slots]
-        self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
         self.numel = sum(self.numels)
-        size = comm.shard_size
-        self.padded_numel = -(-self.numel // size) * size
-        self.shard_numel = self.padded_numel // size
+        self._init_layout()
         self.shard_start = comm.shard_rank * self.shard_numel
-
-        full = self._flatten_originals(device)
-        if sync_module_states:
-            comm.broadcast_from_first(full)
-        self.master = full[self.shard_start : self.shard_start + self.shard_numel].clone()
-        del full
+        self.master = self._build_master(device, sync_module_states)
         self.local_params = self._register_local_params()
 
         # Set by the runtime: where the gathered parameters live.
@@ -67,6 +59,20 @@ class FlatGroup:
         self.gate = torch.empty(0, device=device, requires_grad=True)
 
     # -- construction -------------------------------------------------------------------------
+
+    def _init_layout(self) -> None:
+        """Where each parameter lies in the full flat buffer (`offsets`), and the sizes of the
+        full buffer and of one rank's shard of it."""
+        self.offsets = [sum(self.numels[:i]) for i in range(len(self.numels))]
+        size = self.comm.shard_size
+        self.padded_numel = -(-self.numel // size) * size
+        self.shard_numel = self.padded_numel // size
+
+    def _build_master(self, device: torch.device, sync_module_states: bool) -> torch.Tensor:
+        full = self._flatten_originals(device)
+        if sync_module_states:
+            self.comm.broadcast_from_first(full)
+        return full[self.shard_start : self.shard_start + self.shard_numel].clone()
 
     def _flatten_originals(self, device: torch.device) -> torch.Tensor:
         parts = [slot.param.detach().reshape(-1).to(device) for slot in self.slots]
@@ -111,16 +117,24 @@ class FlatGroup:
         assert self.buffer is not None
         previous = self.buffer.owner
         if previous is not None and previous is not self:
-            previous.wait_gather()  # never write over an in-flight gather
+            previous.invalidate()  # waits: never write over an in-flight gather
         self.buffer.owner = self
         # The collective keeps its input alive until it has finished.
-        self.pending_gather = self.comm.all_gather(self.gathered_flat(),
+        self.pending_gather = self.comm.all_gather(self._gather_target(),
                                                    self.master.to(self.compute_dtype))
+
+    def _gather_target(self) -> torch.Tensor:
+        """Where the all-gather writes: in this layout, straight into the buffer."""
+        return self.gathered_flat()
 
     def wait_gather(self) -> None:
         if self.pending_gather is not None:
             self.pending_gather.wait()
             self.pending_gather = None
+        self._finish_gather()
+
+    def _finish_gather(self) -> None:
+        """Runs once a gather has landed (nothing to do in this layout)."""
 
     def invalidate(self) -> None:
         """The masters changed (or will): the gathered copy is stale."""
@@ -220,21 +234,44 @@ class FlatGroup:
         else:
             self.grad_shard.div_(divisor)
         for index, param in enumerate(self.local_params):
-            lo, hi = self._local_range(index)
-            param.grad = self.grad_shard[lo:hi]
+            param.grad = self._grad_of(index)
         self.reduced_this_cycle = False
+
+    def _grad_of(self, index: int) -> torch.Tensor:
+        """Parameter `index`'s gradient as the user sees it: a view of the gradient shard."""
+        lo, hi = self._local_range(index)
+        return self.grad_shard[lo:hi]
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """This rank's pieces of the parameters' gradients, as plain tensors."""
+        return [local_part(p.grad) for p in self.local_params if p.grad is not None]
 
     # -- full (unsharded) values --------------------------------------------------------------
 
     def gather_full_master(self) -> torch.Tensor:
-        """The full fp32 flat parameters, on every rank (a blocking collective)."""
-        full = torch.empty(self.padded_numel, dtype=self.master.dtype, device=self.master.device)
-        work = self.comm.all_gather(full, self.master)
+        """The full fp32 flat parameters (parameter after parameter, as `split` reads them),
+        on every rank (a blocking collective)."""
+        return self.gather_full(self.master)
+
+    def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's `shard` (laid out like the master shard) as one full flat tensor in
+        the order `split` reads. A blocking collective."""
+        full = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
+        work = self.comm.all_gather(full, shard)
         if work is not None:
             work.wait()
         return full
 
     def load_full_master(self, full: torch.Tensor) -> None:
         with torch.no_grad():
-            self.master.copy_(full[self.shard_start : self.shard_start + self.shard_numel])
+            self.master.copy_(self.shard_of(full))
         self.invalidate()
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a full flat tensor laid out as `split` reads it."""
+        return full[self.shard_start : self.shard_start + self.shard_numel]
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local tensor, or the tensor itself."""
+    return getattr(tensor, "_local_tensor", tensor)

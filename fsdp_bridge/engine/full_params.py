@@ -19,6 +19,8 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from fsdp_bridge.engine.flat_group import local_part
+from fsdp_bridge.engine.row_group import RowGroup
 from fsdp_bridge.engine.runtime import ShardedModel, _grad_norm
 
 OWNER_ATTRIBUTE = "_fsdp_bridge_owner"  # on each local parameter: weakref to its ShardedModel
@@ -48,6 +50,9 @@ def release(sharded: ShardedModel) -> None:
         for unit in sharded.units:
             for group in unit.groups:
                 group.invalidate()
+                if isinstance(group, RowGroup):  # DTensor parameters stay sharded
+                    group.detach_params()
+                    continue
                 flat = group.gather_full_master()
                 for slot, value in group.split(flat):
                     slot.param.data = value.clone()
@@ -132,7 +137,7 @@ def grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> tor
         if owner is None:
             plain.append(param.grad)
         else:
-            by_owner.setdefault(id(owner), (owner, []))[1].append(param.grad)
+            by_owner.setdefault(id(owner), (owner, []))[1].append(local_part(param.grad))
     if not by_owner:
         grads = plain
         if not grads:
@@ -349,6 +354,14 @@ def unshard_unit(sharded: ShardedModel, name: str) -> list:
         group.start_gather()
         started.append(group)
     return started
+
+
+def expose_unit(sharded: ShardedModel, name: str) -> None:
+    """After `unshard_unit` finished: unit `name`'s modules hold its full parameters until
+    it is resharded (FSDP2's unsharded state; DTensor parameters only)."""
+    for group in _unit(sharded, name).groups:
+        if isinstance(group, RowGroup):
+            group.expose_full()
 
 
 def reshard_unit(sharded: ShardedModel, name: str) -> None:

@@ -31,9 +31,10 @@ from fsdp_bridge.engine import init as engine_init
 from fsdp_bridge.engine.autograd import Unflatten
 from fsdp_bridge.engine.buffers import GatherBuffer, GradBufferPool
 from fsdp_bridge.engine.comm import Comm
-from fsdp_bridge.engine.flat_group import FlatGroup
+from fsdp_bridge.engine.flat_group import FlatGroup, local_part
 from fsdp_bridge.engine.layout import assign_groups, describe_layout
-from fsdp_bridge.plan import Plan, UnitSpec
+from fsdp_bridge.engine.row_group import RowGroup
+from fsdp_bridge.plan import ParamLayout, Plan, UnitSpec
 
 
 @dataclasses.dataclass
@@ -103,9 +104,10 @@ class ShardedModel:
 
     def _build_units(self, layouts) -> list[Unit]:
         units = []
+        group_class = RowGroup if self.plan.param_layout is ParamLayout.ROWS else FlatGroup
         for spec in self.plan.units:
             groups = [
-                FlatGroup(
+                group_class(
                     layout,
                     self.comm,
                     self.device,
@@ -210,6 +212,8 @@ class ShardedModel:
         for unit in self.units:
             for group in unit.groups:
                 group.invalidate()
+                if isinstance(group, RowGroup):
+                    group.adopt_replaced_params()
                 group.release_dropped_grads()
         if self.forward_order:
             self.last_forward_order = self.forward_order
@@ -427,8 +431,8 @@ class ShardedModel:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of every parameter by their true global norm; return the norm."""
         norm_type = float(norm_type)
-        sharded = [p.grad for p in self.managed_parameters() if p.grad is not None]
-        local = [p.grad for p in self.ignored_params if p.grad is not None]
+        sharded = [g for unit in self.units for group in unit.groups for g in group.local_grads()]
+        local = [local_part(p.grad) for p in self.ignored_params if p.grad is not None]
         total = _grad_norm(sharded, local, norm_type, self.comm, self.device)
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in sharded + local:

@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from fsdp_bridge.plan import MixedPrecision, Plan, ShardingMode, UnitSpec
+from fsdp_bridge.plan import MixedPrecision, ParamLayout, Plan, ShardingMode, UnitSpec
 from fsdp_bridge.translation import (
     ArgumentTable,
     bad_argument,
@@ -47,9 +47,12 @@ TABLE = register_table(
                        "no effect without an accelerator); OffloadPolicy() / None -> no offload"),
             translated("ignored_params", "Plan.ignored_params: neither sharded nor reduced"),
             translated("shard_placement_fn", "None, or a function returning None / Shard(0) for "
-                       "every parameter (flat sharding is numerically the same)"),
-            rejected("shard_placement_fn=<other placements>", "parameters are sharded as one "
-                     "flat buffer per unit; per-parameter placements are not supported"),
+                       "every parameter (parameters are DTensors sharded by rows)"),
+            rejected("shard_placement_fn=<other placements>", "refused at fully_shard time: "
+                     "each unit's parameters are gathered as one buffer of row chunks; other "
+                     "dims are not supported yet"),
+            rejected("tensor-parallel (DTensor) parameters", "refused at fully_shard time: "
+                     "composing with parallelize_module is not supported yet"),
             rejected("dp_mesh_dims", "SPMD meshes with DTensor parameters are not supported"),
             translated("set_requires_gradient_sync", "the engine's gradient sync flag (whole model)"),
             translated("set_gradient_divide_factor", "the divisor of this module's unit (per "
@@ -57,16 +60,19 @@ TABLE = register_table(
             translated("set_force_sum_reduction_for_comms", "accepted: the engine always "
                        "reduces with SUM and divides once afterwards (FSDP2's numbers with the "
                        "flag set)"),
-            translated("unshard / reshard", "gather a unit now (prefetch; async_op returns a "
-                       "handle) / drop its gathered copy; parameters stay 1-D shards outside "
-                       "forward"),
+            translated("unshard / reshard", "gather a unit now (async_op returns a handle); "
+                       "its modules then hold the unsharded parameters (compute dtype) until "
+                       "reshard(), the next forward or the end of backward / drop the "
+                       "gathered copy"),
             ignored("set_reshard_after_forward / set_reshard_after_backward / "
                     "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch / "
                     "set_is_last_backward / set_unshard_in_backward / set_requires_all_reduce",
                     "memory and scheduling hints: the engine's buffers and prefetch order are "
                     "fixed at init; numerics are identical"),
-            rejected("set_all_reduce_hook / set_custom_all_gather / set_custom_reduce_scatter / "
-                     "set_post_optim_event",
+            translated("set_post_optim_event", "accepted: the engine's gathers are issued "
+                       "after the optimizer's work on its stream, which is what the event "
+                       "orders"),
+            rejected("set_all_reduce_hook / set_custom_all_gather / set_custom_reduce_scatter",
                      "the engine runs its own collectives"),
         ),
     )
@@ -181,8 +187,8 @@ def check_call(module, mesh, reshard_after_forward, shard_placement_fn, mp_polic
                 if placement is not None and placement != Shard(0):
                     raise bad("shard_placement_fn", shard_placement_fn, "a function returning "
                               f"None or Shard(0) (it returned {placement!r} for {name!r})",
-                              "Parameters are sharded as one flat buffer per unit; drop "
-                              "shard_placement_fn.")
+                              "Parameters are sharded by rows (Shard(0)); other placements "
+                              "are not supported yet: drop shard_placement_fn.")
     return modules
 
 
@@ -265,6 +271,7 @@ def build_plan(root: nn.Module, calls: list[tuple[str, Any]]):
         mixed_precision=_mixed_precision(calls),
         ignored_params=tuple(ignored_names),
         cpu_offload=offload,
+        param_layout=ParamLayout.ROWS,
         frontend=FRONTEND,
         notes=notes,
     )

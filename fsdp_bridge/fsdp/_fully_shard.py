@@ -1,23 +1,28 @@
 """FSDP2's `fully_shard` over our engine.
 
-[Note: lazy application]
-`fully_shard` is applied bottom-up (layers, then the root) and each call is in place. Our engine
-shards a whole model with one Plan, so a call only records its settings on the module and swaps
-its class to `FSDP<Class>` (a subclass of `FSDPModule` and the original class, as FSDP2 does).
-The model is sharded on first use: its first forward, or the first `parameters()` /
-`named_parameters()` / `state_dict()` / `unshard()` on an `FSDPModule` (building the optimizer
-is such a use). The module used first is the root; every `fully_shard`-ed module below it is a
-unit. So FSDP2's meta-device recipe works unchanged: `fully_shard` on meta modules, then
-`to_empty(device=...)` and `reset_parameters()` initialise full tensors, which are sharded
-when the optimizer is built. Should a submodule be used first (rare), the root releases it
-when it is itself first used and shards everything together.
+[Note: sharding at fully_shard time]
+As in FSDP2, each `fully_shard(module)` call turns the parameters it manages (those of
+`module`'s subtree not taken by an earlier, inner call, minus `ignored_params`) into DTensors
+sharded by rows over the mesh (`Shard(0)`; `(Replicate(), Shard(0))` on a 2-D mesh) at once,
+on whatever device they are (meta included) and without communication. So everything user
+code does between `fully_shard` and the first forward means what it means natively:
+`to_empty()` + `reset_parameters()`, `distribute_tensor(full, p.device_mesh, p.placements)` +
+`load_state_dict(assign=True)`, `model.parameters()` for an optimizer, `state_dict()`.
 
-[Note: DTensor-free parameters]
-Parameters are 1-D local shards (not DTensors). The FSDP2 idioms that relied on DTensors keep
-working: `torch.nn.utils.clip_grad_norm_(model.parameters(), x)` is redirected to the global
-norm for our parameters (see `_install_clip_grad_norm`), and `state_dict()` returns full values
-as replicated DTensors (so `.full_tensor()` and torch.distributed.checkpoint's
-`get_/set_model_state_dict` work).
+The engine's runtime (flat buffers, hooks) is built on first use: the first forward, or an
+explicit `unshard()` & co. The module used first is the root; every `fully_shard`-ed module
+below it is a unit. Building it *adopts* the DTensor parameters the modules hold then (see
+[Note: row layout] in fsdp_bridge/engine/row_group.py): their values move into the engine's
+flat shards and the Parameter objects stay the ones the user (and an optimizer) holds. Should
+a submodule be used first (rare), the root releases it when it is itself first used and shards
+everything together.
+
+[Note: DTensor parameters]
+Parameters and their gradients are DTensors, and `state_dict()` returns them (sharded, no
+communication), so torch's own code is right on them: `clip_grad_norm_`, `get_total_norm`,
+torch.distributed.checkpoint and its state-dict helpers, optimizers. `load_state_dict` also
+takes full tensors and DTensors of another layout, converted per key to the parameter's layout
+(a load pre-hook on each module that holds such parameters).
 """
 
 from __future__ import annotations
@@ -32,12 +37,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_bridge import engine
+from fsdp_bridge.engine.row_group import chunk_rows
 from fsdp_bridge.fsdp import _fsdp2_translate as T
 
 CONFIG = "_fsdp_bridge_fsdp2"  # per fully_shard-ed module: its FullyShardCall
+SHARDED = "_fsdp_bridge_row_sharded"  # on each DTensor parameter fully_shard made
+REPLACED_BY = "_fsdp_bridge_replaced_by"  # on an original parameter: its DTensor
+LOAD_HOOKED = "_fsdp_bridge_load_hooked"  # on a module whose loads are converted
 _INITIALIZING = [False]
+_DEFAULT_MESHES: dict = {}
 
 
 @dataclasses.dataclass
@@ -54,15 +65,20 @@ class FullyShardCall:
 
 
 class UnshardHandle:
-    """Returned by `unshard(async_op=True)`; `wait()` blocks until the gather finished."""
+    """Returned by `unshard(async_op=True)`; `wait()` blocks until the gather finished, then
+    the module holds its unsharded parameters (as after a synchronous `unshard()`)."""
 
-    def __init__(self, groups=()):
+    def __init__(self, groups, on_done: Callable[[], None]):
         self._groups = list(groups)
+        self._on_done = on_done
 
     def wait(self) -> None:
         for group in self._groups:
             group.wait_gather()
         self._groups = []
+        if self._on_done is not None:
+            self._on_done()
+            self._on_done = None
 
 
 class FSDPModule:
@@ -74,49 +90,13 @@ class FSDPModule:
         _lazy_init(self)
         return _root_sharded(self)
 
-    def named_parameters(self, *args, **kwargs):
-        _lazy_init(self)
-        return super().named_parameters(*args, **kwargs)
-
-    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        if destination is not None or args:  # a parent's recursion (or the engine's own)
-            return super().state_dict(*args, destination=destination, prefix=prefix,
-                                      keep_vars=keep_vars)
-        sharded = self._fsdp_root_state()
-        full = engine.full_state_dict(sharded, cpu_offload=False)
-        own = _path_in_root(self, sharded)
-        mesh = _mesh_of(sharded)
-        result = {}
-        for key, value in full.items():
-            if own and not key.startswith(own + "."):
-                continue
-            name = key[len(own) + 1:] if own else key
-            result[prefix + name] = _replicated(value, mesh)
-        if destination is not None:
-            destination.update(result)
-            return destination
-        return result
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        sharded = self._fsdp_root_state()
-        own = _path_in_root(self, sharded)
-        values = {}
-        for key, value in state_dict.items():
-            if hasattr(value, "full_tensor"):
-                value = value.full_tensor()
-            values[f"{own}.{key}" if own else key] = value
-        if own:  # a submodule: complete with the current values of everything else
-            current = engine.full_state_dict(sharded, cpu_offload=False)
-            values = {**current, **values}
-        engine.load_full_state_dict(sharded, values, strict=strict)
-        return nn.modules.module._IncompatibleKeys([], [])
-
     # -- FSDP2's methods ----------------------------------------------------------------------
 
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         sharded = self._fsdp_root_state()
-        groups = engine.unshard_unit(sharded, _path_in_root(self, sharded))
-        handle = UnshardHandle(groups)
+        path = _path_in_root(self, sharded)
+        groups = engine.unshard_unit(sharded, path)
+        handle = UnshardHandle(groups, lambda: engine.expose_unit(sharded, path))
         if async_op:
             return handle
         handle.wait()
@@ -176,8 +156,13 @@ class FSDPModule:
     def set_custom_reduce_scatter(self, comm):
         raise T.unsupported("set_custom_reduce_scatter")
 
-    def set_post_optim_event(self, event):
-        raise T.unsupported("set_post_optim_event")
+    def set_post_optim_event(self, event) -> None:
+        # The engine issues the next step's gathers from the stream the optimizer ran on,
+        # after its work (NCCL orders them behind it; gloo runs after the host code): they
+        # never read parameters the optimizer is still writing, which is all the event is for.
+        if not hasattr(event, "wait"):
+            raise T.bad("event", event, "a torch.Event (e.g. torch.cuda.Event)",
+                        "Pass the event recorded after optimizer.step().", exc=TypeError)
 
     def set_force_sum_reduction_for_comms(self, enable: bool):
         # The engine always reduces with SUM and divides once afterwards: the numbers FSDP2
@@ -186,20 +171,6 @@ class FSDPModule:
 
 
 # -- helpers ----------------------------------------------------------------------------------
-
-
-def _replicated(value: torch.Tensor, mesh: DeviceMesh):
-    from torch.distributed.tensor import DTensor, Replicate
-
-    return DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
-
-
-def _mesh_of(sharded) -> DeviceMesh:
-    mesh = getattr(sharded, "_fsdp2_mesh", None)
-    if mesh is None:
-        mesh = init_device_mesh(sharded.device.type, (dist.get_world_size(),))
-        sharded._fsdp2_mesh = mesh
-    return mesh
 
 
 def _root_sharded(module: nn.Module):
@@ -243,12 +214,11 @@ def _lazy_init(module: nn.Module) -> None:
             sub_sharded = engine.get_sharded(sub)
             if sub_sharded is not None and sub is not module:
                 engine.release(sub_sharded)
+        _restore_ties(module)
         calls = [(path, getattr(sub, CONFIG)) for path, sub in below]
-        plan, mesh_groups, mesh = T.build_plan(module, calls)
+        plan, mesh_groups, _ = T.build_plan(module, calls)
         shard_group, replicate_group = mesh_groups
-        sharded = engine.shard_model(module, plan, shard_group=shard_group,
-                                     replicate_group=replicate_group)
-        sharded._fsdp2_mesh = mesh
+        engine.shard_model(module, plan, shard_group=shard_group, replicate_group=replicate_group)
         ref = weakref.ref(module)
         for _, call_ in calls:
             call_.root_of = ref
@@ -302,6 +272,8 @@ def fully_shard(
             raise T.bad("module", m, "a module whose model has not been used yet (fully_shard "
                         "is applied before the first forward / optimizer)",
                         "Call fully_shard on every module first, then build the optimizer.")
+    mesh = mesh if mesh is not None else _default_mesh()
+    _to_dtensor_params(modules, mesh, ignored_params or ())
     call = FullyShardCall(
         modules=tuple(modules),
         mesh=mesh,
@@ -314,7 +286,6 @@ def fully_shard(
         object.__setattr__(m, CONFIG, call)
         _swap_class(m)
         m.register_forward_pre_hook(_lazy_init_hook, with_kwargs=True, prepend=True)
-    _install_clip_grad_norm()
     return module
 
 
@@ -339,34 +310,129 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     object.__setattr__(module, method_name, wrapped)
 
 
-# -- torch.nn.utils.clip_grad_norm_ --------------------------------------------------------------
-
-_ORIGINAL_CLIP = [None]
+# -- DTensor parameters ---------------------------------------------------------------------------
 
 
-def _install_clip_grad_norm() -> None:
-    """Redirect torch.nn.utils.clip_grad_norm_ to the global norm when its parameters include
-    our local shards (native FSDP2 gets this from DTensor parameters); any other call goes to
-    torch's own function unchanged."""
-    if _ORIGINAL_CLIP[0] is not None:
+def _default_mesh() -> DeviceMesh:
+    """FSDP2's default: one dimension over every rank, on the process group's device type."""
+    if not dist.is_initialized():
+        raise T.bad("mesh", None, "a DeviceMesh, or None once torch.distributed is initialised",
+                    "Call torch.distributed.init_process_group() before fully_shard.",
+                    exc=RuntimeError)
+    device_type = engine.default_device().type
+    key = (device_type, dist.get_world_size())
+    if key not in _DEFAULT_MESHES:
+        _DEFAULT_MESHES[key] = init_device_mesh(device_type, (dist.get_world_size(),))
+    return _DEFAULT_MESHES[key]
+
+
+def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params) -> None:
+    """Replace every parameter this call manages by a row-sharded DTensor parameter (see
+    [Note: sharding at fully_shard time]). Parameters tied to modules outside the call are
+    re-tied when the root is built (`_restore_ties`)."""
+    ignored = {id(p) for p in ignored_params}
+    converted: dict[int, nn.Parameter] = {}
+    for module in modules:
+        for owner_name, owner in module.named_modules():
+            for attr, param in list(owner._parameters.items()):
+                if param is None or id(param) in ignored or getattr(param, SHARDED, False):
+                    continue
+                if isinstance(param, DTensor):
+                    name = f"{owner_name}.{attr}" if owner_name else attr
+                    raise T.bad(f"parameter {name!r}", f"a DTensor with placements "
+                                f"{param.placements}", "plain tensors (fully_shard shards them "
+                                "itself)", "Composing fully_shard with tensor parallelism "
+                                "(DTensor parameters) is not supported: apply fully_shard to "
+                                "a model without parallelize_module, or use native FSDP2.")
+                new = converted.get(id(param))
+                if new is None:
+                    name = f"{owner_name}.{attr}" if owner_name else attr
+                    new = converted[id(param)] = _row_sharded(param, name, mesh)
+                    setattr(param, REPLACED_BY, new)
+                owner._parameters[attr] = new
+                _convert_loads_of(owner)
+
+
+def _placements(mesh: DeviceMesh) -> tuple:
+    return (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+
+
+def _row_sharded(param: nn.Parameter, name: str, mesh: DeviceMesh) -> nn.Parameter:
+    if param.dim() == 0:
+        raise T.bad(f"parameter {name!r}", "a scalar (shape ())", "parameters of at least one "
+                    "dimension (they are split by rows)", "Give the parameter shape (1,), or "
+                    "pass it in ignored_params.")
+    if not param.is_contiguous():
+        raise T.bad(f"parameter {name!r}", f"a non-contiguous tensor of shape "
+                    f"{tuple(param.shape)}", "contiguous parameters",
+                    "Make the parameter contiguous before fully_shard.")
+    shard_dim = mesh.ndim - 1
+    start, rows = chunk_rows(param.shape[0], mesh.size(shard_dim), mesh.get_local_rank(shard_dim))
+    local = param.detach()[start : start + rows]
+    if not local.is_meta:
+        local = local.clone()  # a storage of its own: the full tensor can be freed
+    dtensor = DTensor.from_local(local, mesh, _placements(mesh), run_check=False,
+                                 shape=param.shape, stride=param.stride())
+    new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+    setattr(new, SHARDED, True)
+    return new
+
+
+def _restore_ties(root: nn.Module) -> None:
+    """A parameter shared with a module outside its fully_shard call is still the original
+    there: point that module at the DTensor too, so the tie holds."""
+    for owner in root.modules():
+        for attr, param in list(owner._parameters.items()):
+            replacement = getattr(param, REPLACED_BY, None) if param is not None else None
+            if replacement is not None:
+                owner._parameters[attr] = replacement
+                _convert_loads_of(owner)
+
+
+def _convert_loads_of(owner: nn.Module) -> None:
+    if getattr(owner, LOAD_HOOKED, False):
         return
-    import torch.nn.utils as utils
-    import torch.nn.utils.clip_grad as clip_grad
+    owner.register_load_state_dict_pre_hook(_to_param_layouts)
+    owner.register_load_state_dict_post_hook(_mark_assigned)
+    object.__setattr__(owner, LOAD_HOOKED, True)
 
-    original = utils.clip_grad_norm_
-    _ORIGINAL_CLIP[0] = original
 
-    @functools.wraps(original)
-    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
-                        foreach=None):
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if not any(engine.owner_of(p) is not None for p in params):
-            return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
-        total = engine.clip_grads_(params, float(max_norm), float(norm_type))
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(f"The total norm of order {norm_type} for gradients from "
-                               "`parameters` is non-finite, so it cannot be clipped.")
-        return total
+def _to_param_layouts(module, state_dict, prefix, *args) -> None:
+    """Load pre-hook: give each value for a DTensor parameter the parameter's layout."""
+    for attr, param in module._parameters.items():
+        key = prefix + attr
+        if key in state_dict and isinstance(param, DTensor):
+            state_dict[key] = _in_layout_of(param, key, state_dict[key])
 
-    utils.clip_grad_norm_ = clip_grad_norm_
-    clip_grad.clip_grad_norm_ = clip_grad_norm_
+
+def _mark_assigned(module, incompatible_keys) -> None:
+    # load_state_dict(assign=True) put new Parameter objects in place: they are ours too.
+    for param in module._parameters.values():
+        if isinstance(param, DTensor):
+            setattr(param, SHARDED, True)
+
+
+def _in_layout_of(param: DTensor, key: str, value):
+    """`value` (a full tensor, or a DTensor of any layout on the parameter's mesh) as a
+    DTensor laid out as `param`."""
+    if not isinstance(value, torch.Tensor):
+        return value  # torch's own loader reports it
+    if tuple(value.shape) != tuple(param.shape):
+        raise T.bad(f"state_dict[{key!r}]", f"a tensor of shape {tuple(value.shape)}",
+                    f"shape {tuple(param.shape)} (the parameter's full shape)",
+                    "Load a state dict of the same model.")
+    if isinstance(value, DTensor):
+        if value.device_mesh != param.device_mesh:
+            raise T.bad(f"state_dict[{key!r}]", f"a DTensor on mesh {value.device_mesh}",
+                        f"a full tensor, or a DTensor on the parameter's mesh "
+                        f"{param.device_mesh}", "Call .full_tensor() on it first, or "
+                        "distribute it over param.device_mesh.")
+        if tuple(value.placements) != tuple(param.placements):
+            value = value.redistribute(param.device_mesh, param.placements)
+        return value
+    mesh = param.device_mesh
+    shard_dim = mesh.ndim - 1
+    start, rows = chunk_rows(value.shape[0], mesh.size(shard_dim), mesh.get_local_rank(shard_dim))
+    local = value.detach()[start : start + rows].to(param.device).clone()
+    return DTensor.from_local(local, mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())

@@ -24,7 +24,7 @@ from fsdp_bridge import engine
 from fsdp_bridge.fsdp._fsdp1_translate import FRONTEND, build_plan, strategy_of
 from fsdp_bridge.plan import ShardingMode
 from fsdp_bridge.translation import bad_argument
-from fsdp_bridge.wrapper import ShardedWrapper
+from fsdp_bridge.wrapper import ShardedWrapper, shard_flat
 
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
@@ -162,7 +162,7 @@ class FullyShardedDataParallel(ShardedWrapper):
         plan = build_plan(module, nested=nested, **translate_kwargs)
         if plan.mode is ShardingMode.REPLICATE and replicate_group is None:
             shard_group, replicate_group = None, shard_group
-        sharded = engine.shard_model(module, plan, shard_group=shard_group,
+        sharded = shard_flat(module, plan, shard_group=shard_group,
                                      replicate_group=replicate_group, device=device,
                                      param_init_fn=param_init_fn)
         self._attach(module, sharded, dict(translate_kwargs, process_group=process_group,

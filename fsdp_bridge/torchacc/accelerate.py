@@ -14,7 +14,7 @@ from fsdp_bridge.plan import ShardingMode
 from fsdp_bridge.torchacc._translate import FRONTEND, build_plan, sizes
 from fsdp_bridge.torchacc.config import Config
 from fsdp_bridge.translation import bad_argument
-from fsdp_bridge.wrapper import ShardedWrapper
+from fsdp_bridge.wrapper import ShardedWrapper, shard_flat
 from torch.distributed.fsdp import StateDictSettings, StateDictType, ShardedStateDictConfig
 from torch.distributed.fsdp import ShardedOptimStateDictConfig
 
@@ -115,7 +115,7 @@ def accelerate(model: nn.Module, dataloader=None, config: Optional[Config] = Non
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     shard_group, replicate_group = _groups(plan, dp, fsdp)
-    sharded = engine.shard_model(model, plan, shard_group=shard_group,
+    sharded = shard_flat(model, plan, shard_group=shard_group,
                                  replicate_group=replicate_group, device=device)
     wrapped = AcceleratedModel(model, sharded)
     if dataloader is None:

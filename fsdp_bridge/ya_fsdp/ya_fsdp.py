@@ -17,6 +17,7 @@ from torch import nn
 
 from fsdp_bridge import engine
 from fsdp_bridge.translation import bad_argument
+from fsdp_bridge.wrapper import shard_flat
 from fsdp_bridge.ya_fsdp._translate import FRONTEND, build_plan, ignored_notes
 
 
@@ -90,7 +91,7 @@ class YaFSDP(nn.Module):
             notes=notes,
         )
         self._module = module
-        self._sharded = engine.shard_model(
+        self._sharded = shard_flat(
             module,
             plan,
             shard_group=data_parallel_process_group,

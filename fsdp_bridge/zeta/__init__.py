@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from fsdp_bridge import engine
-from fsdp_bridge.wrapper import ShardedWrapper
+from fsdp_bridge.wrapper import ShardedWrapper, shard_flat
 from fsdp_bridge.zeta._translate import FRONTEND, build_plan
 
 __all__ = ["fsdp"]
@@ -19,7 +18,7 @@ class ZetaFSDP(ShardedWrapper):
 
     def __init__(self, model: nn.Module, plan):
         super().__init__()
-        sharded = engine.shard_model(model, plan)
+        sharded = shard_flat(model, plan)
         self._attach(model, sharded, {})
 
 

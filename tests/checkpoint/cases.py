@@ -122,8 +122,8 @@ def truth(model, optimizer):
     """Full parameters and full optimizer state, gathered by the engine's own code (native
     models: torch's own full state dicts)."""
     from fsdp_bridge import engine
-    from fsdp_bridge.checkpoint.parts import is_ours
-    if not is_ours(model):
+    from fsdp_bridge.checkpoint.parts import has_flat_shards
+    if not has_flat_shards(model):
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,

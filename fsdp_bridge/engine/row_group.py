@@ -1,0 +1,219 @@
+"""A row group: a flat group whose parameters are sharded by rows, as torch's `Shard(0)`.
+
+[Note: row layout]
+In a `FlatGroup` a rank keeps one contiguous range of the unit's concatenated parameters, so
+its piece of a parameter may start or end inside a row: no DTensor placement can describe it.
+Here each parameter is split the way `Shard(0)` splits it (rows in chunks of
+ceil(rows / ranks), later ranks possibly short or empty), and a rank's shard of the group is the
+concatenation of its chunk of every parameter, each padded to the full chunk size:
+
+    rank r's shard:  [ chunk r of p0 | pad ][ chunk r of p1 | pad ] ...   (`shard_numel` long)
+
+One all-gather of these equal shards still moves the whole group at once, into a scratch
+buffer ordered rank after rank; a copy then lays each parameter out whole in the gather buffer
+(parameter after parameter, as `split` reads it), and the compute views are taken there. The
+reduction goes the other way: each parameter's full gradient is cut into the same row chunks.
+
+In exchange for that copy, every parameter the user sees is a real `DTensor` whose local tensor
+is a view into this rank's master shard: `placements`, `to_local()`, `full_tensor()`,
+`state_dict()` (sharded, no communication), torch.distributed.checkpoint, optimizers and
+`torch.nn.utils.clip_grad_norm_` all work through torch's own code. Gradients are DTensors of
+the same layout, views into the gradient shard.
+
+The parameters arrive already as DTensors (the front-end converts them when the user shards a
+module, before any optimizer or initialisation code runs); building the group *adopts* them:
+their local data is copied into the master and their `_local_tensor` is pointed at it, so the
+Parameter objects the user holds stay the same.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fsdp_bridge.engine.flat_group import FlatGroup
+
+
+def chunk_rows(rows: int, ranks: int, rank: int) -> tuple[int, int]:
+    """(first row, row count) of `rank`'s chunk when `rows` rows are split as `Shard(0)`
+    splits them (torch.chunk: ceil-sized chunks, the last ones short or empty)."""
+    size = -(-rows // ranks) if rows else 0
+    start = min(rank * size, rows)
+    return start, min(size, rows - start)
+
+
+class RowGroup(FlatGroup):
+    # -- construction -------------------------------------------------------------------------
+
+    def _init_layout(self) -> None:
+        ranks, rank = self.comm.shard_size, self.comm.shard_rank
+        self.row_numels = []  # elements in one row of each parameter
+        self.chunk_numels = []  # elements of one (padded) chunk of each parameter
+        self.local_rows = []  # rows of each parameter held by this rank
+        for slot in self.slots:
+            if len(slot.shape) == 0:
+                raise ValueError(
+                    f"fsdp_bridge: parameter {slot.fqn!r} is a scalar (shape ()); it cannot be "
+                    "split by rows. Give it shape (1,), or pass it in ignored_params.")
+            rows = slot.shape[0]
+            row = slot.numel // rows if rows else 0
+            self.row_numels.append(row)
+            self.chunk_numels.append((-(-rows // ranks) if rows else 0) * row)
+            self.local_rows.append(chunk_rows(rows, ranks, rank)[1])
+        # Offsets of each parameter's chunk inside a rank's shard.
+        self.chunk_offsets = [sum(self.chunk_numels[:i]) for i in range(len(self.slots))]
+        self.shard_numel = sum(self.chunk_numels)
+        self.padded_numel = self.shard_numel * ranks
+        # In a full (parameter after parameter) buffer, parameter i takes `ranks` chunks.
+        self.offsets = [offset * ranks for offset in self.chunk_offsets]
+
+    def _build_master(self, device: torch.device, sync_module_states: bool) -> torch.Tensor:
+        assert not sync_module_states, "row groups take DTensors; there is nothing to broadcast"
+        dtype = self.slots[0].param.dtype
+        master = torch.zeros(self.shard_numel, dtype=dtype, device=device)
+        for index, slot in enumerate(self.slots):
+            local = self._checked_local(index)
+            start = self.chunk_offsets[index]
+            master[start : start + local.numel()].copy_(local.reshape(-1))
+        return master
+
+    def _checked_local(self, index: int) -> torch.Tensor:
+        slot = self.slots[index]
+        local = getattr(slot.param, "_local_tensor", None)
+        expected = (self.local_rows[index],) + tuple(slot.shape[1:])
+        if local is None or tuple(local.shape) != expected:
+            got = "a plain tensor" if local is None else f"local shape {tuple(local.shape)}"
+            raise ValueError(
+                f"fsdp_bridge: parameter {slot.fqn!r} must be a DTensor sharded by rows over "
+                f"the shard group (local shape {expected}); got {got}. Assign parameters of "
+                "a fully_shard-ed module only from DTensors of its layout (e.g. "
+                "distribute_tensor(full, param.device_mesh, param.placements)).")
+        return local.detach()
+
+    def _register_local_params(self) -> list[torch.nn.Parameter]:
+        for index in range(len(self.slots)):
+            self._point_at_master(index)
+        return [slot.param for slot in self.slots]
+
+    def _point_at_master(self, index: int) -> None:
+        slot = self.slots[index]
+        slot.param._local_tensor = self._master_view(index)
+        for module, attr in slot.owners:
+            module._parameters[attr] = slot.param
+
+    def _master_view(self, index: int) -> torch.Tensor:
+        return self._chunk_view(self.master, index)
+
+    def _chunk_view(self, shard: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter `index`'s rows in a tensor laid out as this rank's shard."""
+        start = self.chunk_offsets[index]
+        rows = self.local_rows[index]
+        shape = (rows,) + tuple(self.slots[index].shape[1:])
+        return shard[start : start + rows * self.row_numels[index]].view(shape)
+
+    def adopt_replaced_params(self) -> None:
+        """Take in parameters the user replaced since the group was built (`load_state_dict(
+        assign=True)`, `module.to_empty()`): their values are copied into the master and
+        they become views of it, as the ones they replaced were."""
+        for index, slot in enumerate(self.slots):
+            module, attr = slot.owners[0]
+            current = module._parameters.get(attr)
+            if current is slot.param:
+                continue
+            slot.param = current
+            local = self._checked_local(index)
+            with torch.no_grad():
+                self._master_view(index).copy_(local)
+            self.local_params[index] = current
+            self._point_at_master(index)
+            self.invalidate()
+
+    def expose_full(self) -> None:
+        """FSDP2's `unshard()`: the owner modules hold the gathered parameters (compute dtype)
+        as ordinary Parameters until the gathered copy goes (`invalidate`)."""
+        self.wait_gather()
+        for slot, view in zip(self.slots, self.full_views()):
+            full = torch.nn.Parameter(view, requires_grad=self.requires_grad)
+            for module, attr in slot.owners:
+                module._parameters[attr] = full
+        self.exposed = True
+
+    def invalidate(self) -> None:
+        if getattr(self, "exposed", False):  # back to the sharded DTensors
+            for slot in self.slots:
+                for module, attr in slot.owners:
+                    module._parameters[attr] = slot.param
+            self.exposed = False
+        super().invalidate()
+
+    def detach_params(self) -> None:
+        """Give every parameter a local tensor of its own (the group is being dropped)."""
+        for slot in self.slots:
+            slot.param._local_tensor = slot.param._local_tensor.clone()
+
+    # -- gathering ----------------------------------------------------------------------------
+
+    def _gather_target(self) -> torch.Tensor:
+        self._scratch = torch.empty(
+            self.padded_numel, dtype=self.compute_dtype, device=self.master.device)
+        return self._scratch
+
+    def _finish_gather(self) -> None:
+        scratch = getattr(self, "_scratch", None)
+        if scratch is None:
+            return
+        self._scratch = None
+        self._to_parameter_order(scratch, self.gathered_flat().data)
+
+    def _to_parameter_order(self, by_rank: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy a gathered buffer (rank after rank) into `out` (parameter after parameter)."""
+        ranks = self.comm.shard_size
+        sizes = self.chunk_numels
+        targets = [out[offset : offset + ranks * size].view(ranks, size)
+                   for offset, size in zip(self.offsets, sizes)]
+        torch.split_with_sizes_copy(by_rank.view(ranks, self.shard_numel), sizes, dim=1,
+                                    out=targets)
+
+    def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
+        by_rank = super().gather_full(shard)
+        full = torch.empty_like(by_rank)
+        self._to_parameter_order(by_rank, full)
+        return full
+
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        rank = self.comm.shard_rank
+        parts = [full[offset + rank * size : offset + (rank + 1) * size]
+                 for offset, size in zip(self.offsets, self.chunk_numels)]
+        return torch.cat(parts) if parts else full[:0]
+
+    # -- gradients ----------------------------------------------------------------------------
+
+    def write_full_grad(self, grads: tuple, out: torch.Tensor) -> None:
+        """Cut each parameter's full gradient into its row chunks, rank after rank."""
+        by_rank = out.view(self.comm.shard_size, self.shard_numel)
+        for grad, offset, size in zip(grads, self.chunk_offsets, self.chunk_numels):
+            target = by_rank[:, offset : offset + size]
+            if grad is None or size == 0:  # unused in this forward: contributes zero
+                target.zero_()
+                continue
+            flat = grad.reshape(-1)
+            full_chunks, rest = divmod(flat.numel(), size)
+            target[:full_chunks].copy_(flat[: full_chunks * size].view(full_chunks, size))
+            if rest:
+                target[full_chunks, :rest].copy_(flat[full_chunks * size :])
+                target[full_chunks, rest:].zero_()
+                full_chunks += 1
+            target[full_chunks:].zero_()
+
+    def _grad_of(self, index: int) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        param = self.local_params[index]
+        local = self._chunk_view(self.grad_shard, index)
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+
+    def _local_range(self, index: int) -> tuple[int, int]:
+        raise NotImplementedError(
+            f"fsdp_bridge: {self.slots[index].fqn!r} is a row-sharded DTensor parameter "
+            "(fully_shard); this operation handles FSDP1-style flat shards only. Use the "
+            "DTensor API (full_tensor(), torch.distributed.checkpoint) instead.")
