@@ -5,8 +5,9 @@
   `get_state_dict`, `set_state_dict`) work on models sharded by any of our front-ends, full
   and sharded, with optimizer state keyed by parameter name; sharded values are DTensors laid
   out as native FSDP2's, so `dcp.save` / `dcp.load` reshard between any world sizes and
-  interoperate with native FSDP2 and FSDP1 (see `model_state` and `dsd`). They are
-  re-exported here.
+  interoperate with native FSDP2 and FSDP1. FSDP2 models of ours hold such DTensors and use
+  torch's code as it is; models of the flat-layout front-ends are routed to `model_state` /
+  `optim_state` (see `dsd`). They are re-exported here.
 - `save` / `load`: DCP, atomic (a crash never leaves a partial checkpoint) and checked before
   reading (truncated files, missing / unexpected keys, wrong shapes: `CheckpointError`).
 - `save_state` / `load_state` / `CheckpointManager`: a model and its optimizers in one call.

@@ -4,15 +4,21 @@
 `get_model_state_dict`, `set_model_state_dict`, `get_optimizer_state_dict`,
 `set_optimizer_state_dict`, `get_state_dict` and `set_state_dict` recognise native FSDP1 by
 class and treat every other model as plain: they call `model.state_dict()` and map
-`optim.state_dict()` by `named_parameters()`. For our models that would report each rank's
-1-D piece of a parameter as if it were the whole parameter (and `dcp.save` would keep one
-rank's piece). Users call these functions by their torch names, so we route them: the four
-private workers they all go through (`_get_model_state_dict`, `_load_model_state_dict`,
-`_get_optim_state_dict`, `_load_optim_state_dict`, which receive the parsed
-`StateDictOptions`) are wrapped once, and a model that contains a module sharded by our engine
-goes to `fsdp_bridge.checkpoint.model_state` / `optim_state`; every other model goes to torch's
-code unchanged. Installed when the engine shards a model. Should a torch release rename the
-workers, `install()` fails loudly and `fsdp_bridge.checkpoint`'s functions still work.
+`optim.state_dict()` by `named_parameters()`. For models of our flat-layout front-ends
+(FSDP1, YaFSDP, Zeta, TorchAcc) that would report each rank's 1-D piece of a parameter as if it
+were the whole parameter (and `dcp.save` would keep one rank's piece). Users call these
+functions by their torch names, so we route them: the four private workers they all go through
+(`_get_model_state_dict`, `_load_model_state_dict`, `_get_optim_state_dict`,
+`_load_optim_state_dict`, which receive the parsed `StateDictOptions`) are wrapped once, and a
+model that contains a flat-layout module goes to `fsdp_bridge.checkpoint.model_state` /
+`optim_state`; every other model, FSDP2 models of ours included (their parameters are DTensors
+torch handles as they are), goes to torch's code unchanged. Installed when a flat-layout
+front-end builds a model (`fsdp_bridge.wrapper.shard_flat`) or this package is imported. Should
+a torch release rename the workers, `install()` fails loudly and `fsdp_bridge.checkpoint`'s
+functions still work.
+
+This routing is the one place left where we reach into torch; it goes once the flat-layout
+front-ends expose DTensor parameters too.
 """
 
 from __future__ import annotations
