@@ -114,13 +114,23 @@ class RowGroup(FlatGroup):
         """Take in parameters the user replaced since the group was built (`load_state_dict(
         assign=True)`, `module.to_empty()`): their values are copied into the master and
         they become views of it, as the ones they replaced were."""
+        master_ptr = self.master.untyped_storage().data_ptr()
         for index, slot in enumerate(self.slots):
             module, attr = slot.owners[0]
             current = module._parameters.get(attr)
-            if current is slot.param:
+            local = getattr(current, "_local_tensor", None)
+            # `module.to(...)` keeps the Parameter object but may swap its local tensor.
+            if (current is slot.param and local is not None
+                    and local.untyped_storage().data_ptr() == master_ptr):
                 continue
             slot.param = current
             local = self._checked_local(index)
+            if (local.dtype, local.device) != (self.master.dtype, self.master.device):
+                raise ValueError(
+                    f"fsdp_bridge: parameter {slot.fqn!r} became {local.dtype} on "
+                    f"{local.device} after the model first ran, sharded in {self.master.dtype} "
+                    f"on {self.master.device}. Cast or move the model before its first forward "
+                    "(compute dtypes come from MixedPrecisionPolicy).")
             with torch.no_grad():
                 self._master_view(index).copy_(local)
             self.local_params[index] = current

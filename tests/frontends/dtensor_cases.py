@@ -546,6 +546,11 @@ def bad_inputs(rank, world):
     scalar = nn.Module()
     scalar.scale = nn.Parameter(torch.tensor(1.0))
     out["scalar"] = error(lambda: fsdp.fully_shard(scalar))
+    cast = _shard_llama("ours")
+    M.lm_loss(cast, _batch(0, rank, world))  # the runtime is built in float32
+    cast.to(torch.float64)
+    out["cast_after"] = error(lambda: M.lm_loss(cast, _batch(0, rank, world)))
+    out["post_optim_event"] = error(lambda: model.set_post_optim_event(object()))
     return out
 
 

@@ -148,6 +148,9 @@ def test_bad_inputs_are_refused_by_name(world):
     assert "'weight'" in result["tensor_parallel"]
     assert "tensor parallelism" in result["tensor_parallel"]
     assert "'scale'" in result["scalar"] and "scalar" in result["scalar"]
+    assert "torch.float64" in result["cast_after"] and "before its first forward" in result["cast_after"]
+    assert result["post_optim_event"].startswith("TypeError") and "event" in result[
+        "post_optim_event"]
 
 
 @pytest.mark.parametrize("mode", ["default", "explicit_prefetching", "mixed_precision",
