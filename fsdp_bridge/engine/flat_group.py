@@ -74,6 +74,10 @@ class FlatGroup:
             self.comm.broadcast_from_first(full)
         return full[self.shard_start : self.shard_start + self.shard_numel].clone()
 
+    def adopt_replaced_params(self) -> None:
+        """Nothing to adopt: this layout's parameters are created and registered by the engine
+        alone (see RowGroup for the layout whose parameters users may replace)."""
+
     def _flatten_originals(self, device: torch.device) -> torch.Tensor:
         parts = [slot.param.detach().reshape(-1).to(device) for slot in self.slots]
         padding = self.padded_numel - self.numel

@@ -65,6 +65,8 @@ class RowGroup(FlatGroup):
         self.padded_numel = self.shard_numel * ranks
         # In a full (parameter after parameter) buffer, parameter i takes `ranks` chunks.
         self.offsets = [offset * ranks for offset in self.chunk_offsets]
+        self._scratch = None  # a gather in flight lands here, rank after rank
+        self.exposed = False  # the owner modules hold the gathered parameters (unshard())
 
     def _build_master(self, device: torch.device, sync_module_states: bool) -> torch.Tensor:
         assert not sync_module_states, "row groups take DTensors; there is nothing to broadcast"
@@ -148,7 +150,7 @@ class RowGroup(FlatGroup):
         self.exposed = True
 
     def invalidate(self) -> None:
-        if getattr(self, "exposed", False):  # back to the sharded DTensors
+        if self.exposed:  # back to the sharded DTensors
             for slot in self.slots:
                 for module, attr in slot.owners:
                     module._parameters[attr] = slot.param
@@ -168,7 +170,7 @@ class RowGroup(FlatGroup):
         return self._scratch
 
     def _finish_gather(self) -> None:
-        scratch = getattr(self, "_scratch", None)
+        scratch = self._scratch
         if scratch is None:
             return
         self._scratch = None

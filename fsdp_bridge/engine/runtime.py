@@ -212,8 +212,7 @@ class ShardedModel:
         for unit in self.units:
             for group in unit.groups:
                 group.invalidate()
-                if isinstance(group, RowGroup):
-                    group.adopt_replaced_params()
+                group.adopt_replaced_params()
                 group.release_dropped_grads()
         if self.forward_order:
             self.last_forward_order = self.forward_order

@@ -94,6 +94,36 @@ class Transformer(nn.Module):
                 module.reset_parameters()
 
 
+class EncoderDecoder(nn.Module):
+    """Decoder layers read the encoder's output, so backward reaches encoder layers (their
+    outputs get gradients) while decoder layers are still running theirs."""
+
+    def __init__(self, dim: int = 32, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(M.VOCAB, dim)
+        self.encoder = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+        self.decoder = nn.ModuleList(CrossLayer(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, M.VOCAB)
+
+    def forward(self, ids):
+        memory = x = self.embed(ids)
+        for layer in self.encoder:
+            memory = torch.tanh(layer(memory))
+        for layer in self.decoder:
+            x = layer(x, memory)
+        return self.head(x)
+
+
+class CrossLayer(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.own = nn.Linear(dim, dim)
+        self.cross = nn.Linear(dim, dim)
+
+    def forward(self, x, memory):
+        return torch.tanh(self.own(x) + self.cross(memory))
+
+
 # -- cases ----------------------------------------------------------------------------------------
 
 
@@ -281,6 +311,27 @@ def layers_only(which, rank, world):
     changed = sum(not torch.equal(before[k], after[k]) for k in before)
     return {"losses": losses, "layer_params_changed": changed, "layer_params": len(before),
             "layers": {k: v.clone() for k, v in after.items()}}
+
+
+def encoder_decoder(which, rank, world):
+    """Units whose backward runs out of forward order train as native."""
+    fsdp = dialect(which)
+    torch.manual_seed(0)
+    model = EncoderDecoder()
+    for layer in [*model.encoder, *model.decoder]:
+        fsdp.fully_shard(layer)
+    fsdp.fully_shard(model)
+    optim = M.make_adamw(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        ids = _batch(step, rank, world)
+        logits = model(ids)
+        loss = F.cross_entropy(logits.reshape(-1, M.VOCAB), ids.reshape(-1))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(M.global_mean(loss.item()))
+    return {"losses": losses, "state": _full_state(model)}
 
 
 def dcp_round_trip(which, rank, world, directory):
@@ -587,6 +638,7 @@ def cases(directory):
         "loading": _both(loading),
         "meta_recipe": _both(meta_recipe),
         "layers_only": _both(layers_only),
+        "encoder_decoder": _both(encoder_decoder),
         "dcp": lambda rank, world: _dcp(rank, world, directory),
         **{f"tutorial_{mode}": _both(tutorial, directory, mode)
            for mode in ("default", "explicit_prefetching", "mixed_precision", "dcp_api")},

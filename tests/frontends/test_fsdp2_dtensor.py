@@ -178,3 +178,11 @@ def test_torchtitan_style_parallelize(world):
     result = case(world, "torchtitan")
     assert result["ours"]["losses"] == result["native"]["losses"]
     identical(result["ours"]["state"], result["native"]["state"], "trained")
+
+
+def test_backward_out_of_forward_order_trains_like_native(world):
+    """An encoder-decoder: decoder layers reach the encoder's output, so encoder layers start
+    their backward while decoder layers are still in theirs."""
+    result = case(world, "encoder_decoder")
+    assert result["ours"]["losses"] == result["native"]["losses"]
+    identical(result["ours"]["state"], result["native"]["state"], "trained")
