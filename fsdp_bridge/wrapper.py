@@ -71,6 +71,7 @@ class ShardedWrapper(nn.Module):
                 if isinstance(child, ShardedWrapper):
                     inner = child._modules[WRAPPED]
                     engine.release(child._sharded)
+                    child.__dict__["_adopted_as"] = path
                     parent._modules[name] = inner
                     found.extend((f"{path}.{n}", kw) for n, kw in child._nested_units)
                     found.append((path, child._unit_kwargs()))
@@ -107,14 +108,29 @@ class ShardedWrapper(nn.Module):
         return self._modules[WRAPPED].__getitem__(key)
 
     def check_is_root(self) -> bool:
-        return True
+        return "_adopted_as" not in self.__dict__
+
+    def _only_on_root(self, method: str) -> None:
+        """A wrapper adopted by an outer one (see [Note: nesting]) holds no engine state of its
+        own any more: like torch's FSDP1 for non-root instances, refuse instead of acting on
+        nothing."""
+        path = self.__dict__.get("_adopted_as")
+        if path is not None:
+            raise RuntimeError(
+                f"{self._frontend}.{method}() should only be called on the root instance: this "
+                f"one was wrapped inside another and is now its unit {path!r}. Call "
+                f"root.{method}(...) on the outermost wrapper (it covers every unit), as torch's "
+                "FSDP1 requires."
+            )
 
     # -- training -----------------------------------------------------------------------------
 
     def no_sync(self):
+        self._only_on_root("no_sync")
         return self._sharded.no_sync()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        self._only_on_root("clip_grad_norm_")
         return self._sharded.clip_grad_norm_(max_norm, norm_type)
 
     def register_comm_hook(self, state: object, hook) -> None:
@@ -130,6 +146,7 @@ class ShardedWrapper(nn.Module):
         object.__setattr__(self, "_state_dict_settings", settings)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        self._only_on_root("state_dict")
         settings = self._state_dict_settings
         if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             result = engine.sharded_state_dict(self._sharded)
@@ -147,6 +164,7 @@ class ShardedWrapper(nn.Module):
         return destination
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        self._only_on_root("load_state_dict")
         if self._state_dict_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             engine.load_sharded_state_dict(self._sharded, state_dict, strict=strict)
         else:
