@@ -119,8 +119,8 @@ class ShardedWrapper(nn.Module):
             raise RuntimeError(
                 f"{self._frontend}.{method}() should only be called on the root instance: this "
                 f"one was wrapped inside another and is now its unit {path!r}. Call "
-                f"root.{method}(...) on the outermost wrapper (it covers every unit), as torch's "
-                "FSDP1 requires."
+                f"root.{method}(...) on the outermost wrapper, which covers every unit (torch's "
+                "FSDP1 refuses clip_grad_norm_ and no_sync on inner instances too)."
             )
 
     # -- training -----------------------------------------------------------------------------
