@@ -32,7 +32,7 @@ from torch.distributed.fsdp import (
 )
 
 from fsdp_bridge import engine
-from fsdp_bridge.translation import bad_argument
+from fsdp_bridge.translation import bad_argument, check_bool
 
 WRAPPED = "_fsdp_wrapped_module"
 
@@ -192,6 +192,12 @@ class ShardedWrapper(nn.Module):
         default_config, default_optim = _default_config(state_dict_type)
         settings = StateDictSettings(state_dict_type, state_dict_config or default_config,
                                      optim_state_dict_config or default_optim)
+        for argument, config in (("state_dict_config", settings.state_dict_config),
+                                 ("optim_state_dict_config", settings.optim_state_dict_config)):
+            for field in ("offload_to_cpu", "rank0_only"):
+                if hasattr(config, field):
+                    check_bool("FullyShardedDataParallel", f"{argument}.{field}",
+                               getattr(config, field))
         wrappers = ShardedWrapper.fsdp_modules(module)
         if not wrappers:
             raise bad_argument("FullyShardedDataParallel", "module", module, "a module that "
@@ -227,6 +233,10 @@ class ShardedWrapper(nn.Module):
         wrapper give clean names (no `_fsdp_wrapped_module.`), as FSDP1's do. `module` may also
         be a submodule of a wrapped model (FSDP1 users pass an auto-wrapped layer): the whole
         model it belongs to is gathered then (a collective over its ranks either way)."""
+        for name, value in (("recurse", recurse), ("writeback", writeback),
+                            ("rank0_only", rank0_only), ("offload_to_cpu", offload_to_cpu),
+                            ("with_grads", with_grads)):
+            check_bool("FullyShardedDataParallel.summon_full_params", name, value)
         if rank0_only and writeback:
             raise bad_argument("FullyShardedDataParallel", "writeback", writeback, "False when "
                                "rank0_only=True", "Other ranks hold no full parameters to write "

@@ -111,11 +111,12 @@ def _check_dtype(param_dtype) -> Optional[torch.dtype]:
 def _check_not_wider(param_dtype: Optional[torch.dtype], model: nn.Module) -> None:
     """Mixed precision lowers the compute dtype; a wider one (float64 over fp32 parameters) is
     refused: YaFSDP casts no inputs, so the forward would fail on a dtype mismatch."""
-    widths = [p.dtype.itemsize for p in model.parameters() if p.is_floating_point()]
-    if param_dtype is None or not widths or param_dtype.itemsize <= max(widths):
+    dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    if param_dtype is None or not dtypes:
         return
-    widest = max((p.dtype for p in model.parameters() if p.is_floating_point()),
-                 key=lambda d: d.itemsize)
+    widest = max(dtypes, key=lambda d: d.itemsize)
+    if param_dtype.itemsize <= widest.itemsize:
+        return
     raise bad_argument(
         FRONTEND, "param_dtype", param_dtype, f"a dtype no wider than the model's parameters "
         f"({widest}): torch.bfloat16, torch.float16 or {widest}",

@@ -150,6 +150,34 @@ def _nested_inner(method: str):
     return call
 
 
+def _wrapped_small():
+    from fsdp_bridge.fsdp import FullyShardedDataParallel as FSDP
+
+    return FSDP(_small())
+
+
+def _summon(**kwargs):
+    def call():
+        from fsdp_bridge.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(_wrapped_small(), **kwargs):
+            pass
+
+    return call
+
+
+def _state_dict_config(**kwargs):
+    def call():
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+
+        from fsdp_bridge.fsdp import FullyShardedDataParallel as FSDP
+
+        FSDP.set_state_dict_type(_wrapped_small(), StateDictType.FULL_STATE_DICT,
+                                 FullStateDictConfig(**kwargs))
+
+    return call
+
+
 FSDP1 = [
     Case("fsdp1 sync_module_states='no'", "FSDP1", "error",
          _fsdp1_plan(sync_module_states="no"), ("sync_module_states", "'no'", "True or False")),
@@ -204,6 +232,16 @@ FSDP1 = [
          ("", "'0'", "on the root instance")),
     Case("fsdp1 inner.state_dict after the outer wrap", "FSDP1", "error",
          _nested_inner("state_dict"), ("", "'0'", "on the root instance")),
+    Case("fsdp1 summon_full_params(writeback='no')", "FSDP1", "error",
+         _summon(writeback="no"), ("writeback", "'no'", "True or False")),
+    Case("fsdp1 summon_full_params(with_grads=1)", "FSDP1", "error",
+         _summon(with_grads=1), ("with_grads", "1", "True or False")),
+    Case("fsdp1 FullStateDictConfig(rank0_only='no')", "FSDP1", "error",
+         _state_dict_config(rank0_only="no"),
+         ("state_dict_config.rank0_only", "'no'", "True or False")),
+    Case("fsdp1 FullStateDictConfig(offload_to_cpu='False')", "FSDP1", "error",
+         _state_dict_config(offload_to_cpu="False"),
+         ("state_dict_config.offload_to_cpu", "'False'", "True or False")),
     Case("fsdp1 limit_all_gathers=False warns", "FSDP1", "warning",
          _fsdp1_plan(limit_all_gathers=False), ["limit_all_gathers=False"]),
     Case("fsdp1 nested inner clip_grad_norm_ / no_sync vs native", "FSDP1", "native"),
