@@ -11,7 +11,9 @@ Wrappers never stay nested: when a wrapper is built over a module that already c
 wrappers (FSDP1 manual wrapping, `enable_wrap`/`wrap`), the inner ones are released (their
 engine state is undone) and replaced in the tree by the modules they wrapped; the outer wrapper
 shards everything with them as units. So the module tree below a wrapper, and every
-`state_dict()` key, are those of the unwrapped model.
+`state_dict()` key, are those of the unwrapped model. A released wrapper the user still holds
+answers `check_is_root()` with False and refuses the methods that need engine state
+(`clip_grad_norm_`, `no_sync`, `state_dict`, `load_state_dict`), naming the root to call.
 """
 
 from __future__ import annotations
