@@ -94,6 +94,27 @@ def bad_argument(
     return exc(f"{frontend}: {name}={shown} is not accepted; expected {accepted}. {fix}")
 
 
+def check_bool(frontend: str, name: str, value: Any) -> bool:
+    """`value` if it is a real bool. Strings such as "no" or "False" are refused: `bool("no")`
+    is True, so accepting them would silently turn the option on."""
+    if not isinstance(value, bool):
+        raise bad_argument(frontend, name, value, "True or False (a bool, not a string or a "
+                           "number)", f"Pass {name}=True or {name}=False.", exc=TypeError)
+    return value
+
+
+def check_own_params(frontend: str, argument: str, params, model) -> None:
+    """Refuse parameters that are not in `model`: ignoring them would silently do nothing."""
+    owned = {id(p) for _, p in model.named_parameters(remove_duplicate=False)}
+    for index, param in enumerate(params):
+        if id(param) not in owned:
+            shape = tuple(getattr(param, "shape", ()))
+            raise bad_argument(frontend, f"{argument}[{index}]", Shown(f"<a parameter of shape "
+                               f"{shape} that is not in the model>"), "parameters of the "
+                               "module being sharded", "Pass parameters of the model you wrap "
+                               "(e.g. model.embed.weight, not a copy's or another model's).")
+
+
 def translated(name: str, detail: str) -> Argument:
     return Argument(name, Treatment.TRANSLATED, detail)
 

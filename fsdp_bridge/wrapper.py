@@ -11,7 +11,9 @@ Wrappers never stay nested: when a wrapper is built over a module that already c
 wrappers (FSDP1 manual wrapping, `enable_wrap`/`wrap`), the inner ones are released (their
 engine state is undone) and replaced in the tree by the modules they wrapped; the outer wrapper
 shards everything with them as units. So the module tree below a wrapper, and every
-`state_dict()` key, are those of the unwrapped model.
+`state_dict()` key, are those of the unwrapped model. A released wrapper the user still holds
+answers `check_is_root()` with False and refuses the methods that need engine state
+(`clip_grad_norm_`, `no_sync`, `state_dict`, `load_state_dict`), naming the root to call.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from torch.distributed.fsdp import (
 )
 
 from fsdp_bridge import engine
-from fsdp_bridge.translation import bad_argument
+from fsdp_bridge.translation import bad_argument, check_bool
 
 WRAPPED = "_fsdp_wrapped_module"
 
@@ -83,6 +85,7 @@ class ShardedWrapper(nn.Module):
                 if isinstance(child, ShardedWrapper):
                     inner = child._modules[WRAPPED]
                     engine.release(child._sharded)
+                    child.__dict__["_adopted_as"] = path
                     parent._modules[name] = inner
                     found.extend((f"{path}.{n}", kw) for n, kw in child._nested_units)
                     found.append((path, child._unit_kwargs()))
@@ -119,14 +122,29 @@ class ShardedWrapper(nn.Module):
         return self._modules[WRAPPED].__getitem__(key)
 
     def check_is_root(self) -> bool:
-        return True
+        return "_adopted_as" not in self.__dict__
+
+    def _only_on_root(self, method: str) -> None:
+        """A wrapper adopted by an outer one (see [Note: nesting]) holds no engine state of its
+        own any more: like torch's FSDP1 for non-root instances, refuse instead of acting on
+        nothing."""
+        path = self.__dict__.get("_adopted_as")
+        if path is not None:
+            raise RuntimeError(
+                f"{self._frontend}.{method}() should only be called on the root instance: this "
+                f"one was wrapped inside another and is now its unit {path!r}. Call "
+                f"root.{method}(...) on the outermost wrapper, which covers every unit (torch's "
+                "FSDP1 refuses clip_grad_norm_ and no_sync on inner instances too)."
+            )
 
     # -- training -----------------------------------------------------------------------------
 
     def no_sync(self):
+        self._only_on_root("no_sync")
         return self._sharded.no_sync()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        self._only_on_root("clip_grad_norm_")
         return self._sharded.clip_grad_norm_(max_norm, norm_type)
 
     def register_comm_hook(self, state: object, hook) -> None:
@@ -142,6 +160,7 @@ class ShardedWrapper(nn.Module):
         object.__setattr__(self, "_state_dict_settings", settings)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        self._only_on_root("state_dict")
         settings = self._state_dict_settings
         if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             result = engine.sharded_state_dict(self._sharded)
@@ -159,6 +178,7 @@ class ShardedWrapper(nn.Module):
         return destination
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        self._only_on_root("load_state_dict")
         if self._state_dict_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             engine.load_sharded_state_dict(self._sharded, state_dict, strict=strict)
         else:
@@ -186,6 +206,12 @@ class ShardedWrapper(nn.Module):
         default_config, default_optim = _default_config(state_dict_type)
         settings = StateDictSettings(state_dict_type, state_dict_config or default_config,
                                      optim_state_dict_config or default_optim)
+        for argument, config in (("state_dict_config", settings.state_dict_config),
+                                 ("optim_state_dict_config", settings.optim_state_dict_config)):
+            for field in ("offload_to_cpu", "rank0_only"):
+                if hasattr(config, field):
+                    check_bool("FullyShardedDataParallel", f"{argument}.{field}",
+                               getattr(config, field))
         wrappers = ShardedWrapper.fsdp_modules(module)
         if not wrappers:
             raise bad_argument("FullyShardedDataParallel", "module", module, "a module that "
@@ -221,6 +247,10 @@ class ShardedWrapper(nn.Module):
         wrapper give clean names (no `_fsdp_wrapped_module.`), as FSDP1's do. `module` may also
         be a submodule of a wrapped model (FSDP1 users pass an auto-wrapped layer): the whole
         model it belongs to is gathered then (a collective over its ranks either way)."""
+        for name, value in (("recurse", recurse), ("writeback", writeback),
+                            ("rank0_only", rank0_only), ("offload_to_cpu", offload_to_cpu),
+                            ("with_grads", with_grads)):
+            check_bool("FullyShardedDataParallel.summon_full_params", name, value)
         if rank0_only and writeback:
             raise bad_argument("FullyShardedDataParallel", "writeback", writeback, "False when "
                                "rank0_only=True", "Other ranks hold no full parameters to write "

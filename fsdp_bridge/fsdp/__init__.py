@@ -2,7 +2,8 @@
 
 Change `torch.distributed.fsdp` to `fsdp_bridge.fsdp` and keep the script. Torch's own enums,
 config dataclasses and policies are re-exported as they are (the same objects: user code mixes
-them with ours); `FullyShardedDataParallel`, `fully_shard` and `FSDPModule` are ours.
+them with ours); `FullyShardedDataParallel`, `fully_shard`, `FSDPModule` (with `UnshardHandle`,
+`register_fsdp_forward_method`) and `share_comm_ctx` are ours.
 Also reachable as `fsdp_bridge.fsdp.fully_sharded_data_parallel` and, for FSDP2's legacy path
 `torch.distributed._composable.fsdp`, this module itself.
 """
@@ -11,6 +12,8 @@ from torch.distributed.fsdp import (  # noqa: F401  (torch's own objects)
     BackwardPrefetch,
     CPUOffload,
     CPUOffloadPolicy,
+    DataParallelMeshDims,
+    FlatParameter,
     FullOptimStateDictConfig,
     FullStateDictConfig,
     LocalOptimStateDictConfig,
@@ -28,7 +31,8 @@ from torch.distributed.fsdp import (  # noqa: F401  (torch's own objects)
     StateDictType,
 )
 
-from fsdp_bridge.fsdp import wrap  # noqa: F401
+from fsdp_bridge.fsdp import api, fully_sharded_data_parallel, wrap  # noqa: F401
+from fsdp_bridge.fsdp._comm_ctx import share_comm_ctx
 from fsdp_bridge.fsdp._fully_shard import (
     FSDPModule,
     UnshardHandle,
@@ -61,4 +65,6 @@ __all__ = [
     "OffloadPolicy",
     "register_fsdp_forward_method",
     "UnshardHandle",
+    "DataParallelMeshDims",
+    "share_comm_ctx",
 ]

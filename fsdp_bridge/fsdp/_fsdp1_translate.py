@@ -18,6 +18,8 @@ from fsdp_bridge.plan import MixedPrecision, Plan, ShardingMode, UnitSpec
 from fsdp_bridge.translation import (
     ArgumentTable,
     bad_argument,
+    check_bool,
+    check_own_params,
     ignored,
     module_paths,
     register_table,
@@ -130,6 +132,8 @@ def mixed_precision_of(mp, model: nn.Module, has_policy: bool) -> tuple[MixedPre
         raise bad_argument(FRONTEND, "mixed_precision", mp, "None or a "
                            "torch.distributed.fsdp.MixedPrecision", "e.g. mixed_precision="
                            "MixedPrecision(param_dtype=torch.bfloat16).", exc=TypeError)
+    for field in ("keep_low_precision_grads", "cast_forward_inputs", "cast_root_forward_inputs"):
+        check_bool(FRONTEND, f"mixed_precision.{field}", getattr(mp, field))
     param = _dtype(mp.param_dtype, "mixed_precision.param_dtype")
     reduce = _dtype(mp.reduce_dtype, "mixed_precision.reduce_dtype")
     buffer = _dtype(mp.buffer_dtype, "mixed_precision.buffer_dtype")
@@ -195,11 +199,7 @@ def ignored_sets(model: nn.Module, ignored_modules, ignored_states):
                                "wrapped model", "Ignore modules of the model you wrap.")
     ignored_modules_all = {id(sub): sub for m in modules for sub in m.modules()}
     params += [p for m in modules for p in m.parameters()]
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    for index, param in enumerate(params):
-        if id(param) not in names:
-            raise bad_argument(FRONTEND, f"{argument}[{index}]", "<a parameter>", "parameters "
-                               "of the wrapped model", "Ignore parameters of the model you wrap.")
+    check_own_params(FRONTEND, argument, params, model)
     return list(ignored_modules_all.values()), params
 
 
@@ -271,14 +271,16 @@ def build_plan(
     strategy = strategy_of(sharding_strategy)
     mode, reshard = _STRATEGIES[strategy]
     for name, value in (("sync_module_states", sync_module_states),
-                        ("use_orig_params", use_orig_params)):
-        if not isinstance(value, bool):
-            raise bad_argument(FRONTEND, name, value, "True or False", f"Pass {name}=True or "
-                               f"{name}=False.", exc=TypeError)
+                        ("use_orig_params", use_orig_params),
+                        ("forward_prefetch", forward_prefetch),
+                        ("limit_all_gathers", limit_all_gathers)):
+        check_bool(FRONTEND, name, value)
     if cpu_offload is not None and not isinstance(cpu_offload, CPUOffload):
         raise bad_argument(FRONTEND, "cpu_offload", cpu_offload, "None or a torch.distributed."
                            "fsdp.CPUOffload", "e.g. cpu_offload=CPUOffload(offload_params=True).",
                            exc=TypeError)
+    if cpu_offload is not None:
+        check_bool(FRONTEND, "cpu_offload.offload_params", cpu_offload.offload_params)
     if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
         raise bad_argument(FRONTEND, "backward_prefetch", backward_prefetch, "None or a "
                            "torch.distributed.fsdp.BackwardPrefetch (BACKWARD_PRE, "

@@ -20,34 +20,55 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 
-from fsdp_bridge import engine
+# Everything else torch's `torch.distributed.fsdp.fully_sharded_data_parallel` exposes, as
+# torch's own objects: scripts import configs, enums and constants from this path.
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: F401
+    ActivationWrapper,
+)
+from torch.distributed.fsdp.fully_sharded_data_parallel import (  # noqa: F401
+    FLAT_PARAM,
+    FSDP_PREFIX,
+    FSDP_WRAPPED_MODULE,
+    HYBRID_SHARDING_STRATEGIES,
+    LOW_PRECISION_HOOKS,
+    CPUOffload,
+    CustomPolicy,
+    FlatParameter,
+    FlatParamHandle,
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    HandleTrainingState,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    ModuleWrapPolicy,
+    OptimStateDictConfig,
+    OptimStateKeyType,
+    ProcessGroupType,
+    ShardedOptimStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictConfig,
+    StateDictSettings,
+    StateDictType,
+    TrainingState,
+    copy_method_params,
+    copy_method_sig,
+    traversal_utils,
+)
+
+from fsdp_bridge import devices, engine
 from fsdp_bridge.fsdp._fsdp1_translate import FRONTEND, build_plan, strategy_of
 from fsdp_bridge.plan import ShardingMode
 from fsdp_bridge.translation import bad_argument
 from fsdp_bridge.wrapper import ShardedWrapper, shard_flat
 
+__all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]  # torch's, name for name
+
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 
 def resolve_device(device_id) -> Optional[torch.device]:
-    if device_id is None:
-        return None
-    if isinstance(device_id, bool):
-        pass
-    elif isinstance(device_id, int):
-        if not torch.cuda.is_available():
-            raise bad_argument(FRONTEND, "device_id", device_id, "a torch.device or a device "
-                               "string on a machine without CUDA (an int means a CUDA index)",
-                               "Pass device_id=torch.device('cpu'), or leave it None.")
-        return torch.device("cuda", device_id)
-    elif isinstance(device_id, (str, torch.device)):
-        try:
-            return torch.device(device_id)
-        except RuntimeError:
-            pass
-    raise bad_argument(FRONTEND, "device_id", device_id, "None, an int CUDA index, a "
-                       "torch.device or a device string", "e.g. device_id=torch.device('cpu') "
-                       "or device_id=torch.cuda.current_device().", exc=TypeError)
+    return devices.resolve_device(FRONTEND, device_id)
 
 
 def _is_group(value) -> bool:

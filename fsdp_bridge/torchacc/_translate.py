@@ -16,6 +16,7 @@ from fsdp_bridge.plan import MixedPrecision, Plan, ShardingMode, UnitSpec
 from fsdp_bridge.translation import (
     ArgumentTable,
     bad_argument,
+    check_bool,
     ignored,
     module_paths,
     register_table,
@@ -53,6 +54,16 @@ TABLE = register_table(
                     "apply_activation_checkpointing)"),
             rejected("dist.tp.size / dist.pp.size / dist.sp.size > 1", "tensor, pipeline and "
                      "sequence parallelism are not supported"),
+            translated("backend='eager'", "the default: what the engine runs"),
+            ignored("backend", "'lazy' (XLA lazy tensors) is not available without torch_xla; "
+                    "the model runs eagerly, which gives TorchAcc's eager-backend numbers"),
+            ignored("dataloader.buckets", "batches are not padded to bucket lengths (bucketing "
+                    "only spares XLA recompilations); each batch keeps the length the "
+                    "dataloader gives it"),
+            ignored("dataloader.num_buckets", "no bucketing (see dataloader.buckets)"),
+            ignored("dataloader.max_length", "no bucketing (see dataloader.buckets)"),
+            ignored("dataloader.pad_value_dict", "no bucketing, so no padding (see "
+                    "dataloader.buckets)"),
             translated("accelerate(dataloader)", "each data-parallel rank gets its slice of "
                        "every batch (dim 0), moved to the model's device"),
         ),
@@ -88,6 +99,31 @@ def sizes(config, world: int) -> tuple[int, int]:
     return dp, fsdp
 
 
+_FLAGS = ("compute.bf16", "compute.fp16", "compute.acc_scaled_dot_attn",
+          "compute.disable_kernel_patches", "memory.gc", "dist.fsdp.flatten_parameters",
+          "dist.fsdp.sync_module_states", "dist.fsdp.use_spmd")
+
+
+def _part(config, path: str):
+    for attribute in path.split("."):
+        config = getattr(config, attribute)
+    return config
+
+
+def _backend_and_dataloader_notes(config) -> tuple[str, ...]:
+    if config.backend not in ("eager", "lazy"):
+        raise bad_argument(FRONTEND, "backend", config.backend, "'eager' or 'lazy'",
+                           "Set config.backend = 'eager' (the default).")
+    notes = ()
+    if config.backend == "lazy":
+        notes += (TABLE.warn_ignored("backend", "lazy"),)
+    for field in ("buckets", "num_buckets", "max_length", "pad_value_dict"):
+        value = getattr(config.dataloader, field)
+        if value is not None:
+            notes += (TABLE.warn_ignored(f"dataloader.{field}", value),)
+    return notes
+
+
 def build_plan(model: nn.Module, config, world: int) -> Plan:
     from fsdp_bridge.torchacc.config import Config
 
@@ -98,11 +134,14 @@ def build_plan(model: nn.Module, config, world: int) -> Plan:
         raise bad_argument("torchacc.accelerate", "config", config, "a torchacc.Config",
                            "Build one with torchacc.Config() and set its fields.", exc=TypeError)
     dp, fsdp = sizes(config, world)
+    for name in _FLAGS:
+        part, field = name.rsplit(".", 1)
+        check_bool(FRONTEND, name, getattr(_part(config, part), field))
+    notes = _backend_and_dataloader_notes(config)
     compute = config.compute
     if compute.bf16 and compute.fp16:
         raise bad_argument(FRONTEND, "compute.fp16", compute.fp16, "False when compute.bf16 is "
                            "True", "Choose one of compute.bf16 and compute.fp16.")
-    notes = ()
     fc = config.dist.fsdp
     if not fc.flatten_parameters:
         notes += (TABLE.warn_ignored("dist.fsdp.flatten_parameters", False),)

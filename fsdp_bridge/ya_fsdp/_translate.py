@@ -11,6 +11,7 @@ from fsdp_bridge.plan import MixedPrecision, Plan, ShardingMode, UnitSpec
 from fsdp_bridge.translation import (
     ArgumentTable,
     bad_argument,
+    check_bool,
     ignored,
     module_paths,
     register_table,
@@ -107,6 +108,23 @@ def _check_dtype(param_dtype) -> Optional[torch.dtype]:
     return param_dtype
 
 
+def _check_not_wider(param_dtype: Optional[torch.dtype], model: nn.Module) -> None:
+    """Mixed precision lowers the compute dtype; a wider one (float64 over fp32 parameters) is
+    refused: YaFSDP casts no inputs, so the forward would fail on a dtype mismatch."""
+    dtypes = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    if param_dtype is None or not dtypes:
+        return
+    widest = max(dtypes, key=lambda d: d.itemsize)
+    if param_dtype.itemsize <= widest.itemsize:
+        return
+    raise bad_argument(
+        FRONTEND, "param_dtype", param_dtype, f"a dtype no wider than the model's parameters "
+        f"({widest}): torch.bfloat16, torch.float16 or {widest}",
+        f"To train in {param_dtype}, convert the model first (model.to({param_dtype})) and "
+        "leave param_dtype None.",
+    )
+
+
 def _check_steps(steps) -> int:
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise bad_argument(
@@ -174,8 +192,30 @@ def _norm_modules(
     return tuple(dict.fromkeys(names))
 
 
+def _check_units_are_not_norms(units: list[str], norms: tuple[str, ...], rogue, norm_cls) -> None:
+    """A module is either a unit (its own flat buffer, gathered per layer) or in the resident
+    norm group (gathered once per step with the root); both at once has no meaning."""
+    rogue_names = list(rogue.values()) if isinstance(rogue, dict) else []
+    for name in norms:
+        if name not in units:
+            continue
+        if name in rogue_names:
+            argument = f"rogue_layer_norm_modules_with_names[{rogue_names.index(name)}]"
+            value = name
+        else:
+            argument, value = "layer_norm_module_cls", norm_cls
+        raise bad_argument(FRONTEND, argument, value, "norm modules that are not also in "
+                           f"modules_to_wrap_with_names (here {name!r} is at index "
+                           f"{units.index(name)})", "Remove it from one of the two: norms "
+                           "belong in the norm group, layers in modules_to_wrap_with_names.")
+
+
 def ignored_notes(given: dict[str, Any]) -> tuple[str, ...]:
-    """Warn once per ignored argument given a non-default value; return the notes."""
+    """Warn once per ignored argument given a non-default value; return the notes. Flags must
+    still be bools: "no" would read as a non-default value."""
+    for name, value in given.items():
+        if isinstance(IGNORED_DEFAULTS.get(name), bool):
+            check_bool(FRONTEND, name, value)
     return tuple(
         TABLE.warn_ignored(name, value)
         for name, value in given.items()
@@ -207,7 +247,12 @@ def build_plan(
     if not isinstance(modules_to_wrap_with_names, (list, tuple)):
         modules_to_wrap_with_names = list(modules_to_wrap_with_names)
     unit_names = _named_modules_arg("modules_to_wrap_with_names", modules_to_wrap_with_names, paths)
+    _check_not_wider(dtype, module)
+    check_bool(FRONTEND, "bit16_reduce_scatter", bit16_reduce_scatter)
+    check_bool(FRONTEND, "sync_module_states", sync_module_states)
     norms = _norm_modules(module, layer_norm_module_cls, rogue_layer_norm_modules_with_names, paths)
+    _check_units_are_not_norms(unit_names, norms, rogue_layer_norm_modules_with_names,
+                               layer_norm_module_cls)
     return Plan(
         units=tuple(UnitSpec(name, reshard) for name in unit_names) + (UnitSpec("", reshard),),
         mode=ShardingMode.SHARD,

@@ -9,28 +9,60 @@ state dict on every rank (`rank0_only=True` for YaFSDP's "local rank 0 only"), a
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fsdp_bridge import engine
+from fsdp_bridge import devices, engine
 from fsdp_bridge.translation import bad_argument
 from fsdp_bridge.wrapper import shard_flat
 from fsdp_bridge.ya_fsdp._translate import FRONTEND, build_plan, ignored_notes
 
 
-def _device(device_id) -> Optional[torch.device]:
-    if device_id is None:
-        return None
-    if isinstance(device_id, int):
-        return torch.device("cuda", device_id)
-    if isinstance(device_id, (str, torch.device)):
-        return torch.device(device_id)
-    raise bad_argument(FRONTEND, "device_id", device_id, "an int CUDA index, a torch.device or "
-                       "a device string", "e.g. device_id=torch.cuda.current_device() or "
-                       "device_id='cpu'.", exc=TypeError)
+def _check_group(group) -> None:
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise bad_argument(FRONTEND, "data_parallel_process_group", group, "None (the default "
+                           "world group) or a torch.distributed.ProcessGroup", "Leave it None "
+                           "to use every rank, or pass dist.new_group(ranks).", exc=TypeError)
+
+
+# [Note: stepping inside an accumulation cycle]
+# With gradient_accumulation_steps=N, gradients are reduced, divided and exposed only after
+# the N-th backward. An optimizer step after an earlier micro-step would apply last cycle's
+# gradients (or none): training drifts with no error. A global optimizer step pre-hook (torch's
+# public `register_optimizer_step_pre_hook`) refuses such a step, by name.
+_ACCUMULATING: "weakref.WeakSet[YaFSDP]" = weakref.WeakSet()
+_HOOK: list = []
+
+
+def _refuse_step_mid_cycle(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    for model in list(_ACCUMULATING):
+        micro_step = getattr(model._sharded, "micro_step", 0)
+        if micro_step == 0:
+            continue
+        mine = {id(p) for p in model._module.parameters()}
+        if any(id(p) in mine for group in optimizer.param_groups for p in group["params"]):
+            steps = model.plan.gradient_accumulation_steps
+            raise RuntimeError(
+                f"{FRONTEND}(gradient_accumulation_steps={steps}): optimizer.step() was called "
+                f"after micro-step {micro_step} of {steps}; gradients are reduced and exposed "
+                f"only after backward number {steps} of each cycle, so this step would use stale "
+                "gradients. "
+                f"Call optimizer.step() (and zero_grad()) once every {steps} backward passes, "
+                "or pass gradient_accumulation_steps=1 to step after every backward."
+            )
+
+
+def _watch_accumulation(model: "YaFSDP") -> None:
+    if model.plan.gradient_accumulation_steps == 1:
+        return
+    _ACCUMULATING.add(model)
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_refuse_step_mid_cycle))
 
 
 class YaFSDP(nn.Module):
@@ -63,6 +95,9 @@ class YaFSDP(nn.Module):
         profile: bool = False,
     ):
         super().__init__()
+        # Everything is checked before the model is touched.
+        device = devices.resolve_device(FRONTEND, device_id)
+        _check_group(data_parallel_process_group)
         notes = ignored_notes(
             {
                 "intra_node_data_parallel_process_group": intra_node_data_parallel_process_group,
@@ -95,9 +130,10 @@ class YaFSDP(nn.Module):
             module,
             plan,
             shard_group=data_parallel_process_group,
-            device=_device(device_id),
+            device=device,
             param_init_fn=param_init_fn,
         )
+        _watch_accumulation(self)
 
     # -- the wrapped model --------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from fsdp_bridge import policies
 from fsdp_bridge.plan import MixedPrecision, Plan, ShardingMode, UnitSpec
 from fsdp_bridge.translation import (
     ArgumentTable,
+    Shown,
     bad_argument,
     module_paths,
     register_table,
@@ -80,8 +81,15 @@ def build_plan(model, auto_wrap=False, mp="fp32", shard_strat="NO_SHARD",
                                "fsdp(model, auto_wrap=True, TransformerBlock=MyBlock), or "
                                "auto_wrap=False.", exc=TypeError)
         paths = module_paths(model)
-        units = [UnitSpec(paths[id(m)], reshard)
-                 for m in policies.modules_of_classes(model, (TransformerBlock,))]
+        blocks = policies.modules_of_classes(model, (TransformerBlock,))
+        if not blocks:
+            present = sorted({type(m).__name__ for m in model.modules()} - {type(model).__name__})
+            raise bad_argument(FRONTEND, "TransformerBlock", Shown(TransformerBlock.__name__),
+                               "a class with instances in the model (it has "
+                               + ", ".join(present[:8]) + ")", "Pass the class of the model's "
+                               "repeated layer; with none, only the root would be sharded "
+                               "(pass auto_wrap=False for that).")
+        units = [UnitSpec(paths[id(m)], reshard) for m in blocks]
     elif TransformerBlock is not None and not isinstance(TransformerBlock, type):
         raise bad_argument(FRONTEND, "TransformerBlock", TransformerBlock, "None or an "
                            "nn.Module subclass", "Pass the class itself.", exc=TypeError)
