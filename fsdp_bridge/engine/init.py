@@ -54,6 +54,15 @@ def _named_states(module: nn.Module):
     yield from module.named_buffers(remove_duplicate=False)
 
 
+def describe_rank(module: nn.Module, device: torch.device) -> str:
+    """What else every rank must agree on: the device type (indices differ by rank) and each
+    buffer's name, shape and dtype (rank 0's values are broadcast into them)."""
+    lines = [f"device type: {device.type}"]
+    lines.extend(f"buffer {name} {tuple(buffer.shape)} {buffer.dtype}"
+                 for name, buffer in module.named_buffers())
+    return "\n".join(lines)
+
+
 def check_ranks_agree(plan: Plan, layout_text: str, comm: Comm) -> None:
     """Fail with a readable diff, instead of hanging in a collective later, when ranks built
     different plans (different wrapping, dtypes, or parameter shapes)."""

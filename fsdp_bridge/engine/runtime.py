@@ -92,7 +92,8 @@ class ShardedModel:
 
         engine_init.materialize(module, device, param_init_fn)
         layouts = assign_groups(module, plan)
-        engine_init.check_ranks_agree(plan, describe_layout(layouts), comm)
+        engine_init.check_ranks_agree(plan, engine_init.describe_rank(module, device) + "\n"
+                                      + describe_layout(layouts), comm)
         self.buffer_dtypes = engine_init.prepare_buffers(module, plan, comm)
         self.ignored_params = engine_init.ignored_parameters(module, plan)
         self.units = self._build_units(layouts)

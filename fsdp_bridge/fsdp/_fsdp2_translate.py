@@ -15,6 +15,7 @@ from fsdp_bridge.plan import MixedPrecision, ParamLayout, Plan, ShardingMode, Un
 from fsdp_bridge.translation import (
     ArgumentTable,
     bad_argument,
+    check_own_params,
     ignored,
     register_table,
     rejected,
@@ -172,6 +173,8 @@ def check_call(module, mesh, reshard_after_forward, shard_placement_fn, mp_polic
         ):
             raise bad("ignored_params", ignored_params, "None or a set of nn.Parameter",
                       "e.g. ignored_params={model.embed.weight}.", exc=TypeError)
+        # Ignoring a parameter that is not sharded by this call would silently do nothing.
+        check_own_params(FRONTEND, "ignored_params", list(ignored_params), nn.ModuleList(modules))
     if dp_mesh_dims is not None:
         raise bad("dp_mesh_dims", dp_mesh_dims, "None", "SPMD meshes with DTensor parameters "
                   "are not supported; pass the data-parallel mesh as mesh=.")

@@ -602,6 +602,13 @@ def bad_inputs(rank, world):
     cast.to(torch.float64)
     out["cast_after"] = error(lambda: M.lm_loss(cast, _batch(0, rank, world)))
     out["post_optim_event"] = error(lambda: model.set_post_optim_event(object()))
+    uneven = nn.Sequential(nn.Linear(4, 4))
+    uneven.register_buffer("table", torch.zeros(2 + rank))  # differs by rank
+    fsdp.fully_shard(uneven)
+    out["rank_dependent_buffer"] = error(lambda: uneven(torch.zeros(1, 4)))
+    stranger = nn.Parameter(torch.zeros(3))
+    out["ignored_not_in_module"] = error(lambda: fsdp.fully_shard(nn.Linear(2, 2),
+                                                                  ignored_params={stranger}))
     return out
 
 

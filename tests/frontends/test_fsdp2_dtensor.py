@@ -151,6 +151,10 @@ def test_bad_inputs_are_refused_by_name(world):
     assert "torch.float64" in result["cast_after"] and "before its first forward" in result["cast_after"]
     assert result["post_optim_event"].startswith("TypeError") and "event" in result[
         "post_optim_event"]
+    assert "ranks disagree" in result["rank_dependent_buffer"]
+    assert "buffer table (2,)" in result["rank_dependent_buffer"]
+    assert "ignored_params[0]" in result["ignored_not_in_module"]
+    assert "not in the model" in result["ignored_not_in_module"]
 
 
 @pytest.mark.parametrize("mode", ["default", "explicit_prefetching", "mixed_precision",
