@@ -98,14 +98,16 @@ def test_plan_is_printable_and_fingerprint_stable():
     assert plan.fingerprint() != llama_plan().fingerprint()
 
 
-def test_shared_gather_buffers_hold_memory_only_while_needed():
+def test_layer_gather_buffers_hold_memory_only_while_needed():
     model = M.tiny_llama()
     engine.shard_model(model, llama_plan())
     sharded = engine.get_sharded(model)
-    assert len(sharded.shared_buffers) == 2
+    layers = [unit for unit in sharded.units if unit.name.startswith("model.layers.")]
+    assert [b.owner for b in sharded.transient_buffers] == [None] * len(layers)
+    assert len(sharded.transient_buffers) == len(layers) == 3  # one per layer group
 
     def held():
-        return [b for b in sharded.shared_buffers if b.tensor.untyped_storage().nbytes() > 0]
+        return [b for b in sharded.transient_buffers if b.tensor.untyped_storage().nbytes() > 0]
 
     assert held() == []  # nothing allocated before the first gather
     loss = M.lm_loss(model, M.global_batches(1, 2)[0])

@@ -1,20 +1,22 @@
-"""Preallocated, reused buffers for gathered parameters and full gradients.
+"""Buffers for gathered parameters (one per group, memory only while gathered) and full
+gradients (two, reused).
 
-[Note: two buffers]
-Units that are resharded after forward share two gather buffers, used alternately in execution
-order, and every unit shares two gradient buffers; each is sized to the largest unit. Memory
-for gathered weights and unsharded gradients is therefore bounded (2 x the largest unit each)
-and tensors are never reallocated per unit. A buffer remembers its owner: a unit whose data is
-still in its buffer is not gathered again. A buffer is never taken from an owner that is in use
-(between its pre- and post- hooks).
+[Note: gather buffers]
+Every flat group gathers into a buffer of its own, one tensor whose storage holds memory only
+while the group is gathered (FSDP2's storage resize). Autograd saves views of the gathered
+parameters in forward (a linear layer saves its weight); they share that storage object, so
+when backward gathers the group again into the same storage they read its parameters. A
+storage object per group is what makes any order right: units used twice in one forward, a
+backward that visits units out of forward order (an encoder-decoder), nested units; buffers
+shared between groups would make two of them need one storage at once.
 
-The gather buffers hold memory only while needed. At the end of forward every shared buffer
-but the last unit's is released (see GatherBuffer.release): activations peak at the turn to
-backward, and only the last unit is needed there, first. At the end of backward all are
-released: the next forward gathers every unit again anyway (the masters move), so nothing in
-them is worth holding through the optimizer step. The gradient buffers exist only during
-backward (see GradBuffer). Measured on the bench's tiny Llama (world 2, fp32), a rank holds
-38 MiB between steps instead of 46.
+Memory follows the schedule instead: a unit that reshards after forward frees its weights at
+its post-forward hook (except the last one, which backward starts with) and again once its
+backward has run; every such buffer is freed at the end of backward, since the next forward
+gathers again anyway (the masters move). So at most the running unit and the one being
+prefetched hold gathered weights, in forward and in backward. Units that stay gathered (the
+root, ZeRO-2, units with units inside them, frozen groups) hold theirs from construction. The
+gradient buffers exist only during backward (see GradBuffer).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 
 class GatherBuffer:
-    """Holds one unit's gathered (unsharded) parameters at a time."""
+    """Holds one group's gathered (unsharded) parameters."""
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
         self.tensor = torch.empty(numel, dtype=dtype, device=device)
@@ -37,11 +39,8 @@ class GatherBuffer:
         return self.tensor[:numel]
 
     def release(self) -> None:
-        """Free the memory but keep the tensor and its storage object (FSDP2's storage resize).
-
-        Autograd saved views of this buffer in forward (a linear layer saves its weight); they
-        share the storage object, so when backward gathers the unit into the buffer again they
-        read its parameters, as they do after any other unit used the buffer in between."""
+        """Free the memory but keep the tensor and its storage object (see [Note: gather
+        buffers])."""
         if self.owner is not None:
             self.owner.invalidate()  # waits: never free memory a gather is writing into
         self.tensor.untyped_storage().resize_(0)

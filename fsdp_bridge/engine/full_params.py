@@ -348,11 +348,9 @@ def unshard_unit(sharded: ShardedModel, name: str) -> list:
     unit = _unit(sharded, name)
     started = []
     for group in unit.groups:
-        owner = group.buffer.owner
-        if group.is_gathered or (owner is not None and sharded.unit_of_group[id(owner)].in_use):
-            continue
-        group.start_gather()
-        started.append(group)
+        if not group.is_gathered:
+            group.start_gather()
+            started.append(group)
     return started
 
 

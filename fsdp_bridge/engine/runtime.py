@@ -128,26 +128,17 @@ class ShardedModel:
         return not any(other.name.startswith(prefix) for other in self.units)
 
     def _allocate_buffers(self) -> None:
-        """Two shared gather buffers (per dtype) for the trainable groups of leaf units that
-        reshard after forward; a dedicated buffer for every other group; two shared gradient
-        buffers per reduce dtype, sized to the largest trainable group."""
-        shared: dict[torch.dtype, list[FlatGroup]] = {}
+        """A gather buffer of its own for every group (see [Note: gather buffers]); two shared
+        gradient buffers per reduce dtype, sized to the largest trainable group."""
+        self.transient_buffers: list[GatherBuffer] = []
         for unit in self.units:
             for group in unit.groups:
+                group.buffer = GatherBuffer(group.padded_numel, group.compute_dtype, self.device)
                 if unit.reshard_after_forward and self._is_leaf(unit) and group.requires_grad:
-                    shared.setdefault(group.compute_dtype, []).append(group)
+                    self.transient_buffers.append(group.buffer)
+                    group.buffer.release()  # allocated at its first gather
                 else:
-                    group.buffer = GatherBuffer(group.padded_numel, group.compute_dtype, self.device)
                     group.dedicated = True
-        self.shared_buffers: list[GatherBuffer] = []
-        for dtype, groups in shared.items():
-            size = max(group.padded_numel for group in groups)
-            pair = [GatherBuffer(size, dtype, self.device) for _ in range(min(2, len(groups)))]
-            for index, group in enumerate(groups):
-                group.buffer = pair[index % len(pair)]
-            self.shared_buffers.extend(pair)
-        for buffer in self.shared_buffers:
-            buffer.release()  # allocated at the first gather
         sizes: dict[torch.dtype, int] = {}
         for unit in self.units:
             for group in unit.trainable_groups:
@@ -174,14 +165,16 @@ class ShardedModel:
 
     def _make_pre_forward(self, unit: Unit):
         def pre_forward(module, args, kwargs):
-            if unit.is_root:
+            recomputing = self.callback_queued  # a forward run inside backward
+            if unit.is_root and not recomputing:
                 self._begin_forward()
-            self.forward_order.append(unit)
             unit.in_use = True
             for group in unit.groups:
                 self._ensure_gathered(group)
             self._install_views(unit)
-            self._prefetch(self._next_in_forward(unit))
+            if not recomputing:
+                self.forward_order.append(unit)
+                self._prefetch(self._next_in_forward(unit))
             return self._cast_inputs(unit, args, kwargs)
 
         return pre_forward
@@ -190,8 +183,12 @@ class ShardedModel:
         def post_forward(module, args, output):
             self._remove_views(unit)
             unit.in_use = False
-            if unit is self._last_in_forward():
-                self._release_shared_buffers(keep=unit)
+            # Backward starts with the last unit: keep it through the turn to backward. (A
+            # forward run inside backward, an activation-checkpoint recomputation, keeps its
+            # weights for the backward that follows it.)
+            if (unit.reshard_after_forward and unit is not self._last_in_forward()
+                    and not self.callback_queued):
+                self._release_buffers_of(unit)
             if torch.is_grad_enabled():
                 tensors = [
                     t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
@@ -199,8 +196,8 @@ class ShardedModel:
                 if tensors:
                     register_multi_grad_hook(tensors, self._make_pre_backward(unit), mode="any")
             if unit.is_root and self.forward_order:
-                # Again, in case this forward's last unit was not the expected one.
-                self._release_shared_buffers(keep=self.forward_order[-1])
+                # In case this forward's last unit was not the expected one.
+                self._release_transient_buffers(keep=self.forward_order[-1])
                 if self.mp.output_dtype is not None:
                     output = self._cast_floating(output, self.mp.output_dtype)
             return output
@@ -219,19 +216,26 @@ class ShardedModel:
             self.last_forward_order = self.forward_order
         self.forward_order = []
 
-    def _release_shared_buffers(self, keep: Optional[Unit] = None) -> None:
+    def _release_transient_buffers(self, keep: Optional[Unit] = None) -> None:
         # Activations peak at the turn to backward (the head and the loss run after the last
-        # unit): through it, hold only the weights of `keep`, the unit backward starts with
-        # ([Note: two buffers]).
-        for buffer in self.shared_buffers:
-            if keep is None or buffer.owner not in keep.groups:
+        # unit): through it, hold only the weights of `keep`, the unit backward starts with.
+        keep_groups = keep.groups if keep is not None else []
+        for buffer in self.transient_buffers:
+            if buffer.owner is None or buffer.owner not in keep_groups:
                 buffer.release()
 
-    def _install_views(self, unit: Unit) -> None:
+    def _release_buffers_of(self, unit: Unit) -> None:
+        for group in unit.groups:
+            if not group.dedicated:
+                group.buffer.release()
+
+    def _install_views(self, unit: Unit, counted: bool = True) -> None:
+        """Make the unit's modules compute with its gathered parameters. `counted`: the unit's
+        backward is expected to reach these views (see post_backward)."""
         for group in unit.groups:
             if group.requires_grad and torch.is_grad_enabled():
                 views = Unflatten.apply(group.gate, group, self)
-                unit.backward_groups_left += 1
+                unit.backward_groups_left += counted
             else:
                 views = group.full_views()
             for slot, view in zip(group.slots, views):
@@ -261,14 +265,6 @@ class ShardedModel:
 
     def _ensure_gathered(self, group: FlatGroup) -> None:
         if not group.is_gathered:
-            owner = group.buffer.owner
-            if owner is not None and self.unit_of_group[id(owner)].in_use:
-                raise RuntimeError(
-                    f"fsdp_bridge: unit {self.unit_of_group[id(group)].name!r} needs the gather "
-                    f"buffer still used by unit {self.unit_of_group[id(owner)].name!r}. Units that "
-                    "run inside each other must not both be resharded after forward: mark the "
-                    "outer one reshard_after_forward=False (ZeRO-2)."
-                )
             group.start_gather()
         group.wait_gather()
 
@@ -277,10 +273,8 @@ class ShardedModel:
         if unit is None:
             return
         for group in unit.groups:
-            owner = group.buffer.owner
-            if group.is_gathered or (owner is not None and self.unit_of_group[id(owner)].in_use):
-                continue
-            group.start_gather()
+            if not group.is_gathered:
+                group.start_gather()
 
     def _expected_forward_order(self) -> list[Unit]:
         """The last forward's order; before any forward, the Plan's."""
@@ -314,6 +308,17 @@ class ShardedModel:
             unit.in_use = True
             for group in unit.groups:
                 self._ensure_gathered(group)
+            # [Note: recomputation in backward] Activation checkpointing runs the unit's
+            # forward again inside backward, often without its hooks (Hugging Face checkpoints
+            # `forward`, inside `__call__`). So the modules hold gathered parameters through
+            # the unit's backward, as views whose gradients reach the reduction: a reentrant
+            # recomputation backpropagates through them (its first forward ran without
+            # gradients, so nothing else would), a non-reentrant one only reads their values.
+            # Not counted: a backward that never uses them must still finish the unit. They
+            # stay until the end of backward: the root's (the resident norm group) are used by
+            # recomputations of the units inside it after its own gradient may be complete.
+            with torch.enable_grad():
+                self._install_views(unit, counted=False)
             self._prefetch(self._previous_in_forward(unit))
 
         return pre_backward
@@ -333,9 +338,10 @@ class ShardedModel:
         unit.backward_groups_left -= 1
         if unit.backward_groups_left <= 0:
             unit.in_use = False
-            # Its gather buffer is free now: start the next unit backward needs. (At that
-            # unit's pre-backward hook, or at the one before, the buffer was still in use, so
-            # the gather would otherwise run there, unoverlapped.)
+            # Every use of its parameters in this backward has run: free its weights, and
+            # start the next unit backward needs so that it overlaps this unit's reduction.
+            if unit.reshard_after_forward:
+                self._release_buffers_of(unit)
             self._prefetch(self._next_to_gather_in_backward(unit))
 
     def _next_to_gather_in_backward(self, unit: Unit) -> Optional[Unit]:
@@ -399,13 +405,14 @@ class ShardedModel:
         for unit in self.units:
             unit.in_use = False
             unit.backward_groups_left = 0
+            self._remove_views(unit)
             # A prefetch nobody uses this step must not stay in flight past it: the step may
             # be the last before the script tears its process group down.
             for group in unit.groups:
                 group.wait_gather()
-        # The next forward gathers every unit again (the masters move): nothing in the shared
-        # buffers is worth holding through the optimizer step.
-        self._release_shared_buffers()
+        # The next forward gathers every unit again (the masters move): nothing in the
+        # transient buffers is worth holding through the optimizer step.
+        self._release_transient_buffers()
         self.callback_queued = False
 
     # -- public operations --------------------------------------------------------------------
