@@ -96,6 +96,7 @@ def _checks_and_lock(state: dict, path: str, overwrite: bool, held: contextlib.E
         if world_rank() == 0:
             atomic.check_target(path, overwrite)
             held.enter_context(atomic.lock(path))
+            atomic.clean_before_save(path)
     except validate.CheckpointError as exc:
         return exc
     return None

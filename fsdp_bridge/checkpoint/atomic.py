@@ -13,8 +13,9 @@ so that the new name survives a power loss too.
 
 Every save of `<path>` holds `lock(<path>)` from its checks to its clean-up, so no other save
 of the same path runs meanwhile; a second one is refused with the holder's pid. Under the lock,
-any `.tmp-`/`.old-` sibling of `<path>` is a leftover of a crashed save: the next successful
-save removes them all (`clean_leftovers`), once its own checkpoint is in place.
+any `.tmp-`/`.old-` sibling of `<path>` is a leftover of a crashed save: the next save removes
+them before it writes (`clean_before_save`, keeping an `.old-` that is the only copy) and again
+once its own checkpoint is in place (`clean_leftovers`).
 """
 
 from __future__ import annotations
@@ -197,6 +198,14 @@ def clean_leftovers(path: str, keep_old: bool = False) -> None:
         else:
             with contextlib.suppress(OSError):
                 os.remove(leftover)
+
+
+def clean_before_save(path: str) -> None:
+    """Under `lock(path)`, before writing: every `.tmp-` sibling is a crashed save's, and so
+    is every `.old-` once `path` exists (without `path`, an `.old-` is the previous checkpoint
+    and stays until this save has published its own). A run of crashes therefore never leaves
+    more than one `.tmp-` and one `.old-`."""
+    clean_leftovers(path, keep_old=not os.path.isdir(path))
 
 
 def remove_tree(path: str) -> None:

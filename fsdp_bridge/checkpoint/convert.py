@@ -300,6 +300,7 @@ def convert(source: str, target: str, to: str, *, key: Optional[str] = None,
         state = {str(k): v for k, v in state.items()}
     tensors, size = _count(state)
     with atomic.lock(target):
+        atomic.clean_before_save(target)
         try:
             write(state, target, to)
         except Exception as exc:  # noqa: BLE001 - disk full, permissions: said clearly

@@ -100,6 +100,7 @@ def save_pretrained(model: nn.Module, path: str, *, overwrite: bool = False, **k
         try:
             atomic.check_target(path, overwrite)
             with atomic.lock(path):
+                atomic.clean_before_save(path)
                 try:
                     _unwrapped(model).save_pretrained(tmp, state_dict=full,
                                                       safe_serialization=True, **kwargs)
