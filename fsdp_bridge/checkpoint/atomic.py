@@ -124,10 +124,15 @@ def lock(path: str):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):  # no flock on this file system
+                os.close(fd)
+                warnings.warn(f"fsdp_bridge: cannot lock {file!r} ({exc.strerror}); a second "
+                              f"save of {path!r} running at the same time would not be "
+                              "detected.", stacklevel=3)
+                yield
+                return
             holder = _read_holder(fd)
             os.close(fd)
-            if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
             raise CheckpointError(
                 f"another save to {path!r} is in progress ({holder or 'holder unknown'}): two "
                 "saves of one path would overwrite each other. Wait for it to finish, or save "

@@ -74,6 +74,14 @@ def detect(path: str) -> str:
 # -- reading ------------------------------------------------------------------------------------
 
 
+def _verify_manifest(directory: str) -> None:
+    """Our checksums, when the directory has our manifest (see [Note: the manifest])."""
+    data = manifest.read(directory)
+    problems = manifest.verify(directory, data) if data is not None else []
+    if problems:
+        raise CheckpointError(f"checkpoint {directory!r} is damaged: {'; '.join(problems[:4])}.")
+
+
 def read(path: str, fmt: str) -> dict:
     if fmt == "torch":
         try:
@@ -92,10 +100,7 @@ def read(path: str, fmt: str) -> dict:
 
         metadata = validate.read_metadata(path)
         validate.check_files(path, metadata)
-        data = manifest.read(path)
-        problems = manifest.verify(path, data) if data is not None else []
-        if problems:
-            raise CheckpointError(f"checkpoint {path!r} is damaged: {'; '.join(problems[:4])}.")
+        _verify_manifest(path)
         state: dict = {}
         # What torch's own dcp_to_torch_save does: an empty state dict that the planner fills
         # with everything the checkpoint holds (dcp.load would fill a copy).
@@ -105,6 +110,8 @@ def read(path: str, fmt: str) -> dict:
     if fmt == "safetensors":
         from fsdp_bridge.checkpoint.hf import read_safetensors
 
+        if os.path.isdir(path):
+            _verify_manifest(path)
         return read_safetensors(path)
     raise ValueError(f"unknown format {fmt!r}; one of {FORMATS}")
 

@@ -16,6 +16,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from typing import Optional, Sequence
 
@@ -66,7 +67,7 @@ def _signal(tree: dict[int, int], sig: int) -> None:
 
 
 def stop_tree(proc: subprocess.Popen, grace: float = GRACE_SECONDS) -> None:
-    """Stop `proc` (started with `process_group=0`) and every process below it; see
+    """Stop `proc` (the leader of its own process group) and every process below it; see
     [Note: stopping a process tree]."""
     tree = descendants(proc.pid)
     with contextlib.suppress(OSError):
@@ -91,8 +92,10 @@ def run(command: Sequence[str], env: Optional[dict], timeout: float) -> tuple[in
     """Run `command` in its own process group; (exit code, stdout+stderr). On a timeout
     (`subprocess.TimeoutExpired`, with the output so far) or an interrupt, every process it
     started is stopped before the exception propagates."""
+    # A group of its own (same session): signalling it never reaches this process.
+    group = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
     proc = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, process_group=0)
+                            stderr=subprocess.STDOUT, text=True, **group)
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired as exc:
