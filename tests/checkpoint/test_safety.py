@@ -248,6 +248,7 @@ def test_convert_counts_tensors_in_and_out(tmp_path, capsys):
     source = tmp_path / "full.pt"
     torch.save({"model": {"w": torch.ones(2), "b": {"c": torch.zeros(3)}},
                 "optim": {"m": torch.ones(1)}, "step": 4}, source)
+    before = user_files.digests(tmp_path)  # the user's source file
     code, out = _convert(capsys, source, tmp_path / "d", "--to", "dcp")
     assert code == 0 and "3 tensors (3 in the source)" in out.out
     code, out = _convert(capsys, tmp_path / "d", tmp_path / "m.safetensors", "--to",
@@ -256,6 +257,7 @@ def test_convert_counts_tensors_in_and_out(tmp_path, capsys):
     assert "kept the tensors under 'model'" in out.out
     report = conv.convert(str(tmp_path / "d"), str(tmp_path / "back.pt"), "torch")
     assert (report.tensors, report.source_tensors) == (3, 3)
+    assert user_files.unchanged(tmp_path, before)
 
 
 def test_convert_refuses_destinations_it_cannot_or_must_not_write(outputs, tmp_path, capsys):
