@@ -47,6 +47,15 @@ def _demo() -> str:
 
 
 def run(args) -> int:
+    import sys
+
+    from fsdp_bridge.outputs import check_output_file, write_text
+
+    try:
+        check_output_file("--write-docs", args.write_docs)
+    except ValueError as exc:
+        print(f"fsdp-bridge explain: error: {exc}", file=sys.stderr)
+        return 2
     if args.demo:
         print(_demo())
         return 0
@@ -54,8 +63,7 @@ def run(args) -> int:
 
     text = render_docs()
     if args.write_docs:
-        with open(args.write_docs, "w") as handle:
-            handle.write(text)
+        write_text(args.write_docs, text)
         print(f"wrote {args.write_docs}")
     else:
         print(text)

@@ -9,7 +9,10 @@
   torch's code as it is; models of the flat-layout front-ends are routed to `model_state` /
   `optim_state` (see `dsd`). They are re-exported here.
 - `save` / `load`: DCP, atomic (a crash never leaves a partial checkpoint) and checked before
-  reading (truncated files, missing / unexpected keys, wrong shapes: `CheckpointError`).
+  reading (truncated files, checksums, missing / unexpected keys, wrong shapes:
+  `CheckpointError`). `save` replaces only its own checkpoints (see `manifest`) unless
+  `overwrite=True`, one save of a path at a time, and cleans what crashed saves left
+  (see `atomic`); `save_checks` refuses values it cannot store before writing.
 - `save_state` / `load_state` / `CheckpointManager`: a model and its optimizers in one call.
 - `hf`: Hugging Face `save_pretrained` directories (safetensors) in and out.
 - `convert`: offline conversion between torch, DCP and safetensors files

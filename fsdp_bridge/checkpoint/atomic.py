@@ -1,24 +1,40 @@
-"""Atomic publication of a checkpoint directory.
+"""Atomic publication of a checkpoint directory: where a save may write, one save at a time,
+and what a crashed save leaves behind.
 
 [Note: atomic checkpoints]
 A checkpoint is written into a sibling temporary directory (`<path>.tmp-<token>`), every file
 and the directory are fsync'ed, and only then is it renamed into place. A crash at any point
 before the rename leaves `<path>` as it was (the previous checkpoint, or nothing) plus a
-`.tmp-` directory that nothing reads and the next save may clean. Replacing an existing
-checkpoint takes two renames (`<path>` to `<path>.old-<token>`, then the new one to `<path>`);
-a crash between them leaves no `<path>` but a complete `.old-` directory, which `resolve()`
-finds and uses. `os.rename` of a directory is atomic on POSIX file systems; the parent
-directory is fsync'ed after each rename so that the new name survives a power loss too.
+`.tmp-` directory that nothing reads. Replacing an existing checkpoint takes two renames
+(`<path>` to `<path>.old-<token>`, then the new one to `<path>`); a crash between them leaves no
+`<path>` but a complete `.old-` directory, which `resolve()` finds and uses. `os.rename` of a
+directory is atomic on POSIX file systems; the parent directory is fsync'ed after each rename
+so that the new name survives a power loss too.
+
+Every save of `<path>` holds `lock(<path>)` from its checks to its clean-up, so no other save
+of the same path runs meanwhile; a second one is refused with the holder's pid. Under the lock,
+any `.tmp-`/`.old-` sibling of `<path>` is a leftover of a crashed save: the next save removes
+them before it writes (`clean_before_save`, keeping an `.old-` that is the only copy) and again
+once its own checkpoint is in place (`clean_leftovers`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import glob
 import os
+import re
 import shutil
+import socket
 import warnings
 
+from fsdp_bridge.checkpoint import manifest
+from fsdp_bridge.checkpoint.validate import CheckpointError
+
 TMP, OLD = ".tmp-", ".old-"
+LOCK_SUFFIX = ".fsdp-bridge-lock"
 
 
 def fsync_tree(path: str) -> None:
@@ -49,8 +65,111 @@ def temporary_path(path: str, token: str) -> str:
     return f"{os.path.abspath(path)}{TMP}{token}"
 
 
+# -- where a save may write ---------------------------------------------------------------------
+
+
+def check_parent(path: str, what: str = "save to") -> None:
+    """The nearest existing ancestor of `path` must be a directory (missing ones are created)."""
+    probe = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise CheckpointError(f"cannot {what} {path!r}: {probe!r} is a file, not a directory. "
+                              "Choose a path below a directory.")
+
+
+def check_target(path: str, overwrite: bool = False) -> None:
+    """Refuse, before anything is written, a target that a save would destroy: a file, a
+    symbolic link, or a non-empty directory that is not one of our checkpoints (no manifest,
+    see [Note: the manifest]) unless `overwrite`."""
+    check_parent(path)
+    if os.path.islink(path):
+        raise CheckpointError(f"cannot save to {path!r}: it is a symbolic link; save to the "
+                              f"directory it points to ({os.path.realpath(path)!r}) or to a new "
+                              "path. Nothing was changed.")
+    if not os.path.lexists(path):
+        return
+    if not os.path.isdir(path):
+        raise CheckpointError(f"cannot save to {path!r}: it is a file, and a checkpoint is a "
+                              "directory. Nothing was changed; choose another path (or move "
+                              "the file away yourself).")
+    entries = sorted(os.listdir(path))
+    if not entries or overwrite or manifest.is_ours(path):
+        return
+    shown = ", ".join(entries[:5]) + (f", ... ({len(entries) - 5} more)"
+                                      if len(entries) > 5 else "")
+    raise CheckpointError(
+        f"cannot save to {path!r}: the directory exists and is not a checkpoint written by "
+        f"fsdp-bridge (no {manifest.MANIFEST} file); it holds {shown}. Saving would replace it "
+        "and everything in it. Nothing was changed: save to a new path, or pass "
+        "overwrite=True to replace it.")
+
+
+# -- one save of a path at a time ---------------------------------------------------------------
+
+
+def lock_path(path: str) -> str:
+    path = os.path.abspath(path)
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}{LOCK_SUFFIX}")
+
+
+@contextlib.contextmanager
+def lock(path: str):
+    """Hold the save lock of checkpoint `path` (an flock on a hidden sibling file, released by
+    the kernel if the process dies); refuse at once if another process holds it."""
+    file = lock_path(path)
+    os.makedirs(os.path.dirname(file), exist_ok=True)
+    for _ in range(10):
+        fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EAGAIN, errno.EACCES):  # no flock on this file system
+                os.close(fd)
+                warnings.warn(f"fsdp_bridge: cannot lock {file!r} ({exc.strerror}); a second "
+                              f"save of {path!r} running at the same time would not be "
+                              "detected.", stacklevel=3)
+                yield
+                return
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise CheckpointError(
+                f"another save to {path!r} is in progress ({holder or 'holder unknown'}): two "
+                "saves of one path would overwrite each other. Wait for it to finish, or save "
+                "to another path.") from None
+        # The holder before us may have removed the file between our open and our flock.
+        try:
+            same = os.stat(file).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    else:  # pragma: no cover - needs ten lost races in a row
+        raise CheckpointError(f"could not take the save lock {file!r}; try again.")
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(file)
+        os.close(fd)
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        return os.pread(fd, 200, 0).decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
+# -- publication and leftovers ------------------------------------------------------------------
+
+
 def publish(tmp: str, path: str, token: str) -> None:
-    """Move the finished directory `tmp` to `path`, replacing what was there."""
+    """Move the finished directory `tmp` to `path`, replacing what was there (the caller holds
+    `lock(path)` and has passed `check_target`), then remove crash leftovers of `path`."""
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     fsync_tree(tmp)
@@ -59,22 +178,43 @@ def publish(tmp: str, path: str, token: str) -> None:
         os.rename(path, old)
         fsync_dir(parent)
         os.rename(tmp, path)
-        fsync_dir(parent)
-        if os.path.isdir(old) and not os.path.islink(old):
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.remove(old)
     else:
         os.rename(tmp, path)
     fsync_dir(parent)
-    clean_stale(path)
+    clean_leftovers(path)
 
 
-def clean_stale(path: str) -> None:
-    """Remove `.tmp-` leftovers of crashed saves (never the `.old-` of a live recovery)."""
-    if os.path.lexists(path):
-        for leftover in glob.glob(glob.escape(path) + TMP + "*"):
+def leftovers(path: str) -> list[str]:
+    """`.tmp-<token>` and `.old-<token>` siblings of `path` (our names, exactly)."""
+    path = os.path.abspath(path)
+    pattern = re.compile(re.escape(os.path.basename(path)) + r"\.(tmp|old)-[0-9a-f]{12}$")
+    candidates = glob.glob(glob.escape(path) + ".*-*")
+    return sorted(c for c in candidates if pattern.match(os.path.basename(c)))
+
+
+def clean_leftovers(path: str, keep_old: bool = False) -> None:
+    """Remove what crashed saves of `path` left (call with `lock(path)` held; `.old-` copies
+    too unless `keep_old`: with a complete checkpoint at `path` none is needed for recovery)."""
+    for leftover in leftovers(path):
+        if keep_old and OLD in os.path.basename(leftover):
+            continue
+        if os.path.isdir(leftover) and not os.path.islink(leftover):
             shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.remove(leftover)
+
+
+def clean_before_save(path: str) -> None:
+    """Under `lock(path)`, before writing: every `.tmp-` sibling is a crashed save's, and so
+    is every `.old-` once `path` exists (without `path`, an `.old-` is the previous checkpoint
+    and stays until this save has published its own). A run of crashes therefore never leaves
+    more than one `.tmp-` and one `.old-`."""
+    clean_leftovers(path, keep_old=not os.path.isdir(path))
+
+
+def remove_tree(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def resolve(path: str) -> str:
@@ -83,7 +223,8 @@ def resolve(path: str) -> str:
     path = os.path.abspath(path)
     if os.path.exists(path):
         return path
-    olds = sorted(glob.glob(glob.escape(path) + OLD + "*"), key=os.path.getmtime)
+    olds = sorted((p for p in leftovers(path) if OLD in os.path.basename(p)),
+                  key=os.path.getmtime)
     if olds:
         warnings.warn(f"fsdp_bridge: checkpoint {path} is missing but {olds[-1]} is the "
                       "complete previous checkpoint (a save crashed while replacing it); "

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import uuid
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_bridge.checkpoint import atomic
+from fsdp_bridge.checkpoint import atomic, manifest
 from fsdp_bridge.checkpoint.model_state import get_model_state_dict, set_model_state_dict
 from fsdp_bridge.checkpoint.parts import entries, find_parts, world_rank
 from fsdp_bridge.checkpoint.validate import CheckpointError
@@ -84,8 +85,10 @@ def load_pretrained(model: nn.Module, path: str, *, strict: bool = True):
     return set_model_state_dict(model, state, strict=strict)
 
 
-def save_pretrained(model: nn.Module, path: str, **kwargs) -> str:
-    """The full fp32 weights through the model's own `save_pretrained` (rank 0), atomically."""
+def save_pretrained(model: nn.Module, path: str, *, overwrite: bool = False, **kwargs) -> str:
+    """The full fp32 weights through the model's own `save_pretrained` (rank 0), atomically,
+    with our manifest. `path` is refused as `checkpoint.save` refuses it (an existing directory
+    we did not write, unless `overwrite=True`; a file)."""
     full = get_model_state_dict(model, full_state_dict=True, cpu_offload=True)
     path = os.path.abspath(path)
     token = [uuid.uuid4().hex[:12]]
@@ -95,13 +98,22 @@ def save_pretrained(model: nn.Module, path: str, **kwargs) -> str:
     if world_rank() == 0:
         tmp = atomic.temporary_path(path, token[0])
         try:
-            _unwrapped(model).save_pretrained(tmp, state_dict=full, safe_serialization=True,
-                                              **kwargs)
-            atomic.publish(tmp, path, token[0])
+            atomic.check_target(path, overwrite)
+            with atomic.lock(path):
+                atomic.clean_before_save(path)
+                try:
+                    _unwrapped(model).save_pretrained(tmp, state_dict=full,
+                                                      safe_serialization=True, **kwargs)
+                    files = manifest.data_files(tmp)
+                    manifest.write(tmp, manifest.checksums(tmp, files), "save_pretrained")
+                    atomic.publish(tmp, path, token[0])
+                finally:
+                    if os.path.isdir(tmp):
+                        shutil.rmtree(tmp, ignore_errors=True)
         except Exception as exc:  # noqa: BLE001 - every rank raises
             error = [f"{type(exc).__name__}: {exc}"]
     if dist.is_initialized():
         dist.broadcast_object_list(error, src=0)
     if error[0] is not None:
-        raise RuntimeError(f"save_pretrained to {path!r} failed on rank 0: {error[0]}")
+        raise CheckpointError(f"save_pretrained to {path!r} failed on rank 0: {error[0]}")
     return path

@@ -10,6 +10,8 @@ nothing numerically (DESIGN §7).
 - `equivalence`  check_equivalence(): the above, end to end
 - `report`       terminal table, JSON, PNG
 - `scripts`      compare two unmodified training scripts under torchrun (+ `step_hook`)
+- `arguments`    checks of every option, made before any process starts
+- `processes`    commands run in their own process group, stopped whole on timeout or Ctrl-C
 - `pytest_plugin` the `fsdp_equivalence` fixture
 """
 

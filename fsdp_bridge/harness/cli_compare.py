@@ -7,6 +7,7 @@ recipe's dtype, 1 when one does not (naming the first diverging step), 2 on erro
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from fsdp_bridge.harness.backends import BACKENDS, BackendUnavailable
@@ -43,24 +44,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE.png", help="write loss and deviation curves")
 
 
+def checked_arguments(args: argparse.Namespace):
+    """(recipe, backends) after checking every argument and output path; ValueError or
+    BackendUnavailable naming the first bad one. Starts no process."""
+    from fsdp_bridge.harness import arguments
+    from fsdp_bridge.harness.backends import get_backend
+    from fsdp_bridge.harness.launcher import resolve_device
+
+    for flag in ("nproc", "steps", "micro_batches"):
+        arguments.positive_int(f"--{flag.replace('_', '-')}", getattr(args, flag))
+    if not math.isfinite(args.lr) or args.lr < 0:
+        raise ValueError(f"--lr {args.lr!r}: expected a finite learning rate >= 0, e.g. 1e-3.")
+    if args.seed < 0:
+        raise ValueError(f"--seed {args.seed}: expected an int >= 0.")
+    arguments.tolerances(args.rtol, args.atol)
+    arguments.outputs(args.json, args.plot)
+    size = Size(layers=args.layers, hidden=args.hidden, vocab=args.vocab, seq=args.seq,
+                batch=args.batch, heads=args.heads)
+    recipe = builtin_recipe(args.recipe, size, steps=args.steps,
+                            micro_batches=args.micro_batches, mp=args.mp,
+                            strategy=args.strategy, optimizer=args.optimizer, lr=args.lr,
+                            seed=args.seed)
+    backends = [name.strip() for name in args.backends.split(",") if name.strip()]
+    if len(backends) < 2:
+        raise ValueError(f"--backends {args.backends!r}: name at least two backends to compare "
+                         "(the first is the baseline), e.g. reference,torch-fsdp2.")
+    for name in backends:
+        get_backend(name).check_available()
+    recipe.check_world(args.nproc)
+    resolve_device(args.device, args.nproc)
+    return recipe, backends
+
+
 def run(args: argparse.Namespace) -> int:
     from fsdp_bridge.harness.compare import EXIT_ERROR
     from fsdp_bridge.harness.equivalence import check_equivalence
     from fsdp_bridge.harness.report import render_table, save_plot, write_json
 
     try:
-        size = Size(layers=args.layers, hidden=args.hidden, vocab=args.vocab, seq=args.seq,
-                    batch=args.batch, heads=args.heads)
-        recipe = builtin_recipe(args.recipe, size, steps=args.steps,
-                                micro_batches=args.micro_batches, mp=args.mp,
-                                strategy=args.strategy, optimizer=args.optimizer, lr=args.lr,
-                                seed=args.seed)
-        backends = [name.strip() for name in args.backends.split(",") if name.strip()]
+        recipe, backends = checked_arguments(args)
+    except (ValueError, BackendUnavailable) as exc:
+        print(f"fsdp-bridge compare: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    try:
         report = check_equivalence(recipe, backends, nproc=args.nproc, device=args.device,
                                    rtol=args.rtol, atol=args.atol)
     except (ValueError, BackendUnavailable) as exc:
         print(f"fsdp-bridge compare: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("fsdp-bridge compare: interrupted; every rank it started was stopped.",
+              file=sys.stderr)
+        return 130
     print(render_table(report))
     for error in report.errors:
         print(f"error in {error}", file=sys.stderr)

@@ -54,16 +54,30 @@ def run(args: argparse.Namespace) -> int:
     from fsdp_bridge.harness.report import render_table, save_plot, write_json
     from fsdp_bridge.harness.scripts import DEFAULT_LOSS_PATTERN, compare_scripts
 
+    from fsdp_bridge.harness import arguments
+    from fsdp_bridge.harness.scripts import check_arguments
+
+    pattern = args.loss_pattern or DEFAULT_LOSS_PATTERN
+    try:  # every argument and output path, before any script runs
+        arguments.tolerances(args.rtol, args.atol)
+        arguments.outputs(args.json, args.plot)
+        check_arguments(args.script_a, [args.script_b], args.nproc, pattern, args.timeout)
+        tolerance = tolerance_for(args.dtype, args.rtol, args.atol)
+    except ValueError as exc:
+        print(f"fsdp-bridge compare-scripts: error: {exc}", file=sys.stderr)
+        return 2
     try:
         report = compare_scripts(
             args.script_a, [args.script_b], nproc=args.nproc,
-            args=getattr(args, "script_args", []),
-            tolerance=tolerance_for(args.dtype, args.rtol, args.atol),
-            pattern=args.loss_pattern or DEFAULT_LOSS_PATTERN,
+            args=getattr(args, "script_args", []), tolerance=tolerance, pattern=pattern,
             check_determinism=not args.no_determinism_check, timeout=args.timeout)
     except ValueError as exc:
         print(f"fsdp-bridge compare-scripts: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("fsdp-bridge compare-scripts: interrupted; torchrun and every rank it started "
+              "were stopped.", file=sys.stderr)
+        return 130
     print(render_table(report))
     for error in report.errors:
         print(f"error: {error}", file=sys.stderr)

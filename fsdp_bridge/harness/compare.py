@@ -46,27 +46,62 @@ class Tolerance:
     def ratio(self, value: Optional[float], reference: Optional[float]) -> float:
         if value is None or reference is None:
             return 0.0 if value is None and reference is None else math.inf
-        if math.isnan(value) or math.isnan(reference):
-            return 0.0 if math.isnan(value) and math.isnan(reference) else math.inf
-        return abs(value - reference) / (self.atol + self.rtol * abs(reference))
+        return _deviation(value, reference, self.atol + self.rtol * abs(reference))
 
     def digest_ratio(self, value: Optional[Digest], reference: Optional[Digest]) -> float:
         if value is None or reference is None:
             return 0.0 if value is None and reference is None else math.inf
-        norm = math.sqrt(reference.sumsq)
+        norm = math.sqrt(abs(reference.sumsq))
         sum_allowance = self.atol * math.sqrt(reference.numel) + self.rtol * norm
-        sumsq_allowance = 2 * (self.atol * norm + self.rtol * math.sqrt(reference.sum4))
-        deviations = [abs(value.sum - reference.sum) / sum_allowance,
-                      abs(value.sumsq - reference.sumsq) / sumsq_allowance]
-        return max(d if not math.isnan(d) else math.inf for d in deviations)
+        sumsq_allowance = 2 * (self.atol * norm + self.rtol * math.sqrt(abs(reference.sum4)))
+        return max(_deviation(value.sum, reference.sum, sum_allowance),
+                   _deviation(value.sumsq, reference.sumsq, sumsq_allowance))
 
     def tensor_ratio(self, value: torch.Tensor, reference: torch.Tensor) -> float:
         if not reference.is_floating_point():
             return 0.0 if torch.equal(value, reference) else math.inf
         value, reference = value.double(), reference.double()
         allowance = self.atol + self.rtol * reference.abs()
-        ratio = ((value - reference).abs() / allowance).nan_to_num(math.inf)
+        # Equal values (NaN and NaN, inf and inf included) deviate by 0, even with a zero
+        # allowance; anything else over a zero or NaN allowance is infinitely far.
+        same = (value == reference) | (value.isnan() & reference.isnan())
+        ratio = ((value - reference).abs() / allowance).nan_to_num(nan=math.inf, posinf=math.inf)
+        ratio = torch.where(same, torch.zeros_like(ratio), ratio)
         return float(ratio.max()) if ratio.numel() else 0.0
+
+
+def _deviation(value: float, reference: float, allowance: float) -> float:
+    """|value - reference| / allowance; equal values (NaN == NaN here: a run that turns NaN
+    at the same step as its baseline agrees with it) deviate by 0, even when allowance is 0."""
+    if value == reference or (math.isnan(value) and math.isnan(reference)):
+        return 0.0
+    if math.isnan(value) or math.isnan(reference) or not allowance > 0:
+        return math.inf
+    deviation = abs(value - reference) / allowance
+    return deviation if not math.isnan(deviation) else math.inf
+
+
+def first_nan_step(steps: Sequence) -> Optional[tuple[int, str]]:
+    """(step, what) of the first step record (StepRecord-like) whose loss, gradient norm or
+    parameter digest is NaN or infinite, or None."""
+    for record in steps:
+        values = {"loss": record.loss, "gradient norm": record.grad_norm}
+        if record.digest is not None:
+            values["parameters"] = record.digest.sum
+        for what, value in values.items():
+            if value is not None and not math.isfinite(value):
+                return record.step, f"{what} {value}"
+    return None
+
+
+def check_tolerance_value(name: str, value: Optional[float]) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name}={value!r}: expected a finite number >= 0 (|a-b| <= atol + "
+                         "rtol*|b|; a negative tolerance would make every comparison pass or "
+                         "fail meaninglessly). Omit it to use the dtype's default.")
 
 
 TOLERANCES = {
@@ -82,6 +117,8 @@ def tolerance_for(dtype: str, rtol: Optional[float] = None,
     if dtype not in TOLERANCES:
         raise ValueError(f"dtype={dtype!r} has no default tolerance: use one of "
                          f"{', '.join(TOLERANCES)}.")
+    check_tolerance_value("rtol", rtol)
+    check_tolerance_value("atol", atol)
     base = TOLERANCES[dtype]
     return dataclasses.replace(base, rtol=base.rtol if rtol is None else rtol,
                                atol=base.atol if atol is None else atol)

@@ -13,12 +13,12 @@ from fsdp_bridge.harness.compare import (
     Tolerance,
     compare_runs,
     exit_code_for,
+    first_nan_step,
     tolerance_for,
 )
 from fsdp_bridge.harness.launcher import run_backends
 from fsdp_bridge.harness.recipes import Recipe
 from fsdp_bridge.harness.runner import RunRecord
-
 
 
 @dataclasses.dataclass
@@ -35,6 +35,17 @@ class Report:
     def curves(self) -> dict[str, list]:
         """Per backend: [(step, loss)] (step 0 has no loss)."""
         return {run.backend: [(s.step, s.loss) for s in run.steps] for run in self.runs}
+
+    @property
+    def notes(self) -> list[str]:
+        """A warning per run whose loss, gradient norm or parameters stop being finite."""
+        notes = []
+        for run in self.runs:
+            found = first_nan_step(run.steps)
+            if found is not None:
+                notes.append(f"warning: {run.backend} is not finite from step {found[0]} "
+                             f"({found[1]})")
+        return notes
 
     @property
     def errors(self) -> list[str]:

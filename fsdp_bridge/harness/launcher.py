@@ -11,6 +11,7 @@ import datetime
 import os
 import pickle
 import tempfile
+import time
 from typing import Sequence, Union
 
 import torch
@@ -81,6 +82,19 @@ def _rank_main(rank, world_size, init_file, out_dir, recipe, backends, device_ty
     leave_world()  # [Note: gloo teardown abort]
 
 
+def stop_processes(processes, grace: float = 3.0) -> None:
+    """Terminate spawned ranks, then kill those still alive after `grace` seconds."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + grace
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
 def run_backends(recipe: Recipe, backends: Sequence[Union[str, Backend]], nproc: int = 2,
                  device: str = "auto", timeout: float = 300.0) -> list[RunRecord]:
     """Train `recipe` under each backend on `nproc` spawned ranks; one record per backend."""
@@ -97,7 +111,11 @@ def run_backends(recipe: Recipe, backends: Sequence[Union[str, Backend]], nproc:
             args=(nproc, os.path.join(tmp, "init"), tmp, recipe, backends, device_type, timeout),
             nprocs=nproc, join=False, start_method="spawn",
         )
-        while not context.join():
-            pass
+        try:
+            while not context.join():
+                pass
+        except BaseException:  # a failed rank, Ctrl-C: no rank may outlive this call
+            stop_processes(context.processes)
+            raise
         with open(os.path.join(tmp, "records.pkl"), "rb") as handle:
             return pickle.load(handle)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, Optional
 
 import torch
@@ -57,8 +58,14 @@ class Recipe:
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         for field in ("global_batch", "micro_batches", "steps"):
             value = getattr(self, field)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Recipe {field}={value!r}: expected a positive int.")
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) \
+                or not math.isfinite(self.lr) or self.lr < 0:
+            raise ValueError(f"Recipe lr={self.lr!r}: expected a finite learning rate >= 0, "
+                             "e.g. 1e-3.")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"Recipe seed={self.seed!r}: expected an int >= 0.")
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -147,6 +154,33 @@ class Size:
     seq: int = 16
     batch: int = 8  # global batch
     heads: int = 4
+
+    def check(self, recipe: str) -> None:
+        """Refuse sizes the recipe's model cannot be built with, naming the option."""
+        for field in ("layers", "hidden", "vocab", "seq", "batch", "heads"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"--{field} {value!r}: expected an int >= 1.")
+        if recipe == "mlp":
+            return
+        if self.vocab < 2:
+            raise ValueError(f"--vocab {self.vocab}: a language model needs at least 2 tokens.")
+        if self.hidden % self.heads:
+            raise ValueError(f"--hidden {self.hidden} is not divisible by --heads {self.heads}: "
+                             "attention splits the hidden size evenly over the heads. Use a "
+                             f"multiple of {self.heads}, e.g. --hidden "
+                             f"{self.heads * max(1, round(self.hidden / self.heads))}.")
+        if recipe == "tiny-llama":
+            kv_heads = max(1, self.heads // 2)
+            if self.heads % kv_heads:
+                raise ValueError(f"--heads {self.heads}: tiny-llama uses {kv_heads} key/value "
+                                 "heads (half the heads), which must divide the heads; use an "
+                                 "even number of heads (or 1 or 3).")
+            if (self.hidden // self.heads) % 2:
+                raise ValueError(f"--hidden {self.hidden} / --heads {self.heads} = "
+                                 f"{self.hidden // self.heads} per head: rotary embeddings "
+                                 "need an even head size; e.g. --hidden "
+                                 f"{self.heads * (self.hidden // self.heads + 1)}.")
 
 
 def _llama(size: Size) -> nn.Module:
@@ -250,6 +284,7 @@ def builtin_recipe(name: str, size: Optional[Size] = None, **schedule) -> Recipe
         raise ValueError(f"recipe={name!r} is not a built-in recipe: use one of "
                          f"{', '.join(BUILTIN)}, or build a Recipe for your own model.")
     size = size or Size()
+    size.check(name)
     make_model, make_batch, loss_fn, classes = BUILTIN[name]
     unit_classes, norm_classes = classes()
     return Recipe(

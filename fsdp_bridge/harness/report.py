@@ -13,6 +13,7 @@ import textwrap
 from typing import Optional
 
 from fsdp_bridge.harness.compare import Comparison
+from fsdp_bridge.outputs import atomic_path, write_text
 
 TOP_PARAMS = 5
 
@@ -85,15 +86,15 @@ def to_json(report) -> dict:
         "tolerance": vars(report.tolerance) | {"rule": report.tolerance.describe()},
         "curves": report.curves(),
         "comparisons": [_comparison_json(c) for c in report.comparisons],
+        "notes": list(getattr(report, "notes", [])),
         "ok": report.ok,
         "exit_code": report.exit_code,
     }
 
 
 def write_json(report, path: str) -> None:
-    with open(path, "w") as handle:
-        # inf is not JSON; write it as a string so any JSON reader can load the file.
-        json.dump(_finite(to_json(report)), handle, indent=2)
+    # inf and NaN are not JSON; write them as strings so any JSON reader can load the file.
+    write_text(path, json.dumps(_finite(to_json(report)), indent=2))
 
 
 def _finite(value):
@@ -132,5 +133,6 @@ def save_plot(report, path: str) -> None:
     bottom.set_ylabel(f"deviation / tolerance ({report.tolerance.dtype}; 0 shown as 1e-12)")
     bottom.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, dpi=100)
     plt.close(figure)

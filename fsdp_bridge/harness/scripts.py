@@ -28,13 +28,14 @@ import tempfile
 import time
 from typing import Optional, Sequence
 
-from fsdp_bridge.harness import step_hook
+from fsdp_bridge.harness import arguments, step_hook
 from fsdp_bridge.harness.compare import (
     EXIT_AGREE,
     Comparison,
     Tolerance,
     compare_steps,
     exit_code_for,
+    first_nan_step,
 )
 from fsdp_bridge.harness.digest import Digest
 from fsdp_bridge.harness.runner import StepRecord
@@ -59,6 +60,10 @@ class ScriptRun:
 
     @property
     def error(self) -> Optional[str]:
+        if self.returncode == 124:
+            return (f"{self.label} ({self.script}) did not finish within --timeout "
+                    f"{self.seconds:.0f} s (a rank hung?); torchrun and all of its ranks were "
+                    f"stopped. Output ends:\n{self.output[-OUTPUT_TAIL:]}")
         if self.returncode != 0:
             return (f"{self.label} ({self.script}) exited with {self.returncode}; output "
                     f"ends:\n{self.output[-OUTPUT_TAIL:]}")
@@ -115,9 +120,9 @@ def child_env(out_dir: str) -> dict[str, str]:
 
 def run_script(label: str, script: str, nproc: int, args: Sequence[str], pattern: str,
                timeout: float) -> ScriptRun:
-    """Run `script` under torchrun on `nproc` local ranks with the step hook injected."""
-    if not os.path.isfile(script):
-        raise ValueError(f"script {script!r} does not exist: pass the path of a Python file.")
+    """Run `script` under torchrun on `nproc` local ranks with the step hook injected. On a
+    timeout or Ctrl-C, torchrun and every rank it started are stopped."""
+    arguments.script("script", script)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={nproc}", script, *args]
     with tempfile.TemporaryDirectory(prefix="fsdp-bridge-script-") as out_dir:
@@ -127,7 +132,8 @@ def run_script(label: str, script: str, nproc: int, args: Sequence[str], pattern
                                                  before_retry=lambda: _clear(out_dir))
         except subprocess.TimeoutExpired as exc:
             returncode = 124
-            output = (exc.stdout or b"").decode(errors="replace") + f"\n[timed out {timeout}s]"
+            output = (f"{exc.output or ''}\n[timed out after {timeout:g} s: torchrun and all "
+                      "of its ranks were stopped]")
         return ScriptRun(label, script, returncode, output, parse_losses(output, pattern),
                          _read_digests(out_dir), time.perf_counter() - started)
 
@@ -182,7 +188,8 @@ def _determinism_check(first: ScriptRun, repeat: ScriptRun, tolerance: Tolerance
         errors.append(f"{first.script} is not deterministic: two runs of it differ from step "
                       f"{check.first_diverging_step}; seed torch, numpy and random, and the "
                       "data order, then compare again")
-    elif first.losses != repeat.losses or first.digests != repeat.digests:
+    # repr: exact for floats, and NaN repeats as NaN.
+    elif repr((first.losses, first.digests)) != repr((repeat.losses, repeat.digests)):
         worst = max([c.ratio for c in check.steps] + [0.0])
         notes.append(f"{first.script} repeats within tolerance but not bit for bit "
                      f"(worst {worst:.2g} of tolerance)")
@@ -190,27 +197,54 @@ def _determinism_check(first: ScriptRun, repeat: ScriptRun, tolerance: Tolerance
         notes.append(f"{first.script} is deterministic: a second run repeats it bit for bit")
 
 
+def check_arguments(baseline: str, candidates: Sequence[str], nproc: int, pattern: str,
+                    timeout: float) -> None:
+    """Every argument, before any script runs (ValueError naming the first bad one)."""
+    arguments.script("A.py", baseline)
+    for index, candidate in enumerate(candidates):
+        arguments.script(f"{chr(ord('B') + index)}.py", candidate)
+    arguments.positive_int("--nproc", nproc)
+    arguments.positive_seconds("--timeout", timeout)
+    arguments.loss_pattern("--loss-pattern", pattern)
+
+
+def _nan_notes(runs: Sequence[ScriptRun]) -> list[str]:
+    notes = []
+    for run in runs:
+        found = first_nan_step(run.records())
+        if found is not None:
+            notes.append(f"warning: {run.label} ({run.script}) is not finite from step "
+                         f"{found[0]} ({found[1]})")
+    return notes
+
+
 def compare_scripts(baseline: str, candidates: Sequence[str], nproc: int = 2,
                     args: Sequence[str] = (), tolerance: Optional[Tolerance] = None,
                     pattern: str = DEFAULT_LOSS_PATTERN, check_determinism: bool = True,
                     timeout: float = 600.0) -> ScriptReport:
-    """Run `baseline` (twice, unless check_determinism=False) and each candidate; compare."""
+    """Run `baseline` (twice, unless check_determinism=False) and each candidate; compare.
+    Candidates are not run when the baseline failed (nothing to compare them with)."""
     from fsdp_bridge.harness.compare import tolerance_for
 
     tolerance = tolerance or tolerance_for("fp32")
-    if not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc={nproc!r}: expected a positive int (ranks per script).")
-    re.compile(pattern)
+    check_arguments(baseline, candidates, nproc, pattern, timeout)
     first = run_script("A", baseline, nproc, args, pattern, timeout)
     runs, notes, errors = [first], [DETERMINISM], []
     if check_determinism and not first.error:
         repeat = run_script("A (repeat)", baseline, nproc, args, pattern, timeout)
-        _determinism_check(first, repeat, tolerance, notes, errors)
-    for index, script in enumerate(candidates if not errors else ()):  # no point if A varies
+        if repeat.error:
+            errors.append(repeat.error)
+        else:
+            _determinism_check(first, repeat, tolerance, notes, errors)
+    if first.error or errors:
+        notes.append("the other scripts were not run: A failed or does not repeat, so there is "
+                     "nothing to compare them with")
+    for index, script in enumerate(candidates if not errors and not first.error else ()):
         runs.append(run_script(chr(ord("B") + index), script, nproc, args, pattern, timeout))
     errors = [run.error for run in runs if run.error] + errors
     comparisons = [] if errors else [compare_script_runs(first, run, tolerance)
                                      for run in runs[1:]]
+    notes += _nan_notes(runs)
     for run in runs:
         notes.append(f"{run.label} = {run.script}: {len(run.losses)} loss lines, "
                      f"{len(run.digests)} optimizer steps, {run.seconds:.1f} s")

@@ -5,9 +5,9 @@ ATTEMPTS runs in all) rather than reported as a failed script."""
 
 from __future__ import annotations
 
-import subprocess
 from typing import Callable, Optional, Sequence
 
+from fsdp_bridge.harness import processes
 from fsdp_bridge.harness.teardown import TEARDOWN_ABORT
 
 # The abort hits about 1 two-rank run in 7 without the exit pause, so three runs in a row
@@ -18,12 +18,13 @@ ATTEMPTS = 3
 def run_torchrun(command: Sequence[str], env: dict, timeout: float,
                  before_retry: Optional[Callable[[], None]] = None) -> tuple[int, str, bool]:
     """Run `command`; returns (exit code, stdout+stderr, whether it was retried).
-    `before_retry` clears what the first attempt left behind (e.g. recorded digests)."""
+    `before_retry` clears what the first attempt left behind (e.g. recorded digests).
+    On a timeout (`subprocess.TimeoutExpired`) or Ctrl-C, torchrun and every rank it started
+    are stopped first (see [Note: stopping a process tree] in processes.py)."""
     for attempt in range(ATTEMPTS):
         if attempt and before_retry is not None:
             before_retry()
-        done = subprocess.run(list(command), env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=timeout)
-        if done.returncode == 0 or TEARDOWN_ABORT not in done.stdout:
-            return done.returncode, done.stdout, attempt > 0
-    return done.returncode, done.stdout, True
+        returncode, output = processes.run(command, env, timeout)
+        if returncode == 0 or TEARDOWN_ABORT not in output:
+            return returncode, output, attempt > 0
+    return returncode, output, True

@@ -1,0 +1,51 @@
+"""Files the command line writes (`--json`, `--plot`, `--write-docs`): checked before any work
+starts, so a long run never ends in a traceback about its output path, and written atomically
+(a temporary sibling renamed into place), so an interrupted write never leaves half a file."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from typing import Optional
+
+
+def check_output_file(flag: str, path: Optional[str]) -> None:
+    """Raise ValueError naming `flag` unless `path` can be written as a file."""
+    if path is None:
+        return
+    if not path:
+        raise ValueError(f"{flag} '': expected a file path.")
+    full = os.path.abspath(path)
+    parent = os.path.dirname(full)
+    if not os.path.isdir(parent):
+        state = "is a file" if os.path.lexists(parent) else "does not exist"
+        raise ValueError(f"{flag} {path!r}: the directory {parent!r} {state}; create it first "
+                         "or write somewhere else.")
+    if os.path.isdir(full):
+        raise ValueError(f"{flag} {path!r} is a directory; give a file path, e.g. "
+                         f"{os.path.join(path, 'report')!r} with its extension.")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{flag} {path!r}: the directory {parent!r} is not writable; write "
+                         "somewhere else.")
+
+
+@contextlib.contextmanager
+def atomic_path(path: str):
+    """Yield a temporary sibling of `path` to write; it replaces `path` only if the block
+    succeeds, and is removed otherwise."""
+    full = os.path.abspath(path)
+    root, ext = os.path.splitext(full)
+    tmp = f"{root}.tmp-{uuid.uuid4().hex[:12]}{ext}"  # same extension: writers infer formats
+    try:
+        yield tmp
+        os.replace(tmp, full)
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+
+
+def write_text(path: str, text: str) -> None:
+    with atomic_path(path) as tmp:
+        with open(tmp, "w") as handle:
+            handle.write(text)
