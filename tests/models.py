@@ -15,10 +15,9 @@ VOCAB = 128
 SEQ = 16
 
 
-def _placed(model, device):
-    """`model` on `device`, by default the test device (a model built under
-    `with torch.device("meta")` stays there: its caller materialises it)."""
-    if device is None and any(p.is_meta for p in model.parameters()):
+def _on_device(model, device):
+    """`model` moved to `device` (default: the test device); left alone on meta."""
+    if any(p.is_meta for p in model.parameters()):
         return model
     return model.to(test_device() if device is None else device)
 
@@ -38,10 +37,11 @@ def tiny_llama(seed: int = 0, device=None):
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    if str(device) == "meta":
-        with torch.device("meta"):
-            return LlamaForCausalLM(config)
-    return _placed(LlamaForCausalLM(config), device)
+    # Initialised on the CPU (or on meta when asked) whatever `torch.device` context encloses
+    # the call: the same weights on every test device.
+    with torch.device("meta" if str(device) == "meta" else "cpu"):
+        model = LlamaForCausalLM(config)
+    return _on_device(model, device)
 
 
 def tiny_gpt2(seed: int = 0, device=None):
@@ -61,7 +61,7 @@ def tiny_gpt2(seed: int = 0, device=None):
         eos_token_id=0,
     )
     torch.manual_seed(seed)
-    return _placed(GPT2LMHeadModel(config), device)
+    return _on_device(GPT2LMHeadModel(config), device)
 
 
 def global_batches(steps: int, global_batch: int, seed: int = 1234) -> torch.Tensor:
