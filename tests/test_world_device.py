@@ -53,3 +53,7 @@ def test_to_cpu_moves_nested_tensors_and_keeps_containers():
     assert moved["text"] == "x"
     if torch.cuda.is_available():
         assert W.to_cpu([torch.ones(1, device="cuda")])[0].device.type == "cpu"
+
+
+def test_the_fixture_gives_the_test_device(test_device):
+    assert test_device == W.device()
