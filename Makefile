@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TORCH_CPU ?= torch==2.13.0
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test test-gpu bench bench-gpu venv clean
 
 venv: $(STAMP)
 
@@ -23,8 +23,24 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# The device-generic tests (engine parity, front-end parity, checkpoints, CUDA-only checks) on
+# CUDA + NCCL. Needs a CUDA build of torch in .venv and at least one NVIDIA GPU; worlds larger
+# than the number of GPUs are skipped by name (-rs lists them). See README "GPU".
+GPU_TESTS ?= tests/test_gpu.py tests/test_engine_parity.py tests/frontends/test_parity_native.py \
+	tests/checkpoint/test_checkpoints.py
+test-gpu: $(STAMP)
+	@$(BIN)/python -c "import sys, torch; ok = torch.cuda.is_available(); \
+	ok or sys.exit('make test-gpu: no CUDA device: it runs the tests with FSDP_BRIDGE_DEVICE=cuda, ' \
+	'which needs an NVIDIA GPU and a CUDA build of torch in .venv (torch ' + torch.__version__ + \
+	', CUDA build: ' + str(torch.version.cuda) + '). Install the CUDA build of torch for ' \
+	'your driver into .venv (https://download.pytorch.org/whl/), or run make test (CPU + gloo).')"
+	FSDP_BRIDGE_DEVICE=cuda $(BIN)/python -m pytest -q -rs $(GPU_TESTS)
+
 bench: $(STAMP)
 	$(BIN)/python -m fsdp_bridge bench
+
+bench-gpu: $(STAMP)
+	$(BIN)/python -m fsdp_bridge bench --device cuda
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -40,13 +40,16 @@ import time
 import traceback
 
 HELP = ("time native FSDP1, FSDP2 and our engine (YaFSDP and fully_shard front-ends) on a "
-        "tiny Llama (CPU ranks, gloo)")
+        "tiny Llama (CPU ranks, gloo), or on a 1B Llama on CUDA (--device cuda)")
 # "ours": our engine through the YaFSDP front-end (flat shards); "ours2": through
 # fsdp_bridge.fsdp.fully_shard (DTensor parameters sharded by rows, one copy after each gather).
 CONFIGS = ("fsdp1", "fsdp2", "ours", "ours2")
 DTYPES = ("fp32", "bf16")
 # Issue 2's targets.
 SPEEDUP_TARGET = 0.85
+# What an option left unset means on the CPU (--device cuda has its own, in bench_cuda).
+CPU_DEFAULTS = dict(dtype="fp32,bf16", nproc=2, hidden=256, layers=4, vocab=1000, seq=128,
+                    batch=4, heads=4, kv_heads=None, intermediate=None)
 
 
 def add_arguments(parser) -> None:
@@ -56,39 +59,64 @@ def add_arguments(parser) -> None:
                         help="untimed steps of each config per repeat (default 3)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="repeats, each with freshly built models (default 3)")
-    parser.add_argument("--dtype", default="fp32,bf16",
-                        help="comma-separated param dtypes: fp32, bf16 (default both)")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--dtype",
+                        help="comma-separated param dtypes: fp32, bf16 (default: both on cpu, "
+                             "bf16 on cuda)")
+    parser.add_argument("--nproc", type=int, help="ranks (default: 2 on cpu, 1 on cuda)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
-    model = parser.add_argument_group("model (defaults: the issue's tiny Llama)")
-    model.add_argument("--hidden", type=int, default=256)
-    model.add_argument("--layers", type=int, default=4)
-    model.add_argument("--vocab", type=int, default=1000)
-    model.add_argument("--seq", type=int, default=128)
-    model.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: tiny Llama on gloo ranks (default); cuda: a 1.1B Llama on "
+                             "NCCL, one GPU per rank, against the plain unsharded model too")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="cuda only: export a torch.profiler trace of one step of each "
+                             "config to DIR and report how much communication overlaps compute")
+    model = parser.add_argument_group(
+        "model (defaults: on cpu the tiny Llama hidden 256, 4 layers, 4 heads, vocab 1000, seq "
+        "128, batch 4; on cuda hidden 2048, 16 layers, 32 heads (8 kv), intermediate 8192, "
+        "vocab 32000, seq 2048, batch 2)")
+    model.add_argument("--hidden", type=int)
+    model.add_argument("--layers", type=int)
+    model.add_argument("--heads", type=int, help="attention heads")
+    model.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
+    model.add_argument("--intermediate", type=int, help="MLP width (default: 4 x --hidden)")
+    model.add_argument("--vocab", type=int)
+    model.add_argument("--seq", type=int)
+    model.add_argument("--batch", type=int, help="sequences per rank")
 
 
 # -- settings -----------------------------------------------------------------------------------
 
 
-def _settings(args) -> dict:
-    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+def _option(args, name: str, defaults: dict):
+    value = getattr(args, name, None)
+    return defaults[name] if value is None else value
+
+
+def _settings(args, defaults: dict = CPU_DEFAULTS) -> dict:
+    """The run's settings: the options given, `defaults` for those left unset; checked."""
+    given = {name: _option(args, name, defaults) for name in defaults}
+    dtypes = [d.strip() for d in given["dtype"].split(",") if d.strip()]
     bad = [d for d in dtypes if d not in DTYPES]
     if bad or not dtypes:
-        raise ValueError(f"--dtype {args.dtype!r}: expected a comma-separated list of {DTYPES}")
-    for name in ("steps", "repeats", "nproc", "hidden", "layers", "vocab", "seq", "batch"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name} {getattr(args, name)}: must be at least 1")
+        raise ValueError(f"--dtype {given['dtype']!r}: expected a comma-separated list of {DTYPES}")
+    if given["kv_heads"] is None:
+        given["kv_heads"] = given["heads"]
+    if given["intermediate"] is None:
+        given["intermediate"] = 4 * given["hidden"]
+    s = dict(steps=args.steps, warmup=args.warmup, repeats=args.repeats, dtypes=dtypes,
+             **{k: v for k, v in given.items() if k != "dtype"})
+    for name in ("steps", "repeats", "nproc", "hidden", "layers", "heads", "kv_heads",
+                 "intermediate", "vocab", "seq", "batch"):
+        if s[name] < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {s[name]}: must be at least 1")
     if args.warmup < 0:
         raise ValueError(f"--warmup {args.warmup}: must be at least 0")
-    if args.hidden % 8:
-        raise ValueError(f"--hidden {args.hidden}: must be a multiple of 8 (4 attention heads "
-                         "of an even size, for rotary embeddings)")
-    return dict(
-        steps=args.steps, warmup=args.warmup, repeats=args.repeats, dtypes=dtypes,
-        nproc=args.nproc, hidden=args.hidden, layers=args.layers, vocab=args.vocab,
-        seq=args.seq, batch=args.batch,
-    )
+    if s["hidden"] % s["heads"] or (s["hidden"] // s["heads"]) % 2:
+        raise ValueError(f"--hidden {s['hidden']}: must split into {s['heads']} attention heads "
+                         "of an even size (for rotary embeddings); change --hidden or --heads")
+    if s["heads"] % s["kv_heads"]:
+        raise ValueError(f"--kv-heads {s['kv_heads']}: must divide --heads {s['heads']}")
+    return s
 
 
 # -- building each configuration (runs on every rank) -------------------------------------------
@@ -102,15 +130,21 @@ def _torch_dtype(name: str):
 
 def _build_llama(s: dict):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=4 * s["hidden"],
-        num_hidden_layers=s["layers"], num_attention_heads=4, num_key_value_heads=4,
-        max_position_embeddings=s["seq"], tie_word_embeddings=False,
-    )
     torch.manual_seed(0)  # the same weights for every config and rank
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(llama_config(s))
+
+
+def llama_config(s: dict):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
+        num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"], max_position_embeddings=s["seq"],
+        tie_word_embeddings=False,
+    )
 
 
 def _wrap_fsdp1(model, dtype):
@@ -125,28 +159,44 @@ def _wrap_fsdp1(model, dtype):
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
     return FullyShardedDataParallel(
         model, sharding_strategy=ShardingStrategy.FULL_SHARD, auto_wrap_policy=policy,
-        mixed_precision=mixed, device_id=torch.device("cpu"),
+        mixed_precision=mixed, device_id=_compute_device(),
     )
 
 
+def _compute_device():
+    """This rank's GPU on NCCL (`--device cuda`), else the CPU."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 @functools.lru_cache(maxsize=None)
-def _cpu_mesh():
+def _world_mesh():
     """One 1-D mesh over the world, shared by every FSDP2 build (no new process groups)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (dist.get_world_size(),))
+    return init_device_mesh(_compute_device().type, (dist.get_world_size(),))
 
 
-def _wrap_fsdp2(model, dtype):
+def _fully_shard_layers_then_root(fully_shard, model, dtype):
     import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    mesh = _cpu_mesh()
+    mesh = _world_mesh()
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     return fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def _wrap_fsdp2(model, dtype):
+    from torch.distributed.fsdp import fully_shard
+
+    return _fully_shard_layers_then_root(fully_shard, model, dtype)
 
 
 def _wrap_ours(model, dtype):
@@ -163,16 +213,9 @@ def _wrap_ours(model, dtype):
 
 
 def _wrap_ours_fsdp2(model, dtype):
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     from fsdp_bridge.fsdp import fully_shard
 
-    mesh = _cpu_mesh()
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    return fully_shard(model, mesh=mesh, mp_policy=policy)
+    return _fully_shard_layers_then_root(fully_shard, model, dtype)
 
 
 WRAPPERS = {"fsdp1": _wrap_fsdp1, "fsdp2": _wrap_fsdp2, "ours": _wrap_ours,
@@ -394,13 +437,15 @@ def _rank_entry(rank: int, world: int, init_file: str, out_dir: str, s: dict) ->
     leave_world()  # the result is on disk; see [Note: gloo teardown abort]
 
 
-def _run_world(s: dict) -> list[dict]:
+def run_world(s: dict, entry=_rank_entry) -> list[dict]:
+    """Spawn `s["nproc"]` ranks running `entry(rank, world, init_file, out_dir, s)`, each writing
+    {"ok": result} or {"error": traceback} to out_dir/rank{rank}.json; the results, in rank order."""
     import torch.multiprocessing as mp
 
     os.environ["OMP_NUM_THREADS"] = "1"  # read by the spawned ranks at start-up
     with tempfile.TemporaryDirectory() as tmp:
         context = mp.start_processes(
-            _rank_entry, args=(s["nproc"], os.path.join(tmp, "init"), tmp, s),
+            entry, args=(s["nproc"], os.path.join(tmp, "init"), tmp, s),
             nprocs=s["nproc"], join=False, start_method="spawn",
         )
         errors = []
@@ -547,12 +592,19 @@ def format_report(report: dict) -> str:
 
 
 def run(args) -> int:
+    if getattr(args, "device", "cpu") == "cuda":
+        from fsdp_bridge import bench_cuda
+
+        return bench_cuda.run(args)
     try:
+        if getattr(args, "profile", None):
+            raise ValueError(f"--profile {args.profile!r}: traces are taken on CUDA only; add "
+                             "--device cuda, or drop --profile")
         s = _settings(args)
     except ValueError as exc:
         print(f"fsdp-bridge bench: {exc}")
         return 2
-    report = summarize(s, _run_world(s))
+    report = summarize(s, run_world(s))
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as handle:

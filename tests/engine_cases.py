@@ -1,4 +1,5 @@
-"""Training cases run on spawned gloo ranks by the engine tests (one world, many cases).
+"""Training cases run on spawned ranks by the engine tests (one world, many cases; gloo on CPU,
+NCCL on CUDA, see tests/world.py).
 
 Each case trains a tiny HF model on every rank with that rank's slice of one global batch and
 returns, from rank 0, what the parent test compares with a single-process reference: the global
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests import models as M
+from tests.world import device, device_type
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -199,7 +201,7 @@ def case_meta_init(rank, world):
     prefixes = {id(m): name for name, m in meta.named_modules()}
 
     def param_init_fn(module):
-        module.to_empty(device="cpu", recurse=False)
+        module.to_empty(device=device(), recurse=False)
         prefix = prefixes[id(module)]
         with torch.no_grad():
             for name, tensor in list(module.named_parameters(recurse=False)) + list(
@@ -327,7 +329,7 @@ def _hybrid(model, layer_prefix):
     from fsdp_bridge import engine
     from fsdp_bridge.plan import Plan, ShardingMode, UnitSpec
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("replicate", "shard"))
     layers = model.get_submodule(layer_prefix)
     plan = Plan(
         units=tuple(UnitSpec(f"{layer_prefix}.{i}") for i in range(len(layers))) + (UnitSpec(""),),

@@ -1,16 +1,29 @@
 """Tiny Hugging Face models built from configs (random weights, no downloads), data made in the
-test, and the single-process reference trainer every equivalence test compares against."""
+test, and the single-process reference trainer every equivalence test compares against.
+
+Models are initialised on the CPU (the same weights whatever the test device) and then moved to
+the test device (`tests.world.device()`); token ids move there in `lm_loss`."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from tests.world import device as test_device
+
 VOCAB = 128
 SEQ = 16
 
 
-def tiny_llama(seed: int = 0, device: str = "cpu"):
+def _on_device(model, device):
+    """`model` moved to `device` (default: the test device); left alone on meta."""
+    if any(p.is_meta for p in model.parameters()):
+        return model
+    return model.to(test_device() if device is None else device)
+
+
+def tiny_llama(seed: int = 0, device=None):
+    """The tiny Llama, on `device` (default: the test device; "meta" builds it without storage)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -24,11 +37,14 @@ def tiny_llama(seed: int = 0, device: str = "cpu"):
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    with torch.device(device):
-        return LlamaForCausalLM(config)
+    # Initialised on the CPU (or on meta when asked) whatever `torch.device` context encloses
+    # the call: the same weights on every test device.
+    with torch.device("meta" if str(device) == "meta" else "cpu"):
+        model = LlamaForCausalLM(config)
+    return _on_device(model, device)
 
 
-def tiny_gpt2(seed: int = 0):
+def tiny_gpt2(seed: int = 0, device=None):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
@@ -45,7 +61,7 @@ def tiny_gpt2(seed: int = 0):
         eos_token_id=0,
     )
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(config)
+    return _on_device(GPT2LMHeadModel(config), device)
 
 
 def global_batches(steps: int, global_batch: int, seed: int = 1234) -> torch.Tensor:
@@ -60,6 +76,7 @@ def rank_slice(batch: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 
 def lm_loss(model, ids: torch.Tensor) -> torch.Tensor:
+    ids = ids.to(test_device())
     return model(input_ids=ids, labels=ids).loss
 
 
@@ -91,6 +108,6 @@ def train_reference(model, batches, lr=1e-3, micro_steps=1, clip=None, foreach=N
 
 def global_mean(value: float, group=None) -> float:
     """The mean of a per-rank scalar over the ranks (the global-batch loss)."""
-    tensor = torch.tensor([value], dtype=torch.float64)
+    tensor = torch.tensor([value], dtype=torch.float64, device=test_device())  # NCCL: on the GPU
     dist.all_reduce(tensor, group=group)
     return tensor.item() / dist.get_world_size(group)

@@ -40,13 +40,14 @@ def reference(model_name="llama", seed=0, micro_steps=1, clip=None, frozen=False
         model.model.embed_tokens.weight.requires_grad_(False)
     batches = M.global_batches(C.STEPS, C.GLOBAL_BATCH)
     losses, norms = M.train_reference(model, batches, micro_steps=micro_steps, clip=clip)
-    return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return losses, norms, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def assert_states_close(actual, expected, **tol):
     assert list(actual) == list(expected), "state dict keys (and order) differ from the model's"
     for key in expected:
-        torch.testing.assert_close(actual[key], expected[key], msg=lambda m: f"{key}: {m}", **tol)
+        torch.testing.assert_close(actual[key].cpu(), expected[key].cpu(),  # test device: any
+                                   msg=lambda m: f"{key}: {m}", **tol)
 
 
 def assert_matches_reference(out, ref, **tol):

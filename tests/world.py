@@ -1,4 +1,8 @@
-"""Spawn a real torch.distributed world (gloo on CPU) and run one function on every rank.
+"""Spawn a real torch.distributed world and run one function on every rank; the test device.
+
+The suite runs on CPU + gloo by default, on CUDA + NCCL with `FSDP_BRIDGE_DEVICE=cuda` (see
+`device_type`). Tests take the device from `device()` wherever they build models or tensors;
+rank results come back to the parent on the CPU, so comparisons there never mix devices.
 
 Spawning costs a few seconds, so a test module runs *many cases inside one world*: the rank
 function loops over its cases and returns a dict of results; the parent asserts on them.
@@ -7,10 +11,15 @@ function loops over its cases and returns a dict of results; the parent asserts 
 
 `fn(rank, world_size, *args)` must be importable (a module-level function). Exceptions on any
 rank are re-raised in the parent with that rank's traceback.
+
+On CUDA each rank gets its own GPU (`rank % device_count`). NCCL refuses two ranks on one GPU,
+so a world larger than the number of GPUs is not run: its tests are skipped with a reason that
+names how many GPUs they need (never run on fewer ranks in disguise).
 """
 
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 import pickle
@@ -23,12 +32,70 @@ import torch.multiprocessing as mp
 
 from fsdp_bridge.harness.teardown import leave_world
 
+DEVICE_VARIABLE = "FSDP_BRIDGE_DEVICE"
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def device_type() -> str:
+    """"cpu" (the default) or "cuda", from the environment variable FSDP_BRIDGE_DEVICE."""
+    value = os.environ.get(DEVICE_VARIABLE, "").strip().lower() or "cpu"
+    if value not in DEVICE_TYPES:
+        raise ValueError(f"{DEVICE_VARIABLE}={os.environ[DEVICE_VARIABLE]!r} is not a test device: "
+                         f"use one of {DEVICE_TYPES} (unset means cpu).")
+    return value
+
+
+def backend() -> str:
+    """The process-group backend for the test device: NCCL on CUDA, gloo on CPU."""
+    return "nccl" if device_type() == "cuda" else "gloo"
+
+
+def device() -> torch.device:
+    """Where tests put models and tensors: the CPU, or this process's current CUDA device."""
+    if device_type() == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def require_cuda(world_size: int = 1) -> None:
+    """Under FSDP_BRIDGE_DEVICE=cuda: fail when there is no CUDA device at all (a misconfigured
+    run), skip (by name, with the count needed) when a world needs more GPUs than there are."""
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{DEVICE_VARIABLE}=cuda but torch sees no CUDA device "
+                           f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}): "
+                           "run on a machine with an NVIDIA GPU and a CUDA build of torch, "
+                           f"or unset {DEVICE_VARIABLE} to test on the CPU.")
+    found = torch.cuda.device_count()
+    if world_size > found:
+        import pytest
+
+        pytest.skip(f"needs {world_size} CUDA devices (one per NCCL rank), found {found}")
+
+
+def to_cpu(value):
+    """`value` with every tensor in it (nested in dicts, lists, tuples) moved to the CPU, so the
+    parent compares CPU tensors whatever the test device (CPU results are returned as they are)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu() if value.device.type != "cpu" else value
+    if isinstance(value, dict):
+        moved = copy.copy(value)  # keeps the mapping's type (OrderedDict, defaultdict)
+        for key, item in value.items():
+            moved[key] = to_cpu(item)
+        return moved
+    if isinstance(value, list):
+        return [to_cpu(item) for item in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):  # namedtuples kept as they are
+        return tuple(to_cpu(item) for item in value)
+    return value
+
 
 def _entry(rank, world_size, init_file, out_dir, fn, args):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    if device_type() == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
-        "gloo",
+        backend(),
         init_method=f"file://{init_file}",
         rank=rank,
         world_size=world_size,
@@ -36,7 +103,8 @@ def _entry(rank, world_size, init_file, out_dir, fn, args):
         timeout=datetime.timedelta(seconds=180),
     )
     try:
-        result = ("ok", fn(rank, world_size, *args))
+        value = fn(rank, world_size, *args)
+        result = ("ok", to_cpu(value) if device_type() == "cuda" else value)
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
         result = ("error", traceback.format_exc())
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as handle:
@@ -47,7 +115,9 @@ def _entry(rank, world_size, init_file, out_dir, fn, args):
 
 
 def run_world(fn, world_size: int = 2, *args, timeout: float = 600.0):
-    """Run `fn(rank, world_size, *args)` on `world_size` spawned gloo ranks; return results."""
+    """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return their results."""
+    if device_type() == "cuda":
+        require_cuda(world_size)
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
         context = mp.start_processes(

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests import models as M
+from tests.world import device, device_type
 
 GLOBAL_BATCH = 8
 
@@ -56,7 +57,7 @@ def build(frontend, model_name="llama", seed=0, model=None):
             policy = functools.partial(transformer_auto_wrap_policy,
                                        transformer_layer_cls={_layer_cls(model_name)})
             return FullyShardedDataParallel(model, auto_wrap_policy=policy,
-                                            device_id=torch.device("cpu"), use_orig_params=True)
+                                            device_id=device(), use_orig_params=True)
         if frontend == "yafsdp":
             from tests.engine_cases import yafsdp_gpt2, yafsdp_llama
             return yafsdp_llama(model) if model_name == "llama" else yafsdp_gpt2(model)
@@ -67,12 +68,12 @@ def build(frontend, model_name="llama", seed=0, model=None):
 
             from fsdp_bridge.fsdp import FullyShardedDataParallel
             world = dist.get_world_size()
-            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+            mesh = init_device_mesh(device_type(), (2, world // 2), mesh_dim_names=("replicate", "shard"))
             policy = functools.partial(transformer_auto_wrap_policy,
                                        transformer_layer_cls={_layer_cls(model_name)})
             return FullyShardedDataParallel(model, auto_wrap_policy=policy, device_mesh=mesh,
                                             sharding_strategy=ShardingStrategy.HYBRID_SHARD,
-                                            device_id=torch.device("cpu"), use_orig_params=True)
+                                            device_id=device(), use_orig_params=True)
         if frontend in ("native_fsdp2", "native_fsdp1"):
             return build_native(frontend, model, model_name)
     raise ValueError(frontend)
@@ -90,7 +91,7 @@ def build_native(frontend, model, model_name):
     policy = functools.partial(transformer_auto_wrap_policy,
                                transformer_layer_cls={_layer_cls(model_name)})
     return FullyShardedDataParallel(model, auto_wrap_policy=policy,
-                                    device_id=torch.device("cpu"), use_orig_params=True)
+                                    device_id=device(), use_orig_params=True)
 
 
 def optimizer_for(model):

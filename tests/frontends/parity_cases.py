@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests import models as M
+from tests.world import device, device_type
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -110,12 +111,12 @@ def fsdp1_script(which, rank, world, model_name="llama", strategy="FULL_SHARD", 
     model = _model(model_name)
     layer_cls = _layer_cls(model_name)
     kwargs = dict(sharding_strategy=getattr(fsdp.ShardingStrategy, strategy),
-                  device_id=torch.device("cpu"), use_orig_params=use_orig_params, **(extra or {}))
+                  device_id=device(), use_orig_params=use_orig_params, **(extra or {}))
     if mp is not None:
         kwargs["mixed_precision"] = fsdp.MixedPrecision(**mp)
     if mesh_shape is not None:
         from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(device_type(), mesh_shape, mesh_dim_names=("replicate", "shard"))
         if pg_tuple:
             kwargs["process_group"] = (mesh.get_group("shard"), mesh.get_group("replicate"))
         else:
@@ -196,7 +197,7 @@ def _sync_module_states(which, rank, world):
     # Every rank initialises differently; rank 0's weights (seed 0) must win.
     original = M.tiny_llama
     try:
-        M.tiny_llama = lambda seed=0, device="cpu": original(seed + rank, device)
+        M.tiny_llama = lambda seed=0, device=None: original(seed + rank, device)
         return fsdp1_script(which, rank, world, extra={"sync_module_states": True})
     finally:
         M.tiny_llama = original
@@ -227,7 +228,7 @@ def fsdp2_script(which, rank, world, model_name="llama", reshard=None, mp=None, 
     mesh = None
     if mesh_shape is not None:
         from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(device_type(), mesh_shape, mesh_dim_names=("replicate", "shard"))
     policy = fsdp.MixedPrecisionPolicy(**(mp or {}))
     kwargs = dict(mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
     if offload:
@@ -247,7 +248,7 @@ def fsdp2_script(which, rank, world, model_name="llama", reshard=None, mp=None, 
                                                                  output_dtype=torch.float32)
         fsdp.fully_shard(model, **root_kwargs)
         if meta:
-            model.to_empty(device="cpu")
+            model.to_empty(device=device())
             fresh = _model(model_name)
             with torch.no_grad():  # non-persistent buffers (rotary inv_freq) are not in a state dict
                 for name, buffer in fresh.named_buffers():

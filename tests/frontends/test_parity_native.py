@@ -43,7 +43,7 @@ def reference(model_name, micro_steps=1, clip=None):
     batches = M.global_batches(C.STEPS, C.GLOBAL_BATCH)
     losses, norms = M.train_reference(model, batches, micro_steps=micro_steps, clip=clip)
     return {"losses": losses, "norms": norms,
-            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+            "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}}
 
 
 def max_diff(a, b) -> float:
