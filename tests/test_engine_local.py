@@ -3,6 +3,8 @@ state-dict round trips and the user's view of the parameters. Fast, no spawning.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -117,3 +119,15 @@ def test_layer_gather_buffers_hold_memory_only_while_needed():
     assert [b.owner for b in held()] == last_layer.groups
     loss.backward()
     assert held() == []  # freed before the optimizer step
+
+
+def test_cpu_offload_on_an_accelerator_is_warned_about_by_name():
+    from fsdp_bridge.engine.init import warn_unhonoured_offload
+
+    plan = Plan(units=(UnitSpec(""),), cpu_offload=True, frontend="FullyShardedDataParallel")
+    with pytest.warns(UserWarning, match=r"FullyShardedDataParallel.*CPU offload is not "
+                                         r"implemented.*stay on cuda:0"):
+        warn_unhonoured_offload(plan, torch.device("cuda", 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to say on a CPU device
+        warn_unhonoured_offload(plan, torch.device("cpu"))

@@ -4,6 +4,7 @@ ranks, and preparing module buffers (dtype, rank 0's values)."""
 from __future__ import annotations
 
 import difflib
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -12,6 +13,17 @@ from torch import nn
 
 from fsdp_bridge.engine.comm import Comm
 from fsdp_bridge.plan import Plan
+
+
+def warn_unhonoured_offload(plan: Plan, device: torch.device) -> None:
+    """CPU offload is not implemented: on a CPU device there is nothing to do, on an
+    accelerator the masters and gradients stay on it. Say so rather than pretend."""
+    if plan.cpu_offload and device.type != "cpu":
+        warnings.warn(
+            f"fsdp_bridge ({plan.frontend}): CPU offload is not implemented yet; the master "
+            f"shards and their gradients stay on {device}. Numerics are the same; memory on "
+            "the device is not reduced. Drop the offload setting to silence this warning.",
+            stacklevel=3)
 
 
 def _has_meta_state(module: nn.Module) -> bool:

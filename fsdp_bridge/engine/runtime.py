@@ -90,6 +90,7 @@ class ShardedModel:
         self.pending_reduces: list[PendingReduce] = []
         self.callback_queued = False
 
+        engine_init.warn_unhonoured_offload(plan, device)
         engine_init.materialize(module, device, param_init_fn)
         layouts = assign_groups(module, plan)
         engine_init.check_ranks_agree(plan, engine_init.describe_rank(module, device) + "\n"

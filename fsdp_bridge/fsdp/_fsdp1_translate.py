@@ -50,8 +50,9 @@ TABLE = register_table(
             rejected("mixed_precision._module_classes_to_ignore", "with an auto_wrap_policy, "
                      "FSDP1 runs these modules (BatchNorm) in fp32 as separate units; per-unit "
                      "precision is not supported yet: a model containing them is refused"),
-            translated("cpu_offload", "Plan.cpu_offload (masters and gradients on the CPU; "
-                       "what a CPU device does anyway)"),
+            translated("cpu_offload", "Plan.cpu_offload: on a CPU device masters and "
+                       "gradients are on the CPU anyway; on an accelerator offload is not "
+                       "implemented yet and the engine warns by name"),
             translated("process_group", "the shard group; a tuple (shard_pg, replicate_pg) "
                        "with a hybrid strategy"),
             translated("device_mesh", "1-D: the shard group; 2-D (hybrid): dim 0 replicate, "

@@ -44,8 +44,9 @@ TABLE = register_table(
                        "of the root)"),
             rejected("mp_policy per unit", "every call must use the same param_dtype, "
                      "reduce_dtype and cast_forward_inputs; output_dtype only on the root"),
-            translated("offload_policy", "CPUOffloadPolicy -> Plan.cpu_offload (pin_memory has "
-                       "no effect without an accelerator); OffloadPolicy() / None -> no offload"),
+            translated("offload_policy", "CPUOffloadPolicy -> Plan.cpu_offload (on a CPU "
+                       "device nothing moves; on an accelerator offload is not implemented yet "
+                       "and the engine warns by name); OffloadPolicy() / None -> no offload"),
             translated("ignored_params", "Plan.ignored_params: neither sharded nor reduced"),
             translated("shard_placement_fn", "None, or a function returning None / Shard(0) for "
                        "every parameter (parameters are DTensors sharded by rows)"),
