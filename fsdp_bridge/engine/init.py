@@ -58,7 +58,10 @@ def materialize(
             "parameters or buffers and must give them storage, e.g. "
             "`lambda m: m.to_empty(device=device, recurse=False)` followed by your init."
         )
-    module.to(device)
+    # Only when something is elsewhere: `to()` swaps DTensor parameters for new objects, which
+    # fails while torch.compile holds references to them.
+    if any(t.device != device for _, t in _named_states(module)):
+        module.to(device)
 
 
 def _named_states(module: nn.Module):

@@ -226,6 +226,9 @@ def _lazy_init(module: nn.Module) -> None:
         _INITIALIZING[0] = False
 
 
+# Building the runtime is plain Python over the model's tensors, once: under torch.compile it
+# runs eagerly (tracing it would fake the parameters it re-points at the engine's shards).
+@torch.compiler.disable
 def _lazy_init_hook(module, args, kwargs):
     if _INITIALIZING[0]:
         return None
@@ -269,9 +272,14 @@ def fully_shard(
     for m in modules:
         if engine.get_sharded(m) is not None or (hasattr(m, CONFIG) and
                                                  _root_sharded(m) is not None):
-            raise T.bad("module", m, "a module whose model has not been used yet (fully_shard "
-                        "is applied before the first forward / optimizer)",
-                        "Call fully_shard on every module first, then build the optimizer.")
+            raise T.bad("module", m, "a module whose model has not run yet (the engine's "
+                        "buffers are built at the first forward, for the fully_shard calls made "
+                        "until then)", "Call fully_shard on every module before the first "
+                        "forward.")
+        if hasattr(m, CONFIG):
+            raise T.bad("module", m, "a module not fully_shard-ed yet (as FSDP2, which asserts)",
+                        "Call fully_shard once per module.")
+    _check_one_dtype(modules, mp_policy, ignored_params or ())
     mesh = mesh if mesh is not None else _default_mesh()
     _to_dtensor_params(modules, mesh, ignored_params or ())
     call = FullyShardCall(
@@ -351,6 +359,24 @@ def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params) -> None:
                     setattr(param, REPLACED_BY, new)
                 owner._parameters[attr] = new
                 _convert_loads_of(owner)
+
+
+def _check_one_dtype(modules, mp_policy: MixedPrecisionPolicy, ignored_params) -> None:
+    """Without a param_dtype, one call's parameters must share a dtype (FSDP2 refuses mixed
+    dtypes too: they are gathered as one buffer)."""
+    if mp_policy.param_dtype is not None:
+        return
+    ignored = {id(p) for p in ignored_params}
+    dtypes = {}
+    for module in modules:
+        for name, param in module.named_parameters():
+            if id(param) not in ignored and not getattr(param, SHARDED, False):
+                dtypes.setdefault(param.dtype, name)
+    if len(dtypes) > 1:
+        found = ", ".join(f"{dtype} ({name!r})" for dtype, name in dtypes.items())
+        raise T.bad("module", f"parameters of several dtypes: {found}", "parameters of one "
+                    "dtype per fully_shard call", "Cast the module to one dtype, or set "
+                    "mp_policy=MixedPrecisionPolicy(param_dtype=...).")
 
 
 def _placements(mesh: DeviceMesh) -> tuple:

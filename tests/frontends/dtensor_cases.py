@@ -606,6 +606,11 @@ def bad_inputs(rank, world):
     uneven.register_buffer("table", torch.zeros(2 + rank))  # differs by rank
     fsdp.fully_shard(uneven)
     out["rank_dependent_buffer"] = error(lambda: uneven(torch.zeros(1, 4)))
+    twice = nn.Linear(2, 2)
+    fsdp.fully_shard(twice)
+    out["twice"] = error(lambda: fsdp.fully_shard(twice))
+    mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to(torch.bfloat16))
+    out["mixed_dtypes"] = error(lambda: fsdp.fully_shard(mixed))
     stranger = nn.Parameter(torch.zeros(3))
     out["ignored_not_in_module"] = error(lambda: fsdp.fully_shard(nn.Linear(2, 2),
                                                                   ignored_params={stranger}))

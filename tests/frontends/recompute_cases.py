@@ -181,6 +181,17 @@ def peak_memory(rank, world):
     return out
 
 
+def compiled(which, rank, world):
+    """torch.compile of a fully_shard-ed model (dynamo through our hooks; aot_eager keeps the
+    test fast: the engine's code is traced, not the kernels generated)."""
+    fsdp = dialect(which)
+    model = _model("llama")
+    for layer in model.model.layers:
+        fsdp.fully_shard(layer)
+    fsdp.fully_shard(model)
+    return _train(torch.compile(model, backend="aot_eager"), rank, world)
+
+
 def _both(fn, *args):
     def run(rank, world):
         out = {}
@@ -197,6 +208,7 @@ CASES = {
        _both(fsdp2_hf, r, b) for r in (True, False) for b in (True, False)},
     "fsdp2_apply_before": _both(fsdp2_apply_before),
     "fsdp2_checkpoint_in_forward": _both(checkpoint_in_forward),
+    "fsdp2_compiled": _both(compiled),
     "fsdp1_hf_reentrant": lambda rank, world: fsdp1_hf(rank, world, True),
     "fsdp1_hf_plain": lambda rank, world: fsdp1_hf(rank, world, False),
     "fsdp1_apply_linear": fsdp1_apply_linear,

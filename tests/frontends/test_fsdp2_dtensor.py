@@ -153,6 +153,9 @@ def test_bad_inputs_are_refused_by_name(world):
         "post_optim_event"]
     assert "ranks disagree" in result["rank_dependent_buffer"]
     assert "buffer table (2,)" in result["rank_dependent_buffer"]
+    assert "fully_shard once per module" in result["twice"]
+    assert "torch.bfloat16 ('1.weight')" in result["mixed_dtypes"]
+    assert "param_dtype" in result["mixed_dtypes"]
     assert "ignored_params[0]" in result["ignored_not_in_module"]
     assert "not in the model" in result["ignored_not_in_module"]
 

@@ -54,3 +54,11 @@ def test_checkpointing_lowers_peak_memory(world):
     for rank in (0, 1):
         peak = case(world, "peak_memory", rank)
         assert 0 < peak["checkpointed"] < peak["plain"], peak
+
+
+def test_torch_compile_of_a_sharded_model_trains_like_native(world):
+    result = case(world, "fsdp2_compiled")
+    torch.testing.assert_close(torch.tensor(result["ours"]), torch.tensor(result["native"]),
+                               **FP32)
+    torch.testing.assert_close(torch.tensor(result["ours"]),
+                               torch.tensor(case(world, "reference")), **FP32)
