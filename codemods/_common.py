@@ -45,7 +45,11 @@ FSDP_MODULES = (
 
 # Private FSDP1 internals: there is no translation, only a TODO.
 PRIVATE_FSDP_PREFIX = "torch.distributed.fsdp._"
-PRIVATE_ATTRIBUTES = frozenset({"_fsdp_wrapped_module", "_flat_param", "_handle", "_fsdp_state"})
+# torch's own FSDP2 implementation lives under a private name too; it is not FSDP1's internals.
+FSDP2_PRIVATE_PREFIX = "torch.distributed.fsdp._fully_shard"
+PRIVATE_ATTRIBUTES = frozenset(
+    {"_fsdp_wrapped_module", "_flat_param", "_handle", "_handles", "_all_handles", "_lazy_init", "_fsdp_state"}
+)
 
 # Report status values.
 IN_PLACE = "translated in place"
@@ -66,6 +70,17 @@ class Site:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def is_private_fsdp1(qualified: str) -> bool:
+    """`torch.distributed.fsdp._runtime_utils...` (FSDP1 internals), not `..._fully_shard` (FSDP2)."""
+    name = qualified + "."
+    return name.startswith(PRIVATE_FSDP_PREFIX) and not name.startswith(FSDP2_PRIVATE_PREFIX + ".")
+
+
+def fsdp_module(module: str) -> bool:
+    """True for an FSDP module path (`torch.distributed.fsdp`, `...fsdp.wrap`, ...)."""
+    return module in FSDP_MODULES
 
 
 def fsdp_name(qualified: str) -> str | None:
@@ -253,12 +268,22 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
         )
 
     def fsdp(self, node: cst.CSTNode) -> str | None:
-        """The FSDP name `node` refers to (`FullyShardedDataParallel`, `ShardingStrategy.X`...)."""
-        for name in self.qualified(node):
-            short = fsdp_name(name)
-            if short is not None:
-                return short
-        return None
+        """The FSDP name `node` refers to (`FullyShardedDataParallel`, `ShardingStrategy.X`...).
+
+        None also when the name is bound to FSDP's *or* something else depending on which
+        branch ran (`try: from torch...fsdp import FSDP / except ImportError: FSDP = None`):
+        such a name is not FSDP's for certain (see `ambiguous`).
+        """
+        names = self.qualified(node)
+        shorts = {fsdp_name(name) for name in names}
+        if None in shorts:
+            return None
+        return next(iter(shorts), None)
+
+    def ambiguous(self, node: cst.CSTNode) -> bool:
+        """True if `node` may be FSDP's or something else (a conditional or fallback import)."""
+        shorts = {fsdp_name(name) for name in self.qualified(node)}
+        return None in shorts and len(shorts) > 1
 
     def refers_to(self, node: cst.CSTNode, *qualified: str) -> bool:
         return bool(self.qualified(node) & set(qualified))

@@ -35,7 +35,10 @@ ZERO_STAGE = {"FULL_SHARD": "3", "SHARD_GRAD_OP": "2"}
 class ToYafsdpCommand(ToFsdp2Command):
     DESCRIPTION = "Rewrite FSDP1 (FullyShardedDataParallel) code for fsdp_bridge.ya_fsdp.YaFSDP."
     WRAPPED_CLASS = ("fsdp_bridge.ya_fsdp", "YaFSDP", "FB303", "the wrapped model is a YaFSDP instance")
-    UNWRAP_MODULE_ATTRIBUTE = False  # YaFSDP is a wrapper: `model.module` keeps its meaning
+    UNWRAP_REASON = "YaFSDP has no .module: it forwards attribute reads to the model and its own " \
+        "state_dict/load_state_dict/no_sync take the place of the wrapped module's"
+    ACCEPT_FSDP1_TOO = True  # the tree may keep FSDP1 constructors (TODOs) in other files
+    ROUTE_NO_SYNC_REFERENCES = False  # YaFSDP keeps no_sync()
 
     # -- FSDP(...) -----------------------------------------------------------------------
 
@@ -182,7 +185,11 @@ class ToYafsdpCommand(ToFsdp2Command):
         return updated
 
     def _static_method(self, original: cst.Call, updated: cst.Call, method: str) -> cst.BaseExpression:
+        if method == "state_dict_type" and id(original) in self._sdt_with_items:
+            return updated
         if method == "state_dict_type":
+            self.todo("FB304", original, "FSDP.state_dict_type(...) used as a value", "YaFSDP's "
+                      "state_dict() is always full; choose the state dict where it is taken")
             return updated
         self.todo("FB299", original, f"FullyShardedDataParallel.{method}(...)",
                   "no YaFSDP equivalent is known to the codemod")
