@@ -113,8 +113,12 @@ def _lost_comments(before: str, after: str) -> bool:
 
 
 def todo_comment(rule: str, text: str) -> str:
-    """The one stable TODO line for a rule: `# TODO(fsdp-bridge FB101): text`."""
-    return f"# {TODO_TAG} {rule}): {text}"
+    """The one stable TODO line for a rule: `# TODO(fsdp-bridge FB101): text`.
+
+    `text` may quote multi-line code (an argument spanning lines, with its own comments): a
+    comment is one line, so every run of whitespace becomes one space.
+    """
+    return f"# {TODO_TAG} {rule}): {' '.join(text.split())}"
 
 
 def has_todo(lines: Sequence[cst.EmptyLine], rule: str) -> bool:

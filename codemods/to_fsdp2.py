@@ -44,6 +44,7 @@ from collections import Counter
 import libcst as cst
 import libcst.matchers as m
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
+from libcst.codemod.visitors._remove_imports import RemovedNodeVisitor
 from libcst.metadata import ScopeProvider
 
 from codemods import _fsdp1
@@ -175,6 +176,7 @@ class ToFsdp2Command(FsdpCodemod):
 
     def visit_Module(self, node: cst.Module) -> None:
         super().visit_Module(node)
+        self._removed_nodes = None
         names = m.findall(node, m.Name() | m.Attribute())
         self._uses_fsdp1 = any((self.fsdp(n) or "").split(".")[0] == FSDP1 for n in names)
         self._names = {n.value for n in names if isinstance(n, cst.Name)}
@@ -273,8 +275,16 @@ class ToFsdp2Command(FsdpCodemod):
         AddImportsVisitor.add_needed_import(self.context, module, obj)
 
     def drop_import_of(self, node: cst.CSTNode) -> None:
-        if self.remove_unused_imports:
+        if not self.remove_unused_imports:
+            return
+        if isinstance(node, (cst.Import, cst.ImportFrom)):
             RemoveImportsVisitor.remove_unused_import_by_node(self.context, node)
+            return
+        # What remove_unused_import_by_node does, with one visitor per file: building a libcst
+        # matcher visitor costs more than the visit itself.
+        if self._removed_nodes is None:
+            self._removed_nodes = RemovedNodeVisitor(self.context)
+        node.visit(self._removed_nodes)
 
     # -- bookkeeping visits --------------------------------------------------------------
 
