@@ -159,7 +159,7 @@ class ToBridgeCommand(FsdpCodemod):
 
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
         if (self._imports_fsdp1 and not self._in_import and original.attr.value in PRIVATE_ATTRIBUTES
-                and get_full_name_for_node(original.value) not in self._plain_dotted):
+                and not (get_full_name_for_node(original.value) or "").startswith(("torch.", "fsdp_bridge."))):
             self.todo("FB003", original, f".{original.attr.value}", "a private attribute of torch's FSDP1 "
                       "wrapper: fsdp_bridge's FullyShardedDataParallel has its own internals, not these")
         if self._in_import or not self._plain_dotted or id(original) in self._keep:

@@ -377,7 +377,7 @@ class ToFsdp2Command(FsdpCodemod):
 
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
         self._check_reference(original)
-        if original.attr.value in PRIVATE_ATTRIBUTES and self._uses_fsdp1:
+        if original.attr.value in PRIVATE_ATTRIBUTES and self._uses_fsdp1 and not self._in_import:
             self.todo("FB203", original, f".{original.attr.value}",
                       "FSDP1's wrapper internals do not exist in FSDP2 (no wrapper, no flat parameter)")
         if not self._uses_fsdp1 or id(original) in self._store_targets:
@@ -797,7 +797,8 @@ class ToFsdp2Command(FsdpCodemod):
         if method == "load_state_dict" and (len(original.args) != 1 or original.args[0].keyword or original.args[0].star):
             self.todo("FB299", original, f"{receiver}.load_state_dict(...)", "only the one-argument form is translated")
             return updated
-        model_arg = cst.Arg(parse_expr(receiver), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+        # The receiver as rewritten (`m.module` may have become `fsdp1_unwrap(m)`).
+        model_arg = cst.Arg(updated.func.value, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
         args = [model_arg.with_changes(comma=cst.MaybeSentinel.DEFAULT)] if method == "state_dict" else [
             model_arg, updated.args[0].with_changes(comma=cst.MaybeSentinel.DEFAULT)]
         if kind == PROVEN and (block is not None or not self._runtime_sdt):

@@ -206,6 +206,11 @@ class ToYafsdpCommand(ToFsdp2Command):
                 continue
             args = call_arguments(call, _fsdp1.STATE_DICT_TYPE_PARAMS) or {}
             kind = self.fsdp(args["state_dict_type"].value) if "state_dict_type" in args else None
+            if self._configures_elsewhere(original, dotted(args["module"].value) if "module" in args else None):
+                self.todo("FB209", original, "with FSDP.state_dict_type(...)", "the block does more than "
+                          "take this model's state dict (calls made elsewhere read the setting): YaFSDP's "
+                          "state_dict() is always full; check what those calls save, then remove the block")
+                return updated
             if kind != "StateDictType.FULL_STATE_DICT" or len(original.items) > 1 or item.asname:
                 self.todo("FB304", original, "FSDP.state_dict_type(...)", "YaFSDP's state_dict() is "
                           "always full; other state-dict types have no YaFSDP form")
