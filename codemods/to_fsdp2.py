@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from typing import Sequence
 
 import libcst as cst
 import libcst.matchers as m
@@ -157,7 +158,7 @@ class ToFsdp2Command(FsdpCodemod):
         self._wrapped: set[str] = set()  # "model", "self.model": assigned from FSDP(...) somewhere in this file
         self._fsdp_targets: set[int] = set()  # ids of the Name targets of `x = FSDP(...)`
         self._top_level_targets: set[int] = set()  # ... of those that are a top-level statement of their scope
-        self._class_attrs: dict[int, set[str]] = {}  # id(ClassDef) -> `self.x` only ever assigned FSDP(...)
+        self._class_attrs: dict = {}  # id(ClassDef) -> `self.x` names only ever assigned FSDP(...)
         self._classes: list[cst.ClassDef] = []
         self._called: set[int] = set()  # ids of expressions that are a call's function
         self._store_targets: set[int] = set()  # ids of attributes that are assigned to
@@ -177,57 +178,47 @@ class ToFsdp2Command(FsdpCodemod):
     def visit_Module(self, node: cst.Module) -> None:
         super().visit_Module(node)
         self._removed_nodes = None
-        names = m.findall(node, m.Name() | m.Attribute())
-        self._uses_fsdp1 = any((self.fsdp(n) or "").split(".")[0] == FSDP1 for n in names)
-        self._names = {n.value for n in names if isinstance(n, cst.Name)}
+        facts = _Facts()
+        node.visit(facts)  # one plain pass: libcst's matchers.findall costs several times more per pass
+        self._uses_fsdp1 = any((self.fsdp(n) or "").split(".")[0] == FSDP1 for n in facts.names)
+        self._names = {n.value for n in facts.names if isinstance(n, cst.Name)}
         if not self._uses_fsdp1:
             return
-        self._has_fsdp2 = any(self.fsdp(n) in FSDP2_NAMES for n in names) or bool(self._names & FSDP2_MARKERS)
-        for assign in m.findall(node, m.Assign() | m.AnnAssign()):
+        self._has_fsdp2 = any(self.fsdp(n) in FSDP2_NAMES for n in facts.names) or bool(self._names & FSDP2_MARKERS)
+        for assign, cls in facts.assigns:
             targets = [t.target for t in assign.targets] if isinstance(assign, cst.Assign) else [assign.target]
             self._store_targets.update(id(t) for t in targets)
-            if isinstance(assign.value, cst.Call) and self.fsdp(assign.value.func) == FSDP1:
+            is_fsdp = isinstance(assign.value, cst.Call) and self.fsdp(assign.value.func) == FSDP1
+            if is_fsdp:
                 self._wrapped.update(d for d in map(dotted, targets) if d)
                 self._fsdp_targets.update(id(t) for t in targets if isinstance(t, cst.Name))
+            if cls is not None and isinstance(assign, cst.Assign):
+                self._note_self_attributes(cls, assign, is_fsdp)
+        self._class_attrs = {key: {name for name, ok in verdict.items() if ok}
+                             for key, verdict in self._class_attrs.items()}
         self._top_level_targets = {
-            id(t.target) for body in self._scope_bodies(node) for line in body
+            id(t.target) for body in [node.body, *facts.function_bodies] for line in body
             if isinstance(line, cst.SimpleStatementLine) for small in line.body if isinstance(small, cst.Assign)
             for t in small.targets if id(t.target) in self._fsdp_targets
         }
-        for cls in m.findall(node, m.ClassDef()):
-            self._class_attrs[id(cls)] = self._fsdp_only_attributes(cls)
-        for with_node in m.findall(node, m.With()):
+        for with_node in facts.withs:
             self._sdt_with_items.update(id(item.item) for item in with_node.items
                                         if isinstance(item.item, cst.Call) and self.fsdp(item.item.func) == STATE_DICT_TYPE)
         self._runtime_sdt = any(self.fsdp(call.func) == STATE_DICT_TYPE and id(call) not in self._sdt_with_items
-                                for call in m.findall(node, m.Call(func=m.Attribute())))
-        branches = _BranchImports()
-        node.visit(branches)
-        if branches.found:
+                                for call in facts.attribute_calls)
+        if facts.branch_imports:
             self.remove_unused_imports = False  # an import in a branch: removing it may empty the branch
 
-    @staticmethod
-    def _scope_bodies(module: cst.Module):
-        """The statement lists whose top-level statements run once, in order: module and functions."""
-        yield module.body
-        for function in m.findall(module, m.FunctionDef()):
-            if isinstance(function.body, cst.IndentedBlock):
-                yield function.body.body
-
-    def _fsdp_only_attributes(self, cls: cst.ClassDef) -> set[str]:
-        """`self.x` names every assignment of which, in this class, is `FSDP(...)` (or None)."""
-        verdict: dict[str, bool] = {}
-        for assign in m.findall(cls, m.Assign(targets=[m.ZeroOrMore(), m.AssignTarget(target=m.Attribute(
-                value=m.Name("self"))), m.ZeroOrMore()])):
-            is_fsdp = isinstance(assign.value, cst.Call) and self.fsdp(assign.value.func) == FSDP1
-            for target in assign.targets:
-                if isinstance(target.target, cst.Attribute) and dotted(target.target.value) == "self":
-                    name = target.target.attr.value
-                    if is_fsdp:
-                        verdict.setdefault(name, True)
-                    elif not is_literal(assign.value, "None"):
-                        verdict[name] = False
-        return {name for name, ok in verdict.items() if ok}
+    def _note_self_attributes(self, cls: cst.ClassDef, assign: cst.Assign, is_fsdp: bool) -> None:
+        """Track `self.x` only ever assigned `FSDP(...)` (or None) in this class."""
+        verdict = self._class_attrs.setdefault(id(cls), {})
+        for target in assign.targets:
+            if isinstance(target.target, cst.Attribute) and dotted(target.target.value) == "self":
+                name = target.target.attr.value
+                if is_fsdp:
+                    verdict.setdefault(name, True)
+                elif not is_literal(assign.value, "None"):
+                    verdict[name] = False
 
     # -- receivers (see [Note: which receivers are FSDP modules]) --------------------------
 
@@ -410,7 +401,9 @@ class ToFsdp2Command(FsdpCodemod):
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
         if not (self._has_fsdp2 and self._uses_fsdp1):
             return True
-        names = m.findall(node, m.Name() | m.Attribute())
+        facts = _Facts()
+        node.visit(facts)
+        names = facts.names
         fsdp1 = any((self.fsdp(n) or "").split(".")[0] == FSDP1 for n in names)
         fsdp2 = any(self.fsdp(n) in FSDP2_NAMES or (isinstance(n, cst.Name) and n.value in FSDP2_MARKERS)
                     for n in names)
@@ -960,24 +953,59 @@ def _leftmost(node: cst.BaseExpression) -> cst.BaseExpression:
     return node
 
 
-class _BranchImports(cst.CSTVisitor):
-    """Finds imports inside `if`/`try` blocks (conditional or fallback imports)."""
+class _Facts(cst.CSTVisitor):
+    """What the codemod needs to know about a file before rewriting it, gathered in one pass."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.depth, self.found = 0, False
+        self.names: list[cst.BaseExpression] = []  # every Name and Attribute
+        self.assigns: list[tuple[cst.BaseSmallStatement, cst.ClassDef | None]] = []  # and the class it is in
+        self.function_bodies: list[Sequence[cst.BaseStatement]] = []
+        self.withs: list[cst.With] = []
+        self.attribute_calls: list[cst.Call] = []
+        self.branch_imports = False  # an import inside an `if`/`try` (conditional or fallback)
+        self._classes: list[cst.ClassDef] = []
+        self._branches = 0
+
+    def visit_Name(self, node) -> None:
+        self.names.append(node)
+
+    def visit_Attribute(self, node) -> None:
+        self.names.append(node)
+
+    def visit_Assign(self, node) -> None:
+        self.assigns.append((node, self._classes[-1] if self._classes else None))
+
+    visit_AnnAssign = visit_Assign
+
+    def visit_ClassDef(self, node) -> None:
+        self._classes.append(node)
+
+    def leave_ClassDef(self, node) -> None:
+        self._classes.pop()
+
+    def visit_FunctionDef(self, node) -> None:
+        if isinstance(node.body, cst.IndentedBlock):
+            self.function_bodies.append(node.body.body)
+
+    def visit_With(self, node) -> None:
+        self.withs.append(node)
+
+    def visit_Call(self, node) -> None:
+        if isinstance(node.func, cst.Attribute):
+            self.attribute_calls.append(node)
 
     def _enter(self, node) -> None:
-        self.depth += 1
+        self._branches += 1
 
     def _exit(self, node) -> None:
-        self.depth -= 1
+        self._branches -= 1
 
     visit_If = visit_Try = visit_TryStar = _enter
     leave_If = leave_Try = leave_TryStar = _exit
 
     def visit_Import(self, node) -> None:
-        self.found = self.found or self.depth > 0
+        self.branch_imports = self.branch_imports or self._branches > 0
 
     visit_ImportFrom = visit_Import
 
