@@ -838,25 +838,32 @@ class ToFsdp2Command(FsdpCodemod):
                 self._expand_no_sync.add(id(call))
 
     def _configures_elsewhere(self, node: cst.With, model: str | None) -> bool:
-        """True unless the block's only uses of the model are its own state-dict calls.
+        """True unless the block's only business with the model is its own state-dict calls.
 
         `with FSDP.state_dict_type(trainer.model, ...): trainer.save_model()` configures a call
         made elsewhere (inside the library); dropping the context would change what it saves.
+        So does a method called on the model or its owner, or either passed to a function.
         """
         if model is None:
             return True
-        base = model.split(".")[0]
-        handled: set[int] = set()
+        base, handled = model.split(".")[0], False
         for call in m.findall(node.body, m.Call()):
-            func = call.func
+            func, name = call.func, self.fsdp(call.func) or ""
             if isinstance(func, cst.Attribute) and func.attr.value in STATE_DICT_METHODS and dotted(func.value) == model:
-                handled.add(id(_leftmost(func.value)))
-            elif (self.fsdp(func) or "").startswith(FSDP1 + ".") and self.fsdp(func) != STATE_DICT_TYPE:
-                handled.update(id(_leftmost(a.value)) for a in call.args if dotted(a.value) == model)
-        if not handled:
-            return True
-        attributes = {id(a.attr) for a in m.findall(node.body, m.Attribute())}
-        return any(id(n) not in handled and id(n) not in attributes for n in m.findall(node.body, m.Name(base)))
+                handled = True
+                continue
+            if name.startswith(FSDP1 + ".") and name != STATE_DICT_TYPE:
+                handled = True  # FSDP.optim_state_dict(model, optim) and friends
+                continue
+            leftmost = _leftmost(func) if isinstance(func, cst.Attribute) else None
+            if isinstance(leftmost, cst.Name) and leftmost.value == base:
+                return True
+            for arg in call.args:
+                passed = dotted(arg.value)
+                if passed is not None and (passed == model or model.startswith(passed + ".")
+                                           or passed.startswith(model + ".")):
+                    return True
+        return not handled
 
     def _state_dict_context(self, call: cst.Call):
         """(model name, model options code, optimizer options code) for a state_dict_type call."""
