@@ -669,15 +669,21 @@ class ToFsdp2Command(FsdpCodemod):
                                       "set_optimizer_state_dict with broadcast_from_rank0; returns the "
                                       "loaded optimizer state")
         runtime_options = self._runtime_sdt and self._current_state_dict() is None
-        if method == "optim_state_dict":
-            if runtime_options:
-                return self._runtime_call(original, updated, "FB104", "fsdp1_optim_state_dict", args,
-                                          "options from the active fsdp1_state_dict_type context")
-            return self._dcp_call(original, updated, "get_optimizer_state_dict", args, self._optim_options())
-        if method == "full_optim_state_dict":
-            # FSDP1's default is rank0_only=True: with cpu_offload, DCP gives the full dict on rank 0.
-            options = "StateDictOptions(full_state_dict=True, cpu_offload=True)"
-            return self._dcp_call(original, updated, "get_optimizer_state_dict", args, options)
+        if method in ("optim_state_dict", "full_optim_state_dict"):
+            # get_optimizer_state_dict shares some tensors with the optimizer (Adam's step); FSDP1
+            # returned copies, so the helper copies those.
+            why = "get_optimizer_state_dict, with the entries it shares with the optimizer copied"
+            if method == "full_optim_state_dict":
+                # FSDP1's default is rank0_only=True: with cpu_offload, DCP gives the full dict on rank 0.
+                options = "StateDictOptions(full_state_dict=True, cpu_offload=True)"
+            elif runtime_options:
+                options, why = None, why + "; options from the active fsdp1_state_dict_type context"
+            else:
+                options = self._optim_options()
+            if options is not None:
+                args = [*args, _arg("options", options)]
+                self.need(DCP, "StateDictOptions")
+            return self._runtime_call(original, updated, "FB104", "fsdp1_optim_state_dict", args, why)
         # optim_state_dict_to_load
         if not runtime_options:
             args = [*args, _arg("options", self._optim_options())]

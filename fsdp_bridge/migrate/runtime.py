@@ -529,8 +529,20 @@ def fsdp1_load_state_dict(model: nn.Module, state_dict: dict, options: StateDict
 
 
 def fsdp1_optim_state_dict(model: nn.Module, optim, options: StateDictOptions | None = None) -> dict[str, Any]:
-    """`FSDP.optim_state_dict(model, optim)` under the active state-dict setting."""
-    return get_optimizer_state_dict(model, optim, options=options or _active_options(model, True))
+    """`FSDP.optim_state_dict(model, optim)` (and `full_optim_state_dict`) under the given options,
+    or those of the active state-dict setting.
+
+    FSDP1 returns copies; DCP hands back some of the optimizer's own state tensors (Adam's
+    `step`, unsharded entries), which later steps would change under a state dict kept in memory.
+    Those are copied.
+    """
+    state = get_optimizer_state_dict(model, optim, options=options or _active_options(model, True))
+    live = {id(value) for entry in optim.state.values() for value in entry.values() if torch.is_tensor(value)}
+    for entry in state.get("state", {}).values():
+        for key, value in entry.items():
+            if id(value) in live:
+                entry[key] = value.detach().clone()
+    return state
 
 
 def fsdp1_scatter_full_optim_state_dict(full_optim_state_dict: dict | None, model: nn.Module, optim) -> dict:

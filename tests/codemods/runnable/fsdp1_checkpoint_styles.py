@@ -1,6 +1,7 @@
 """A runnable FSDP1 fixture with the checkpoint code real repositories write: the state-dict
 setting chosen at run time and held in a variable, a helper that saves whatever module it is given
-(an FSDP model on one path, DDP on the other), and a state dict taken outside any context (FULL).
+(an FSDP model on one path, DDP on the other), a state dict taken outside any context (FULL), and
+an optimizer saved full on rank 0, scattered back, and loaded by keyword arguments.
 The test runs it before and after `--to fsdp2` in one 2-rank world and compares what each
 state dict holds."""
 
@@ -54,4 +55,33 @@ def train(rank):
     ddp = wrap(nn.Linear(2, 2), use_fsdp=False)
     results["ddp"] = sorted(save(ddp))
     results["rank"] = dist.get_rank()
+    results["optimizer losses"] = optimizer_round_trip(rank)
     return results
+
+
+def optimizer_round_trip(rank):
+    """Losses of steps taken after each optimizer reload: equal only if the state came back."""
+    torch.manual_seed(0)
+    model = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), device_id=torch.device("cpu"))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(7 + rank)
+    losses = []
+
+    def step():
+        loss = model(torch.randn(2, 4, generator=generator)).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(round(loss.item(), 6))
+
+    step()
+    full_osd = FSDP.full_optim_state_dict(model, optimizer)
+    saved = FSDP.optim_state_dict(model, optimizer)
+    step()
+    sharded = FSDP.scatter_full_optim_state_dict(full_osd if dist.get_rank() == 0 else None, model, optim=optimizer)
+    optimizer.load_state_dict(sharded)
+    step()
+    state = FSDP.optim_state_dict_to_load(model=model, optim=optimizer, optim_state_dict=saved)
+    optimizer.load_state_dict(state)
+    step()
+    return losses
