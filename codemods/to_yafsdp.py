@@ -7,9 +7,13 @@ FB300  `FSDP(model, ...)` with literal arguments -> `YaFSDP(model, zero_stage=..
 FB301  `FSDP(model, ...)` with non-literal values -> `fsdp1_to_yafsdp(model, ...)` (runtime helper).
 FB302  FSDP1 settings YaFSDP cannot express (hybrid/NO_SHARD, CPU offload, ignored modules,
        device_mesh): the call is left as it was, with a TODO.
-FB303  `isinstance(x, FSDP)` -> `isinstance(x, YaFSDP)`.
+FB303  `isinstance(x, FSDP)` -> `isinstance(x, (YaFSDP, FSDP))`: constructors this run could not
+       translate (here or in other files of the tree) still build FSDP1 modules.
 FB304  `with FSDP.state_dict_type(model, FULL_STATE_DICT...)`: YaFSDP's `state_dict()` is full, so
-       the block's body stays and the `with` goes.
+       the block's body stays and the `with` goes (kept with FB209 when the block configures
+       calls made elsewhere); other types, or the context used as a value, get a TODO.
+FB106  `model.module` -> `model` where `model` is proven to hold the wrapper (YaFSDP has no
+       `.module`), `fsdp1_unwrap(model)` where it may.
 `no_sync()` blocks stay as they are: `fsdp_bridge.ya_fsdp.YaFSDP` keeps FSDP's `no_sync()` beside
 YaFSDP's declared `gradient_accumulation_steps` (written as 1).
 The FSDP1 uses it cannot translate share FSDP2's codes (FB201-FB299).
