@@ -23,6 +23,7 @@ from typing import Iterable, Sequence
 
 import libcst as cst
 from libcst.codemod import CodemodContext, VisitorBasedCodemodCommand
+from libcst.codemod.visitors import AddImportsVisitor
 from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider, QualifiedNameSource
 
 # Where the runtime helpers live (the rewritten code imports them from here).
@@ -45,7 +46,11 @@ FSDP_MODULES = (
 
 # Private FSDP1 internals: there is no translation, only a TODO.
 PRIVATE_FSDP_PREFIX = "torch.distributed.fsdp._"
-PRIVATE_ATTRIBUTES = frozenset({"_fsdp_wrapped_module", "_flat_param", "_handle", "_fsdp_state"})
+# torch's own FSDP2 implementation lives under a private name too; it is not FSDP1's internals.
+FSDP2_PRIVATE_PREFIX = "torch.distributed.fsdp._fully_shard"
+PRIVATE_ATTRIBUTES = frozenset(
+    {"_fsdp_wrapped_module", "_flat_param", "_handle", "_handles", "_all_handles", "_lazy_init", "_fsdp_state"}
+)
 
 # Report status values.
 IN_PLACE = "translated in place"
@@ -66,6 +71,17 @@ class Site:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def is_private_fsdp1(qualified: str) -> bool:
+    """`torch.distributed.fsdp._runtime_utils...` (FSDP1 internals), not `..._fully_shard` (FSDP2)."""
+    name = qualified + "."
+    return name.startswith(PRIVATE_FSDP_PREFIX) and not name.startswith(FSDP2_PRIVATE_PREFIX + ".")
+
+
+def fsdp_module(module: str) -> bool:
+    """True for an FSDP module path (`torch.distributed.fsdp`, `...fsdp.wrap`, ...)."""
+    return module in FSDP_MODULES
 
 
 def fsdp_name(qualified: str) -> str | None:
@@ -98,8 +114,12 @@ def _lost_comments(before: str, after: str) -> bool:
 
 
 def todo_comment(rule: str, text: str) -> str:
-    """The one stable TODO line for a rule: `# TODO(fsdp-bridge FB101): text`."""
-    return f"# {TODO_TAG} {rule}): {text}"
+    """The one stable TODO line for a rule: `# TODO(fsdp-bridge FB101): text`.
+
+    `text` may quote multi-line code (an argument spanning lines, with its own comments): a
+    comment is one line, so every run of whitespace becomes one space.
+    """
+    return f"# {TODO_TAG} {rule}): {' '.join(text.split())}"
 
 
 def has_todo(lines: Sequence[cst.EmptyLine], rule: str) -> bool:
@@ -182,6 +202,25 @@ def _names_bound_by_imports(module: cst.Module) -> set[str] | None:
     return names
 
 
+def _is_import_line(statement: cst.BaseStatement) -> bool:
+    return isinstance(statement, cst.SimpleStatementLine) and any(
+        isinstance(small, (cst.Import, cst.ImportFrom)) for small in statement.body
+    )
+
+
+@contextlib.contextmanager
+def _without_copy(codemod, module: cst.Module):
+    """Run `codemod` on `module` itself (libcst would deep-copy it first)."""
+    old = codemod.context.wrapper
+    wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
+    with codemod.resolve(wrapper):
+        codemod.context = dataclasses.replace(codemod.context, wrapper=wrapper)
+        try:
+            yield wrapper.module
+        finally:
+            codemod.context = dataclasses.replace(codemod.context, wrapper=old)
+
+
 @dataclasses.dataclass
 class _Pending:
     """Edits requested for one statement while its children were being transformed."""
@@ -253,12 +292,22 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
         )
 
     def fsdp(self, node: cst.CSTNode) -> str | None:
-        """The FSDP name `node` refers to (`FullyShardedDataParallel`, `ShardingStrategy.X`...)."""
-        for name in self.qualified(node):
-            short = fsdp_name(name)
-            if short is not None:
-                return short
-        return None
+        """The FSDP name `node` refers to (`FullyShardedDataParallel`, `ShardingStrategy.X`...).
+
+        None also when the name is bound to FSDP's *or* something else depending on which
+        branch ran (`try: from torch...fsdp import FSDP / except ImportError: FSDP = None`):
+        such a name is not FSDP's for certain (see `ambiguous`).
+        """
+        names = self.qualified(node)
+        shorts = {fsdp_name(name) for name in names}
+        if None in shorts:
+            return None
+        return next(iter(shorts), None)
+
+    def ambiguous(self, node: cst.CSTNode) -> bool:
+        """True if `node` may be FSDP's or something else (a conditional or fallback import)."""
+        shorts = {fsdp_name(name) for name in self.qualified(node)}
+        return None in shorts and len(shorts) > 1
 
     def refers_to(self, node: cst.CSTNode, *qualified: str) -> bool:
         return bool(self.qualified(node) & set(qualified))
@@ -281,14 +330,24 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
             with super()._handle_metadata_reference(module) as tree:
                 yield tree
             return
-        old = self.context.wrapper
-        wrapper = MetadataWrapper(module, unsafe_skip_copy=True)
-        with self.resolve(wrapper):
-            self.context = dataclasses.replace(self.context, wrapper=wrapper)
-            try:
-                yield wrapper.module
-            finally:
-                self.context = dataclasses.replace(self.context, wrapper=old)
+        with _without_copy(self, module) as tree:
+            yield tree
+
+    def _instantiate_and_run(self, transform, tree: cst.Module) -> cst.Module:
+        """libcst's follow-up passes (adding imports), without copying the tree when they need
+        no metadata: the copy would be the most expensive part of the pass."""
+        instance = transform(self.context)
+        if instance.get_inherited_dependencies():
+            return instance.transform_module(tree)
+        instance._handle_metadata_reference = lambda module: _without_copy(instance, module)
+        if transform is not AddImportsVisitor:
+            return instance.transform_module(tree)
+        # AddImportsVisitor reads and edits only the imports at the top of the file; running it
+        # on the statements up to the last top-level import gives the same result, in a
+        # fraction of the time on large files.
+        last = max((i for i, statement in enumerate(tree.body) if _is_import_line(statement)), default=0)
+        head = instance.transform_module(tree.with_changes(body=tree.body[: last + 1]))
+        return tree.with_changes(body=[*head.body, *tree.body[last + 1 :]], header=head.header)
 
     def site(self, rule: str, status: str, node: cst.CSTNode, what: str, reason: str) -> None:
         self.context.scratch[SITES_KEY].append(Site(rule, status, self.line_of(node), what, reason))

@@ -3,7 +3,9 @@
 The drop-in contract (DESIGN §2) is that our module paths mirror the originals name for name, so
 this target only rewrites module paths, in imports and in dotted uses such as
 `torch.distributed.fsdp.FullyShardedDataParallel(...)` after a plain `import torch.distributed.fsdp`.
-Nothing else changes; it always translates fully.
+Nothing else changes. Private modules and names of torch's FSDP (`torch.distributed.fsdp._runtime_utils`,
+`from torch.distributed.fsdp import _x`) are not mirrored: those imports stay as they were, flagged
+(FB002), and so do reads of FSDP1's private wrapper attributes (`_handle`, `_lazy_init`, FB003).
 
     python -m libcst.tool codemod to_bridge.ToBridgeCommand PATH
 """
@@ -15,7 +17,7 @@ import libcst.matchers as m
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.helpers import get_full_name_for_node
 
-from codemods._common import IN_PLACE, FsdpCodemod, parse_expr
+from codemods._common import IN_PLACE, PRIVATE_ATTRIBUTES, FsdpCodemod, is_private_fsdp1, parse_expr
 
 # original module -> ours. Longest match wins (`torch.distributed.fsdp.wrap` before `...fsdp`).
 MODULE_MAP = {
@@ -38,6 +40,10 @@ PARENT_MAP = {
 }
 
 
+def code_of(node: cst.CSTNode) -> str:
+    return cst.Module([]).code_for_node(node)
+
+
 def mirrored(module: str) -> str | None:
     """Our module for an original module path, exact match only."""
     return MODULE_MAP.get(module)
@@ -56,6 +62,23 @@ class ToBridgeCommand(FsdpCodemod):
         # (`a.b.c.X`) must be rewritten too.
         self._plain_dotted: set[str] = set()
         self._in_import = 0
+        self._keep: set[int] = set()  # ids of dotted module paths followed by a private name
+        self._imports_fsdp1 = False
+
+    def visit_Module(self, node: cst.Module) -> None:
+        super().visit_Module(node)
+        self._imports_fsdp1 = any(
+            (get_full_name_for_node(imp.module) or "").startswith("torch.distributed.fsdp")
+            for imp in m.findall(node, m.ImportFrom(module=m.DoNotCare()))
+            if imp.module is not None
+        ) or any(
+            (get_full_name_for_node(alias.name) or "").startswith("torch.distributed.fsdp")
+            for imp in m.findall(node, m.Import()) for alias in imp.names
+        )
+
+    def _private(self, node: cst.CSTNode, what: str) -> None:
+        self.todo("FB002", node, what, "a private module or name of torch's FSDP: fsdp_bridge does not "
+                  "mirror it, so it is left pointing at torch's (which knows nothing of our modules)")
 
     # -- imports -------------------------------------------------------------------------
 
@@ -69,6 +92,8 @@ class ToBridgeCommand(FsdpCodemod):
             old = get_full_name_for_node(alias.name)
             new = mirrored(old or "")
             if new is None:
+                if is_private_fsdp1(old or ""):
+                    self._private(original, f"import {old}")
                 names.append(alias)
                 continue
             self.site("FB001", IN_PLACE, original, f"import {old}", f"now imports {new}")
@@ -95,6 +120,14 @@ class ToBridgeCommand(FsdpCodemod):
             return updated
         old = get_full_name_for_node(updated.module) or ""
         new = mirrored(old)
+        if is_private_fsdp1(old):
+            self._private(original, f"from {old} import ...")
+            return updated
+        private = not isinstance(updated.names, cst.ImportStar) and any(
+            (get_full_name_for_node(a.name) or "").startswith("_") for a in updated.names)
+        if new is not None and private:
+            self._private(original, f"from {old} import {', '.join(code_of(a.name) for a in updated.names)}")
+            return updated
         if new is not None:
             self.site("FB001", IN_PLACE, original, f"from {old} import ...", f"now from {new}")
             return updated.with_changes(module=_module_node(new))
@@ -118,8 +151,18 @@ class ToBridgeCommand(FsdpCodemod):
 
     # -- dotted uses of a plain `import a.b.c` ----------------------------------------------
 
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        inner = get_full_name_for_node(node.value)
+        if not self._in_import and inner in self._plain_dotted and node.attr.value.startswith("_"):
+            self._keep.add(id(node.value))
+            self._private(node, f"{inner}.{node.attr.value}")
+
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
-        if self._in_import or not self._plain_dotted:
+        if (self._imports_fsdp1 and not self._in_import and original.attr.value in PRIVATE_ATTRIBUTES
+                and not (get_full_name_for_node(original.value) or "").startswith(("torch.", "fsdp_bridge."))):
+            self.todo("FB003", original, f".{original.attr.value}", "a private attribute of torch's FSDP1 "
+                      "wrapper: fsdp_bridge's FullyShardedDataParallel has its own internals, not these")
+        if self._in_import or not self._plain_dotted or id(original) in self._keep:
             return updated
         for name in self.qualified(original):
             if name in self._plain_dotted and get_full_name_for_node(original) == name:

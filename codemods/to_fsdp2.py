@@ -14,32 +14,54 @@ FB104  `with FSDP.state_dict_type(...)` blocks, `model.state_dict()`, `FSDP.opti
        -> `torch.distributed.checkpoint.state_dict` calls with `StateDictOptions`.
 FB105  `isinstance(x, FSDP)` -> `isinstance(x, FSDPModule)`.
 FB106  `model.module` on a wrapped model -> `model`.
+FB107  `FSDP.fsdp_modules`, `scatter_full_optim_state_dict`, `model.no_sync` as a value -> runtime helpers.
+FB208  `FSDP.state_dict_type(...)` used as a value (held in a variable, returned by a helper)
+       -> `fsdp1_state_dict_type(...)`; the file's state-dict calls then ask the runtime helper.
 FB110  a dropped FSDP1 argument carried a comment: the comment moves into a TODO.
 FB2xx  left with a TODO: FSDP subclasses (201), `partial(FSDP, ...)` (202), private internals
        (203), `LOCAL_STATE_DICT` (204), `summon_full_params` (205), `enable_wrap`/`wrap` (206),
-       `set_state_dict_type` (207), any other FSDP1 API use (299).
+       `set_state_dict_type` (207), a `with FSDP.state_dict_type(...)` that configures calls
+       made elsewhere (209), a name bound to FSDP1 or to something else depending on a branch
+       (210), `import *` of an FSDP module (211), any other FSDP1 API use (299).
 FB400  FSDP configured through Hugging Face Trainer / accelerate arguments (report only).
+FB410  code that already handles FSDP1 and FSDP2 (both names in one function): left as is.
+
+[Note: which receivers are FSDP modules]
+`model.state_dict()` means something else on an FSDP1 module than on an FSDP2 one, so the rewrite
+depends on what `model` is. A receiver is *proven* when scope analysis (libcst's ScopeProvider)
+shows every assignment that can reach it is `FSDP(...)`, or one top-level `model = FSDP(...)` in
+the same function follows all other assignments and precedes the use. `self.x` is proven when
+every `self.x = ...` in the class assigns `FSDP(...)` (or None). A receiver whose *name* is
+assigned from `FSDP(...)` somewhere else in the file is *maybe* one: its calls go through runtime
+helpers that check `isinstance` when the script runs. Other receivers are not touched.
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
+from typing import Sequence
 
 import libcst as cst
+import libcst.matchers as m
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
+from libcst.codemod.visitors._remove_imports import RemovedNodeVisitor
+from libcst.metadata import ScopeProvider
 
 from codemods import _fsdp1
 from codemods._common import (
     IN_PLACE,
+    INFO,
     PRIVATE_ATTRIBUTES,
-    PRIVATE_FSDP_PREFIX,
     RUNTIME,
     RUNTIME_MODULE,
     FsdpCodemod,
     call_arguments,
     comments_in,
+    fsdp_module,
     dotted,
     is_literal,
+    is_private_fsdp1,
     parse_expr,
     parse_stmt,
 )
@@ -71,6 +93,24 @@ HF_CONFIG_CALLS = {
     "trl.SFTConfig",
 }
 ACCELERATE_PLUGIN = {"accelerate.FullyShardedDataParallelPlugin", "accelerate.utils.FullyShardedDataParallelPlugin"}
+# Names that show code already speaks FSDP2 (dual-dialect detection, FB410).
+FSDP2_NAMES = {"FSDPModule", "fully_shard", "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy"}
+FSDP2_MARKERS = {"fsdp_version"}
+STATE_DICT_TYPE = f"{FSDP1}.state_dict_type"
+STATE_DICT_METHODS = ("state_dict", "load_state_dict")
+# FSDP1 static signatures we translate (arguments past these make the site a TODO).
+OPTIM_SIGNATURES = {
+    "optim_state_dict": ("model", "optim", "optim_state_dict", "group"),
+    "full_optim_state_dict": ("model", "optim", "optim_input", "rank0_only", "group"),
+    "optim_state_dict_to_load": ("model", "optim", "optim_state_dict", "is_named_optimizer", "load_directly", "group"),
+    "scatter_full_optim_state_dict": ("full_optim_state_dict", "model", "optim_input", "optim", "group"),
+    "fsdp_modules": ("module", "root_only"),
+}
+PROVEN, MAYBE = "proven", "maybe"
+# Receivers whose state dict is not a model's (only to keep the report short: routing them would be
+# harmless, the helpers leave anything without FSDP2 units alone).
+NOT_A_MODEL = re.compile(r"optim|sched|scaler|sampler|loader|tokenizer|generator|^opt$|^lr", re.IGNORECASE)
+KEPT = "kept"  # a state_dict_type block left as it was (FB204/FB209)
 
 
 def _arg(keyword: str, value: str) -> cst.Arg:
@@ -106,11 +146,25 @@ class ToFsdp2Command(FsdpCodemod):
     DESCRIPTION = "Rewrite FSDP1 (FullyShardedDataParallel) code into native torch FSDP2 (fully_shard)."
     # What `isinstance(x, FSDP)` becomes: (module, class, rule, reason).
     WRAPPED_CLASS = (FSDP, "FSDPModule", "FB105", "FSDP2 modules are instances of FSDPModule")
-    UNWRAP_MODULE_ATTRIBUTE = True  # `model.module` -> `model` (fully_shard works in place)
+    UNWRAP_REASON = "fully_shard works in place: the wrapped model is the model"
+    # Type checks: accept FSDP1 too (constructors elsewhere in the tree may stay FSDP1)?
+    ACCEPT_FSDP1_TOO = False
+    ROUTE_NO_SYNC_REFERENCES = True  # `model.no_sync` as a value -> functools.partial(fsdp1_no_sync, model)
+
+    METADATA_DEPENDENCIES = (*FsdpCodemod.METADATA_DEPENDENCIES, ScopeProvider)
 
     def __init__(self, context) -> None:
         super().__init__(context)
-        self._wrapped: set[str] = set()  # "model", "self.model": assigned from FSDP(...) in this file
+        self._wrapped: set[str] = set()  # "model", "self.model": assigned from FSDP(...) somewhere in this file
+        self._fsdp_targets: set[int] = set()  # ids of the Name targets of `x = FSDP(...)`
+        self._top_level_targets: set[int] = set()  # ... of those that are a top-level statement of their scope
+        self._class_attrs: dict = {}  # id(ClassDef) -> `self.x` names only ever assigned FSDP(...)
+        self._classes: list[cst.ClassDef] = []
+        self._called: set[int] = set()  # ids of expressions that are a call's function
+        self._store_targets: set[int] = set()  # ids of attributes that are assigned to
+        self._sdt_with_items: set[int] = set()  # FSDP.state_dict_type calls written as a `with` item
+        self._runtime_sdt = False  # some state_dict_type is a value: state-dict calls ask the helper
+        self._has_fsdp2 = False
         self._uses_fsdp1 = False
         self._claimed: set[int] = set()  # ids of FSDP1-class references a handler takes care of
         self._statement_calls: set[int] = set()  # calls that are a whole statement's value
@@ -123,15 +177,82 @@ class ToFsdp2Command(FsdpCodemod):
 
     def visit_Module(self, node: cst.Module) -> None:
         super().visit_Module(node)
-        import libcst.matchers as m
-
-        for assign in m.findall(node, m.Assign(value=m.Call()) | m.AnnAssign(value=m.Call())):
-            if self.fsdp(assign.value.func) == FSDP1:
-                targets = [t.target for t in assign.targets] if isinstance(assign, cst.Assign) else [assign.target]
+        self._removed_nodes = None
+        facts = _Facts()
+        node.visit(facts)  # one plain pass: libcst's matchers.findall costs several times more per pass
+        self._uses_fsdp1 = any((self.fsdp(n) or "").split(".")[0] == FSDP1 for n in facts.names)
+        self._names = {n.value for n in facts.names if isinstance(n, cst.Name)}
+        if not self._uses_fsdp1:
+            return
+        self._has_fsdp2 = any(self.fsdp(n) in FSDP2_NAMES for n in facts.names) or bool(self._names & FSDP2_MARKERS)
+        for assign, cls in facts.assigns:
+            targets = [t.target for t in assign.targets] if isinstance(assign, cst.Assign) else [assign.target]
+            self._store_targets.update(id(t) for t in targets)
+            is_fsdp = isinstance(assign.value, cst.Call) and self.fsdp(assign.value.func) == FSDP1
+            if is_fsdp:
                 self._wrapped.update(d for d in map(dotted, targets) if d)
-        self._names = {n.value for n in m.findall(node, m.Name())}
-        self._uses_fsdp1 = any(
-            (self.fsdp(n) or "").split(".")[0] == FSDP1 for n in m.findall(node, m.Name() | m.Attribute())
+                self._fsdp_targets.update(id(t) for t in targets if isinstance(t, cst.Name))
+            if cls is not None and isinstance(assign, cst.Assign):
+                self._note_self_attributes(cls, assign, is_fsdp)
+        self._class_attrs = {key: {name for name, ok in verdict.items() if ok}
+                             for key, verdict in self._class_attrs.items()}
+        self._top_level_targets = {
+            id(t.target) for body in [node.body, *facts.function_bodies] for line in body
+            if isinstance(line, cst.SimpleStatementLine) for small in line.body if isinstance(small, cst.Assign)
+            for t in small.targets if id(t.target) in self._fsdp_targets
+        }
+        for with_node in facts.withs:
+            self._sdt_with_items.update(id(item.item) for item in with_node.items
+                                        if isinstance(item.item, cst.Call) and self.fsdp(item.item.func) == STATE_DICT_TYPE)
+        self._runtime_sdt = any(self.fsdp(call.func) == STATE_DICT_TYPE and id(call) not in self._sdt_with_items
+                                for call in facts.attribute_calls)
+        if facts.branch_imports:
+            self.remove_unused_imports = False  # an import in a branch: removing it may empty the branch
+
+    def _note_self_attributes(self, cls: cst.ClassDef, assign: cst.Assign, is_fsdp: bool) -> None:
+        """Track `self.x` only ever assigned `FSDP(...)` (or None) in this class."""
+        verdict = self._class_attrs.setdefault(id(cls), {})
+        for target in assign.targets:
+            if isinstance(target.target, cst.Attribute) and dotted(target.target.value) == "self":
+                name = target.target.attr.value
+                if is_fsdp:
+                    verdict.setdefault(name, True)
+                elif not is_literal(assign.value, "None"):
+                    verdict[name] = False
+
+    # -- receivers (see [Note: which receivers are FSDP modules]) --------------------------
+
+    def receiver(self, node: cst.BaseExpression) -> str | None:
+        """PROVEN, MAYBE or None for the receiver of a method call such as `model.state_dict()`."""
+        name = dotted(node)
+        if name is None:
+            return None
+        if isinstance(node, cst.Name) and self._proven_name(node):
+            return PROVEN
+        if (isinstance(node, cst.Attribute) and dotted(node.value) == "self" and self._classes
+                and node.attr.value in self._class_attrs.get(id(self._classes[-1]), ())):
+            return PROVEN
+        return MAYBE if name in self._wrapped else None
+
+    def _proven_name(self, node: cst.Name) -> bool:
+        if not self._fsdp_targets:
+            return False
+        scope = self.get_metadata(ScopeProvider, node, None)
+        if scope is None:
+            return False
+        referents = {r for access in scope.accesses[node.value] if access.node is node for r in access.referents}
+        fsdp = [r for r in referents if id(getattr(r, "node", None)) in self._fsdp_targets]
+        if not fsdp:
+            return False
+        if len(fsdp) == len(referents):
+            return True
+        # One top-level `x = FSDP(...)` after every other assignment and before this use.
+        if len(fsdp) != 1 or id(fsdp[0].node) not in self._top_level_targets:
+            return False
+        line = self.line_of(fsdp[0].node)
+        others = referents - set(fsdp)
+        return self.line_of(node) > line and all(
+            isinstance(getattr(r, "node", None), cst.CSTNode) and 0 < self.line_of(r.node) < line for r in others
         )
 
     def fresh(self, base: str) -> str:
@@ -145,15 +266,23 @@ class ToFsdp2Command(FsdpCodemod):
         AddImportsVisitor.add_needed_import(self.context, module, obj)
 
     def drop_import_of(self, node: cst.CSTNode) -> None:
-        if self.remove_unused_imports:
+        if not self.remove_unused_imports:
+            return
+        if isinstance(node, (cst.Import, cst.ImportFrom)):
             RemoveImportsVisitor.remove_unused_import_by_node(self.context, node)
+            return
+        # What remove_unused_import_by_node does, with one visitor per file: building a libcst
+        # matcher visitor costs more than the visit itself.
+        if self._removed_nodes is None:
+            self._removed_nodes = RemovedNodeVisitor(self.context)
+        node.visit(self._removed_nodes)
 
     # -- bookkeeping visits --------------------------------------------------------------
 
     def visit_Import(self, node) -> None:
         self._in_import += 1
         for alias in node.names:
-            if (code(alias.name) + ".").startswith(PRIVATE_FSDP_PREFIX):
+            if is_private_fsdp1(code(alias.name)):
                 self.todo("FB203", node, f"import {code(alias.name)}", "private FSDP1 internals have no FSDP2 form")
 
     def leave_Import(self, original, updated):
@@ -163,8 +292,12 @@ class ToFsdp2Command(FsdpCodemod):
     def visit_ImportFrom(self, node) -> None:
         self._in_import += 1
         module = code(node.module) if node.module else ""
-        if (module + ".").startswith(PRIVATE_FSDP_PREFIX):
+        if is_private_fsdp1(module) and not node.relative:
             self.todo("FB203", node, f"from {module} import ...", "private FSDP1 internals have no FSDP2 form")
+        elif isinstance(node.names, cst.ImportStar) and not node.relative and fsdp_module(module):
+            self.todo("FB211", node, f"from {module} import *", "names from a star import cannot be "
+                      "resolved, so nothing in this file is translated: import the names you use "
+                      "explicitly and run the migration again")
 
     def leave_ImportFrom(self, original, updated):
         self._in_import -= 1
@@ -177,6 +310,7 @@ class ToFsdp2Command(FsdpCodemod):
                 self._statement_calls.add(id(value))
 
     def visit_Call(self, node: cst.Call) -> None:
+        self._called.add(id(node.func))
         name = self.fsdp(node.func) or ""
         if name == FSDP1 or name.startswith(FSDP1 + "."):
             self._claim(node.func)
@@ -219,33 +353,74 @@ class ToFsdp2Command(FsdpCodemod):
     def _check_reference(self, node: cst.CSTNode) -> None:
         if self._in_import or id(node) in self._claimed:
             return
+        if isinstance(node, cst.Name) and self.ambiguous(node):
+            self.todo("FB210", node, node.value, "this name is FSDP's or another object depending on "
+                      "which import ran (conditional or fallback import): left as it was")
+            return
         if self.fsdp(node) == FSDP1:
             self.todo("FB299", node, code(node), "FullyShardedDataParallel is used in a way "
                       "the codemod does not translate; FSDP2 has no wrapper class (see FSDPModule)")
             return
         for name in self.qualified(node):
-            if name.startswith(PRIVATE_FSDP_PREFIX):
+            if is_private_fsdp1(name):
                 self.todo("FB203", node, code(node), "private FSDP1 internals have no FSDP2 form")
                 return
 
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
         self._check_reference(original)
-        if original.attr.value in PRIVATE_ATTRIBUTES and self._uses_fsdp1:
+        if original.attr.value in PRIVATE_ATTRIBUTES and self._uses_fsdp1 and not self._in_import:
             self.todo("FB203", original, f".{original.attr.value}",
                       "FSDP1's wrapper internals do not exist in FSDP2 (no wrapper, no flat parameter)")
-        receiver = dotted(original.value)
-        if original.attr.value == "module" and receiver in self._wrapped and self.UNWRAP_MODULE_ATTRIBUTE:
-            self.site("FB106", IN_PLACE, original, f"{receiver}.module", "fully_shard works in place: "
-                      "the wrapped model is the model")
-            return updated.value
+        if not self._uses_fsdp1 or id(original) in self._store_targets:
+            return updated
+        if original.attr.value == "module":
+            return self._module_attribute(original, updated)
+        if original.attr.value == "no_sync" and id(original) not in self._called and self.ROUTE_NO_SYNC_REFERENCES:
+            self.site("FB107", RUNTIME, original, f"{code(original)} (not called)", "a method reference: "
+                      "functools.partial(fsdp1_no_sync, ...) gives the same context manager")
+            self.need(RUNTIME_MODULE, "fsdp1_no_sync")
+            self.need("functools")
+            return cst.Call(func=parse_expr("functools.partial"), args=[
+                cst.Arg(cst.Name("fsdp1_no_sync"), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))),
+                cst.Arg(updated.value)])
         return updated
 
+    def _module_attribute(self, original: cst.Attribute, updated: cst.Attribute):
+        kind = self.receiver(original.value)
+        if kind == PROVEN:
+            self.site("FB106", IN_PLACE, original, f"{code(original.value)}.module", self.UNWRAP_REASON)
+            return updated.value
+        if kind == MAYBE:
+            self.site("FB106", RUNTIME, original, f"{code(original.value)}.module",
+                      f"{code(original.value)} is not proven to be the wrapped model here: "
+                      "fsdp1_unwrap() gives the model itself for a sharded one and .module otherwise")
+            self.need(RUNTIME_MODULE, "fsdp1_unwrap")
+            return cst.Call(func=cst.Name("fsdp1_unwrap"), args=[cst.Arg(updated.value)])
+        return updated
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        if not (self._has_fsdp2 and self._uses_fsdp1):
+            return True
+        facts = _Facts()
+        node.visit(facts)
+        names = facts.names
+        fsdp1 = any((self.fsdp(n) or "").split(".")[0] == FSDP1 for n in names)
+        fsdp2 = any(self.fsdp(n) in FSDP2_NAMES or (isinstance(n, cst.Name) and n.value in FSDP2_MARKERS)
+                    for n in names)
+        if fsdp1 and fsdp2:
+            self.site("FB410", INFO, node, f"def {node.name.value}(...)", "already handles FSDP1 and "
+                      "FSDP2 (both are named here): left as it was")
+            return False
+        return True
+
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self._classes.append(node)
         for base in node.bases:
             if self.fsdp(base.value) == FSDP1:
                 self._claim(base.value)
 
     def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        self._classes.pop()
         for base in original.bases:
             if self.fsdp(base.value) == FSDP1:
                 self.todo("FB201", original, f"class {original.name.value}(FullyShardedDataParallel)",
@@ -294,22 +469,39 @@ class ToFsdp2Command(FsdpCodemod):
             return updated
         classes, new_classes = original.args[1].value, updated.args[1].value
         module, class_name, rule, reason = self.WRAPPED_CLASS
-        fsdp_module = cst.Name(class_name)
+        space = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+
+        def replacement(old: cst.BaseExpression) -> list[cst.Element]:
+            if self.ACCEPT_FSDP1_TOO:
+                return [cst.Element(cst.Name(class_name), comma=space), cst.Element(old)]
+            return [cst.Element(cst.Name(class_name))]
+
         if self.fsdp(classes) == FSDP1:
-            new_classes = fsdp_module
+            elements = replacement(new_classes)
+            new_classes = elements[0].value if len(elements) == 1 else cst.Tuple(elements)
         elif isinstance(classes, cst.Tuple):
-            elements = [
-                new.with_changes(value=fsdp_module) if self.fsdp(old.value) == FSDP1 else new
-                for old, new in zip(classes.elements, new_classes.elements)
-            ]
-            if elements == list(new_classes.elements):
+            if any(code(e.value) == class_name for e in classes.elements):
+                return updated  # already accepts the new class (a second run)
+            elements = []
+            for old, new in zip(classes.elements, new_classes.elements):
+                if self.fsdp(old.value) != FSDP1:
+                    elements.append(new)
+                    continue
+                *head, last = replacement(new.value)
+                elements += [*head, last.with_changes(comma=new.comma)]
+            if len(elements) == len(new_classes.elements) and not any(
+                    self.fsdp(e.value) == FSDP1 for e in classes.elements):
                 return updated
             new_classes = new_classes.with_changes(elements=elements)
         else:
             return updated
+        if self.ACCEPT_FSDP1_TOO:
+            reason += " (FullyShardedDataParallel is still accepted: constructors the migration could " \
+                      "not translate, here or in other files, still build FSDP1 modules)"
         self.site(rule, IN_PLACE, original, "isinstance(..., FullyShardedDataParallel)", reason)
         self.need(module, class_name)
-        self.drop_import_of(classes)
+        if not self.ACCEPT_FSDP1_TOO:
+            self.drop_import_of(classes)
         return updated.with_changes(args=[updated.args[0], updated.args[1].with_changes(value=new_classes)])
 
     # -- FSDP(...) -----------------------------------------------------------------------
@@ -459,26 +651,80 @@ class ToFsdp2Command(FsdpCodemod):
             self.todo(rule, original, f"FullyShardedDataParallel.{method}(...)", reason)
             return updated
         if method == "state_dict_type":
-            return updated  # handled as a `with` block, see leave_With
-        if method == "optim_state_dict" and len(original.args) == 2 and not any(a.keyword or a.star for a in original.args):
-            options = self._optim_options()
-            return self._dcp_call(original, updated, "get_optimizer_state_dict", list(updated.args), options)
-        if method == "full_optim_state_dict" and len(original.args) == 2 and not any(a.keyword or a.star for a in original.args):
-            # FSDP1's default is rank0_only=True: with cpu_offload, DCP gives the full dict on rank 0.
-            options = "StateDictOptions(full_state_dict=True, cpu_offload=True)"
-            return self._dcp_call(original, updated, "get_optimizer_state_dict", list(updated.args), options)
-        if method == "optim_state_dict_to_load" and len(original.args) == 3 and not any(a.keyword or a.star for a in original.args):
-            options = self._optim_options()
-            self.site("FB104", RUNTIME, original, f"FSDP.{method}(...)", "loads the state through "
-                      "set_optimizer_state_dict and returns the loaded optimizer state")
-            self.need(RUNTIME_MODULE, "fsdp1_optim_state_dict_to_load")
+            if id(original) in self._sdt_with_items:
+                return updated  # handled as a `with` block, see leave_With
+            return self._runtime_call(original, updated, "FB208", "fsdp1_state_dict_type", list(updated.args),
+                                      "a state_dict_type context used as a value: the helper's context "
+                                      "tells this file's state-dict calls (also routed) which options to use")
+        args = self._static_args(original, updated, method)
+        if args is None:
+            self.todo("FB299", original, f"FullyShardedDataParallel.{method}(...)",
+                      "no automatic FSDP2 translation for this FSDP1 API (or for these arguments)")
+            return updated
+        if method == "fsdp_modules":
+            return self._runtime_call(original, updated, "FB107", "fsdp1_fsdp_modules", args,
+                                      "the FSDP2 modules (FSDPModule instances) under the module")
+        if method == "scatter_full_optim_state_dict":
+            return self._runtime_call(original, updated, "FB107", "fsdp1_scatter_full_optim_state_dict", args,
+                                      "set_optimizer_state_dict with broadcast_from_rank0; returns the "
+                                      "loaded optimizer state")
+        runtime_options = self._runtime_sdt and self._current_state_dict() is None
+        if method in ("optim_state_dict", "full_optim_state_dict"):
+            # get_optimizer_state_dict shares some tensors with the optimizer (Adam's step); FSDP1
+            # returned copies, so the helper copies those.
+            why = "get_optimizer_state_dict, with the entries it shares with the optimizer copied"
+            if method == "full_optim_state_dict":
+                # FSDP1's default is rank0_only=True: with cpu_offload, DCP gives the full dict on rank 0.
+                options = "StateDictOptions(full_state_dict=True, cpu_offload=True)"
+            elif runtime_options:
+                options, why = None, why + "; options from the active fsdp1_state_dict_type context"
+            else:
+                options = self._optim_options()
+            if options is not None:
+                args = [*args, _arg("options", options)]
+                self.need(DCP, "StateDictOptions")
+            return self._runtime_call(original, updated, "FB104", "fsdp1_optim_state_dict", args, why)
+        # optim_state_dict_to_load
+        if not runtime_options:
+            args = [*args, _arg("options", self._optim_options())]
             self.need(DCP, "StateDictOptions")
+        return self._runtime_call(original, updated, "FB104", "fsdp1_optim_state_dict_to_load", args,
+                                  "loads the state through set_optimizer_state_dict and returns the "
+                                  "loaded optimizer state")
+
+    def _static_args(self, original: cst.Call, updated: cst.Call, method: str) -> list[cst.Arg] | None:
+        """The call's arguments in FSDP1's positional order, or None if it passes any we do not map."""
+        signature = OPTIM_SIGNATURES.get(method)
+        bound = call_arguments(original, signature) if signature else None
+        if bound is None:
+            return None
+        required = {"fsdp_modules": 1, "scatter_full_optim_state_dict": 2}.get(method, 3 if method.endswith("_load") else 2)
+        wanted = [*signature[:required]] + (["optim"] if method == "scatter_full_optim_state_dict" else [])
+        defaults = {"root_only": "False", "optim_state_dict": "None", "group": "None", "optim_input": "None",
+                    "is_named_optimizer": "False", "load_directly": "False", "rank0_only": "True"}
+        if method == "optim_state_dict":
+            defaults.pop("optim_state_dict")  # the no-argument form only
+        for name, arg in bound.items():
+            if name not in wanted and not (name in defaults and code(arg.value) == defaults[name]):
+                return None
+        if any(name not in bound for name in wanted):
+            return None
+        new_by_old = {id(old): new for old, new in zip(original.args, updated.args)}
+        values = [new_by_old[id(bound[name])].value for name in wanted]
+        space = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+        return [cst.Arg(value, comma=space if i < len(values) - 1 else cst.MaybeSentinel.DEFAULT)
+                for i, value in enumerate(values)]
+
+    def _runtime_call(self, original, updated, rule: str, helper: str, args: list[cst.Arg], reason: str) -> cst.Call:
+        self.site(rule, RUNTIME, original, code(original.func) + "(...)", reason)
+        self.need(RUNTIME_MODULE, helper)
+        if isinstance(original.func, cst.Attribute):
             self.drop_import_of(original.func)
-            return cst.Call(func=cst.Name("fsdp1_optim_state_dict_to_load"),
-                            args=[*updated.args, _arg("options", options)])
-        self.todo("FB299", original, f"FullyShardedDataParallel.{method}(...)",
-                  "no automatic FSDP2 translation for this FSDP1 API")
-        return updated
+        args = list(args)
+        if args and len(args) > 1:
+            args = [a.with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))) for a in args[:-1]] + [
+                args[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)]
+        return cst.Call(func=cst.Name(helper), args=args)
 
     def _optim_options(self) -> str:
         current = self._current_state_dict()
@@ -502,7 +748,6 @@ class ToFsdp2Command(FsdpCodemod):
     def _method(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         method = original.func.attr.value
         receiver = dotted(original.func.value)
-        known = receiver in self._wrapped
         if method == "no_sync" and not original.args:
             if id(original) in self._expand_no_sync:
                 return updated
@@ -511,8 +756,11 @@ class ToFsdp2Command(FsdpCodemod):
                       "calls no_sync() on anything else")
             self.need(RUNTIME_MODULE, "fsdp1_no_sync")
             return cst.Call(func=cst.Name("fsdp1_no_sync"), args=[cst.Arg(updated.func.value)])
+        if method not in ("clip_grad_norm_", "summon_full_params", *STATE_DICT_METHODS):
+            return updated
+        kind = self.receiver(original.func.value)
         if method == "clip_grad_norm_":
-            if known:
+            if kind == PROVEN:
                 self.site("FB103", IN_PLACE, original, f"{receiver}.clip_grad_norm_(...)",
                           "torch.nn.utils.clip_grad_norm_ over the parameters (returns a DTensor)")
                 self.need("torch")
@@ -520,39 +768,65 @@ class ToFsdp2Command(FsdpCodemod):
                 return updated.with_changes(func=parse_expr("torch.nn.utils.clip_grad_norm_"),
                                             args=[params, *updated.args])
             self.site("FB103", RUNTIME, original, f"{code(original.func)}(...)",
-                      f"{code(original.func.value)} is not assigned from FSDP(...) in this file; "
+                      f"{code(original.func.value)} is not proven to be assigned from FSDP(...) here; "
                       "fsdp1_clip_grad_norm_ dispatches at run time")
             self.need(RUNTIME_MODULE, "fsdp1_clip_grad_norm_")
             return updated.with_changes(func=cst.Name("fsdp1_clip_grad_norm_"),
                                         args=[cst.Arg(updated.func.value, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))), *updated.args])
-        if method == "summon_full_params" and known:
-            rule, reason = UNTRANSLATED_STATICS[method]
-            self.todo(rule, original, f"{receiver}.summon_full_params(...)", reason)
+        if method == "summon_full_params":
+            if kind is not None:
+                rule, reason = UNTRANSLATED_STATICS[method]
+                self.todo(rule, original, f"{receiver}.summon_full_params(...)", reason)
             return updated
-        if known and method in ("state_dict", "load_state_dict"):
-            return self._model_state_dict(original, updated, receiver, method)
-        current = self._current_state_dict()
-        if current is not None and receiver == current[0] and method in ("state_dict", "load_state_dict"):
-            return self._model_state_dict(original, updated, receiver, method)
-        return updated
-
-    def _model_state_dict(self, original, updated, receiver: str, method: str) -> cst.BaseExpression:
+        if self._in_kept_block():
+            return updated  # the FSDP1 context stays, and with it the calls it configures
         current = self._current_state_dict()
         in_block = current is not None and receiver == current[0]
-        # Outside a state_dict_type block FSDP1 gives a full state dict; FSDP2 would give DTensors.
-        options = current[1] if in_block else "StateDictOptions(full_state_dict=True)"
-        model_arg = cst.Arg(parse_expr(receiver), comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
-        if method == "state_dict" and not original.args:
-            return self._dcp_call(original, updated, "get_model_state_dict", [model_arg], options)
-        if method == "load_state_dict" and len(original.args) == 1 and not original.args[0].keyword:
-            return self._dcp_call(original, updated, "set_model_state_dict", [model_arg, updated.args[0]], options)
-        return updated
+        if kind is None and receiver is not None and not NOT_A_MODEL.search(receiver.split(".")[-1]):
+            # Any module may hold FSDP units in a file that uses FSDP1; the helper only changes
+            # what a module holding FSDP2 units returns, so routing it is always safe.
+            kind = MAYBE
+        if not in_block and kind is None:
+            return updated
+        return self._model_state_dict(original, updated, receiver, method, kind, current if in_block else None)
+
+    def _model_state_dict(self, original, updated, receiver: str, method: str, kind, block) -> cst.BaseExpression:
+        if method == "state_dict" and original.args:
+            return updated
+        if method == "load_state_dict" and (len(original.args) != 1 or original.args[0].keyword or original.args[0].star):
+            self.todo("FB299", original, f"{receiver}.load_state_dict(...)", "only the one-argument form is translated")
+            return updated
+        # The receiver as rewritten (`m.module` may have become `fsdp1_unwrap(m)`).
+        model_arg = cst.Arg(updated.func.value, comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+        args = [model_arg.with_changes(comma=cst.MaybeSentinel.DEFAULT)] if method == "state_dict" else [
+            model_arg, updated.args[0].with_changes(comma=cst.MaybeSentinel.DEFAULT)]
+        if kind == PROVEN and (block is not None or not self._runtime_sdt):
+            # Outside a state_dict_type block FSDP1 gives a full state dict; FSDP2 would give DTensors.
+            options = block[1] if block is not None else "StateDictOptions(full_state_dict=True)"
+            function = "get_model_state_dict" if method == "state_dict" else "set_model_state_dict"
+            return self._dcp_call(original, updated, function, args, options)
+        helper = "fsdp1_state_dict" if method == "state_dict" else "fsdp1_load_state_dict"
+        if block is not None:
+            args[-1] = args[-1].with_changes(comma=cst.Comma(whitespace_after=cst.SimpleWhitespace(" ")))
+            args.append(_arg("options", block[1]))
+            self.need(DCP, "StateDictOptions")
+            why = "the block's options, applied if the receiver turns out to hold FSDP2 modules"
+        else:
+            why = "the options of an active fsdp1_state_dict_type context, FSDP1's FULL default otherwise"
+        reason = (f"{receiver} is not proven to be the wrapped model here: " if kind != PROVEN else "") + \
+            f"{helper}() checks for FSDP2 modules at run time ({why})"
+        self.site("FB104", RUNTIME, original, f"{receiver}.{method}(...)", reason)
+        self.need(RUNTIME_MODULE, helper)
+        return cst.Call(func=cst.Name(helper), args=args)
 
     # -- with blocks ---------------------------------------------------------------------
 
     def _current_state_dict(self):
-        """The innermost enclosing state_dict_type block: (model, model opts, optim opts)."""
-        return next((ctx for ctx in reversed(self._state_dict) if ctx is not None), None)
+        """The innermost enclosing translated state_dict_type block: (model, model opts, optim opts)."""
+        return next((ctx for ctx in reversed(self._state_dict) if ctx not in (None, KEPT)), None)
+
+    def _in_kept_block(self) -> bool:
+        return KEPT in self._state_dict
 
     def visit_With(self, node: cst.With) -> None:
         self._state_dict.append(None)
@@ -560,11 +834,42 @@ class ToFsdp2Command(FsdpCodemod):
             call = item.item
             if not isinstance(call, cst.Call) or not isinstance(call.func, cst.Attribute):
                 continue
-            if (self.fsdp(call.func) or "") == f"{FSDP1}.state_dict_type":
-                self._state_dict[-1] = self._state_dict_context(call)
+            if self.fsdp(call.func) == STATE_DICT_TYPE:
+                context = self._state_dict_context(call)
+                if context is None or item.asname is not None or self._configures_elsewhere(node, context[0]):
+                    context = KEPT
+                self._state_dict[-1] = context
             elif (call.func.attr.value == "no_sync" and not call.args and len(node.items) == 1
-                  and dotted(call.func.value) in self._wrapped and node.asynchronous is None):
+                  and self.receiver(call.func.value) == PROVEN and node.asynchronous is None):
                 self._expand_no_sync.add(id(call))
+
+    def _configures_elsewhere(self, node: cst.With, model: str | None) -> bool:
+        """True unless the block's only business with the model is its own state-dict calls.
+
+        `with FSDP.state_dict_type(trainer.model, ...): trainer.save_model()` configures a call
+        made elsewhere (inside the library); dropping the context would change what it saves.
+        So does a method called on the model or its owner, or either passed to a function.
+        """
+        if model is None:
+            return True
+        base, handled = model.split(".")[0], False
+        for call in m.findall(node.body, m.Call()):
+            func, name = call.func, self.fsdp(call.func) or ""
+            if isinstance(func, cst.Attribute) and func.attr.value in STATE_DICT_METHODS and dotted(func.value) == model:
+                handled = True
+                continue
+            if name.startswith(FSDP1 + ".") and name != STATE_DICT_TYPE:
+                handled = True  # FSDP.optim_state_dict(model, optim) and friends
+                continue
+            leftmost = _leftmost(func) if isinstance(func, cst.Attribute) else None
+            if isinstance(leftmost, cst.Name) and leftmost.value == base:
+                return True
+            for arg in call.args:
+                passed = dotted(arg.value)
+                if passed is not None and (passed == model or model.startswith(passed + ".")
+                                           or passed.startswith(model + ".")):
+                    return True
+        return not handled
 
     def _state_dict_context(self, call: cst.Call):
         """(model name, model options code, optimizer options code) for a state_dict_type call."""
@@ -575,6 +880,8 @@ class ToFsdp2Command(FsdpCodemod):
         if kind == "StateDictType.LOCAL_STATE_DICT":
             return None
         model = dotted(args["module"].value)
+        if model is None:
+            return None
         if kind in ("StateDictType.FULL_STATE_DICT", "StateDictType.SHARDED_STATE_DICT"):
             full = kind == "StateDictType.FULL_STATE_DICT"
             model_cfg = _fsdp1.state_dict_config(args.get("state_dict_config") and args["state_dict_config"].value, self.fsdp, False)
@@ -582,7 +889,8 @@ class ToFsdp2Command(FsdpCodemod):
             if model_cfg is not None and optim_cfg is not None:
                 return model, _options(full, *model_cfg), _options(full, *optim_cfg)
         # Non-literal type or configs: translate when the script runs.
-        passed = ", ".join(code(a.value) for a in call.args[1:])
+        passed = ", ".join(f"{a.keyword.value}={code(a.value)}" if a.keyword else code(a.value)
+                           for a in call.args if a is not args["module"])
         return (model, f"fsdp1_state_dict_options({passed})",
                 f"fsdp1_state_dict_options({passed}, for_optimizer=True)")
 
@@ -593,17 +901,20 @@ class ToFsdp2Command(FsdpCodemod):
             if isinstance(call, cst.Call) and id(call) in self._expand_no_sync:
                 return self._no_sync_block(original, updated, call)
         index = next((i for i, item in enumerate(original.items) if isinstance(item.item, cst.Call)
-                      and (self.fsdp(item.item.func) or "") == f"{FSDP1}.state_dict_type"), None)
+                      and self.fsdp(item.item.func) == STATE_DICT_TYPE), None)
         if index is None:
             return updated
         call = original.items[index].item
-        if context is None or original.items[index].asname is not None:
+        if context is KEPT:
             kind = self.fsdp(call.args[1].value) if len(call.args) > 1 else None
             if kind == "StateDictType.LOCAL_STATE_DICT":
                 self.todo("FB204", original, "state_dict_type(LOCAL_STATE_DICT)", "FSDP2 has no local "
                           "(flat-parameter) state dict; use the sharded DTensor state dict")
             else:
-                self.todo("FB299", original, "FSDP.state_dict_type(...)", "could not read its arguments")
+                self.todo("FB209", original, "with FSDP.state_dict_type(...)", "the block does more than "
+                          "take this model's state dict (calls made elsewhere read the setting, or its "
+                          "arguments cannot be read): pass StateDictOptions to get_/set_model_state_dict "
+                          "where the state dict is taken, then remove the block")
             return updated
         status = RUNTIME if "fsdp1_state_dict_options" in context[1] else IN_PLACE
         self.site("FB104", status, original, "with FSDP.state_dict_type(...)",
@@ -646,6 +957,70 @@ class ToFsdp2Command(FsdpCodemod):
             finalbody=cst.Finally(body=cst.IndentedBlock(body=[restore])),
         )
         return cst.FlattenSentinel([disable.with_changes(leading_lines=updated.leading_lines), block])
+
+
+def _leftmost(node: cst.BaseExpression) -> cst.BaseExpression:
+    """`a` for `a.b.c`."""
+    while isinstance(node, cst.Attribute):
+        node = node.value
+    return node
+
+
+class _Facts(cst.CSTVisitor):
+    """What the codemod needs to know about a file before rewriting it, gathered in one pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[cst.BaseExpression] = []  # every Name and Attribute
+        self.assigns: list[tuple[cst.BaseSmallStatement, cst.ClassDef | None]] = []  # and the class it is in
+        self.function_bodies: list[Sequence[cst.BaseStatement]] = []
+        self.withs: list[cst.With] = []
+        self.attribute_calls: list[cst.Call] = []
+        self.branch_imports = False  # an import inside an `if`/`try` (conditional or fallback)
+        self._classes: list[cst.ClassDef] = []
+        self._branches = 0
+
+    def visit_Name(self, node) -> None:
+        self.names.append(node)
+
+    def visit_Attribute(self, node) -> None:
+        self.names.append(node)
+
+    def visit_Assign(self, node) -> None:
+        self.assigns.append((node, self._classes[-1] if self._classes else None))
+
+    visit_AnnAssign = visit_Assign
+
+    def visit_ClassDef(self, node) -> None:
+        self._classes.append(node)
+
+    def leave_ClassDef(self, node) -> None:
+        self._classes.pop()
+
+    def visit_FunctionDef(self, node) -> None:
+        if isinstance(node.body, cst.IndentedBlock):
+            self.function_bodies.append(node.body.body)
+
+    def visit_With(self, node) -> None:
+        self.withs.append(node)
+
+    def visit_Call(self, node) -> None:
+        if isinstance(node.func, cst.Attribute):
+            self.attribute_calls.append(node)
+
+    def _enter(self, node) -> None:
+        self._branches += 1
+
+    def _exit(self, node) -> None:
+        self._branches -= 1
+
+    visit_If = visit_Try = visit_TryStar = _enter
+    leave_If = leave_Try = leave_TryStar = _exit
+
+    def visit_Import(self, node) -> None:
+        self.branch_imports = self.branch_imports or self._branches > 0
+
+    visit_ImportFrom = visit_Import
 
 
 def _options(full: bool, offload_to_cpu: bool, rank0_only: bool) -> str:

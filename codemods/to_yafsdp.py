@@ -7,9 +7,13 @@ FB300  `FSDP(model, ...)` with literal arguments -> `YaFSDP(model, zero_stage=..
 FB301  `FSDP(model, ...)` with non-literal values -> `fsdp1_to_yafsdp(model, ...)` (runtime helper).
 FB302  FSDP1 settings YaFSDP cannot express (hybrid/NO_SHARD, CPU offload, ignored modules,
        device_mesh): the call is left as it was, with a TODO.
-FB303  `isinstance(x, FSDP)` -> `isinstance(x, YaFSDP)`.
+FB303  `isinstance(x, FSDP)` -> `isinstance(x, (YaFSDP, FSDP))`: constructors this run could not
+       translate (here or in other files of the tree) still build FSDP1 modules.
 FB304  `with FSDP.state_dict_type(model, FULL_STATE_DICT...)`: YaFSDP's `state_dict()` is full, so
-       the block's body stays and the `with` goes.
+       the block's body stays and the `with` goes (kept with FB209 when the block configures
+       calls made elsewhere); other types, or the context used as a value, get a TODO.
+FB106  `model.module` -> `model` where `model` is proven to hold the wrapper (YaFSDP has no
+       `.module`), `fsdp1_unwrap(model)` where it may.
 `no_sync()` blocks stay as they are: `fsdp_bridge.ya_fsdp.YaFSDP` keeps FSDP's `no_sync()` beside
 YaFSDP's declared `gradient_accumulation_steps` (written as 1).
 The FSDP1 uses it cannot translate share FSDP2's codes (FB201-FB299).
@@ -35,7 +39,10 @@ ZERO_STAGE = {"FULL_SHARD": "3", "SHARD_GRAD_OP": "2"}
 class ToYafsdpCommand(ToFsdp2Command):
     DESCRIPTION = "Rewrite FSDP1 (FullyShardedDataParallel) code for fsdp_bridge.ya_fsdp.YaFSDP."
     WRAPPED_CLASS = ("fsdp_bridge.ya_fsdp", "YaFSDP", "FB303", "the wrapped model is a YaFSDP instance")
-    UNWRAP_MODULE_ATTRIBUTE = False  # YaFSDP is a wrapper: `model.module` keeps its meaning
+    UNWRAP_REASON = "YaFSDP has no .module: it forwards attribute reads to the model and its own " \
+        "state_dict/load_state_dict/no_sync take the place of the wrapped module's"
+    ACCEPT_FSDP1_TOO = True  # the tree may keep FSDP1 constructors (TODOs) in other files
+    ROUTE_NO_SYNC_REFERENCES = False  # YaFSDP keeps no_sync()
 
     # -- FSDP(...) -----------------------------------------------------------------------
 
@@ -182,7 +189,11 @@ class ToYafsdpCommand(ToFsdp2Command):
         return updated
 
     def _static_method(self, original: cst.Call, updated: cst.Call, method: str) -> cst.BaseExpression:
+        if method == "state_dict_type" and id(original) in self._sdt_with_items:
+            return updated
         if method == "state_dict_type":
+            self.todo("FB304", original, "FSDP.state_dict_type(...) used as a value", "YaFSDP's "
+                      "state_dict() is always full; choose the state dict where it is taken")
             return updated
         self.todo("FB299", original, f"FullyShardedDataParallel.{method}(...)",
                   "no YaFSDP equivalent is known to the codemod")
@@ -199,6 +210,11 @@ class ToYafsdpCommand(ToFsdp2Command):
                 continue
             args = call_arguments(call, _fsdp1.STATE_DICT_TYPE_PARAMS) or {}
             kind = self.fsdp(args["state_dict_type"].value) if "state_dict_type" in args else None
+            if self._configures_elsewhere(original, dotted(args["module"].value) if "module" in args else None):
+                self.todo("FB209", original, "with FSDP.state_dict_type(...)", "the block does more than "
+                          "take this model's state dict (calls made elsewhere read the setting): YaFSDP's "
+                          "state_dict() is always full; check what those calls save, then remove the block")
+                return updated
             if kind != "StateDictType.FULL_STATE_DICT" or len(original.items) > 1 or item.asname:
                 self.todo("FB304", original, "FSDP.state_dict_type(...)", "YaFSDP's state_dict() is "
                           "always full; other state-dict types have no YaFSDP form")

@@ -26,10 +26,12 @@ SUBCOMMANDS: dict[str, str] = {
 }
 
 
-def _available() -> dict[str, object]:
-    """The subcommands whose module is present in this checkout."""
+def _available(only: str | None = None) -> dict[str, object]:
+    """The subcommands whose module is present in this checkout (just `only`, when given)."""
     found = {}
     for name, module_name in SUBCOMMANDS.items():
+        if only is not None and name != only:
+            continue
         try:
             found[name] = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -56,7 +58,8 @@ def build_parser(modules: dict[str, object]) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    modules = _available()
+    # A named subcommand imports only its own module: `migrate` must not pay for torch.
+    modules = _available(argv[0] if argv and argv[0] in SUBCOMMANDS else None) or _available()
     parser = build_parser(modules)
     args = parser.parse_args(argv)
     if args.command is None:

@@ -13,7 +13,7 @@ import sys
 import time
 
 from fsdp_bridge.migrate import report
-from fsdp_bridge.migrate.driver import TARGETS, FileResult, run_all, write_atomic
+from fsdp_bridge.migrate.driver import TARGETS, FileResult, Writer, run_all, write_problem
 from fsdp_bridge.migrate.files import walk
 
 HELP = "Rewrite FSDP code between dialects (FSDP1 -> bridge / FSDP2 / YaFSDP) with libcst."
@@ -64,28 +64,49 @@ def _diff(result: FileResult) -> str:
     return "".join(difflib.unified_diff(old, new, f"a/{result.path}", f"b/{result.path}"))
 
 
+def _write(results: list[FileResult]) -> None:
+    """Check every file to be rewritten, then rewrite those that can be (problems become errors)."""
+    pending = [r for r in results if r.changed]
+    for result in pending:
+        result.error = write_problem(result.path)
+    with Writer() as writer:
+        for result in pending:
+            if result.error is None:
+                try:
+                    writer.write(result.path, result.new_source)
+                except OSError as exc:
+                    result.error = f"cannot rewrite: {exc}"
+    for result in pending:
+        if result.error is not None:
+            result.new_source = None  # not rewritten: the report must not say it was
+
+
 def run(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         print(f"fsdp-bridge migrate: -j {args.jobs}: the number of jobs must be at least 1.", file=sys.stderr)
         return 2
     started = time.perf_counter()
     try:
+        if args.report:  # every output path is checked before any file is touched
+            report.check_path(args.report)
         paths = list(walk(args.paths, args.exclude))
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:
         print(f"fsdp-bridge migrate: {exc}", file=sys.stderr)
         return 2
     progress = _Progress(len(paths))
-    results = []
-    for result in run_all(paths, args.target, args.jobs, progress):
-        results.append(result)
+    results = list(run_all(paths, args.target, args.jobs, progress))
+    if args.mode == "write":
+        _write(results)
+    for result in results:
         if result.error:
             print(f"error: {result.path}: {result.error}", file=sys.stderr)
         elif result.changed and args.mode == "diff":
             sys.stdout.write(_diff(result))
         elif result.changed and args.mode == "check":
             print(f"would rewrite {result.path}")
-        elif result.changed and args.mode == "write":
-            write_atomic(result.path, result.new_source)
+        for site in result.sites:
+            if site["rule"] == "FB402":
+                print(f"note: {result.path}: {site['what']}; {site['reason']}", file=sys.stderr)
     if args.report:
         report.write(args.report, results, args.target)
     totals = report.summary(results)

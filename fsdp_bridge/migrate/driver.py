@@ -1,14 +1,28 @@
-"""Run one codemod over one file; run many files in worker processes; write atomically."""
+"""Run one codemod over one file; run many files in worker processes; write atomically.
+
+[Note: nothing half-done survives a kill]
+A file is replaced by `os.replace` of a complete temporary file, so readers see the original or
+the full rewrite. SIGKILL leaves no chance to clean up in the process itself, so two things do it
+from outside: pool workers ask the kernel to kill them when their parent dies (PR_SET_PDEATHSIG),
+and a small guard process, in its own session, is told each temporary file's name before it is
+created and removes any that are left when the migrating process goes away.
+"""
 
 from __future__ import annotations
 
+import codecs
+import ctypes
 import dataclasses
+import itertools
 import os
-import tempfile
+import signal
+import stat
+import subprocess
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, Iterable, Iterator
 
-from fsdp_bridge.migrate.files import YAML_FSDP, YAML_SUFFIXES, may_use_fsdp
+from fsdp_bridge.migrate.files import NOTEBOOK_SUFFIXES, PREFILTER, YAML_FSDP, YAML_SUFFIXES, may_use_fsdp
 
 TARGETS = ("bridge", "fsdp2", "yafsdp")
 
@@ -63,6 +77,14 @@ def _yaml_sites(data: bytes) -> list[dict]:
     return sites
 
 
+def _notebook_sites(data: bytes, target: str) -> list[dict]:
+    if PREFILTER[target].search(data) is None:
+        return []
+    return [{"rule": "FB402", "status": "report only", "line": 1, "what": "notebook mentions FSDP",
+             "reason": "notebooks are not rewritten: convert it to a script (jupytext --to py), "
+                       "migrate that, and convert back"}]
+
+
 def process(path: str, target: str) -> FileResult:
     """Everything `migrate` does to one file, except writing it."""
     result = FileResult(path)
@@ -77,11 +99,16 @@ def process(path: str, target: str) -> FileResult:
     if path.endswith(YAML_SUFFIXES):
         result.sites = _yaml_sites(data)
         return result
+    if path.endswith(NOTEBOOK_SUFFIXES):
+        result.sites = _notebook_sites(data, target)
+        return result
     if not may_use_fsdp(data, target):
         return result
     result.parsed = True
+    # A UTF-8 byte-order mark is kept as it was; the codemods see the text after it.
+    bom = codecs.BOM_UTF8 if data.startswith(codecs.BOM_UTF8) else b""
     try:
-        source = data.decode("utf-8")
+        source = data[len(bom):].decode("utf-8")
         new_source, result.sites = transform_source(source, target, path)
     except UnicodeDecodeError as exc:
         result.error = f"not UTF-8: {exc}"
@@ -90,7 +117,7 @@ def process(path: str, target: str) -> FileResult:
         result.error = f"{type(exc).__name__}: {message[0] if message else ''}"
     else:
         if new_source != source:
-            result.new_source = new_source.encode("utf-8")
+            result.new_source = bom + new_source.encode("utf-8")
     return result
 
 
@@ -109,7 +136,7 @@ def run_all(paths: Iterable[str], target: str, jobs: int, on_done: Callable[[], 
     # The prefilter is cheap: only the files it lets through are worth sending to a worker.
     candidates, results = [], {}
     for path in paths:
-        if path.endswith(YAML_SUFFIXES) or not _passes_prefilter(path, target):
+        if path.endswith(YAML_SUFFIXES + NOTEBOOK_SUFFIXES) or not _passes_prefilter(path, target):
             results[path] = process(path, target)
             on_done()
         else:
@@ -119,7 +146,8 @@ def run_all(paths: Iterable[str], target: str, jobs: int, on_done: Callable[[], 
             results[path] = process(path, target)
             on_done()
     else:
-        with ProcessPoolExecutor(max_workers=min(jobs, len(candidates))) as pool:
+        with ProcessPoolExecutor(max_workers=min(jobs, len(candidates)), initializer=_die_with_parent,
+                                 initargs=(os.getpid(),)) as pool:
             for result in pool.map(_process_star, [(p, target) for p in candidates]):
                 results[result.path] = result
                 on_done()
@@ -135,19 +163,93 @@ def _passes_prefilter(path: str, target: str) -> bool:
         return True  # let process() report the error
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    """Replace `path` with `data` so that readers see the old or the new file, never a mix."""
-    directory = os.path.dirname(os.path.abspath(path))
-    mode = os.stat(path).st_mode & 0o7777
-    fd, temp = tempfile.mkstemp(dir=directory, prefix=".fsdp-bridge-", suffix=".tmp")
+def _die_with_parent(parent: int) -> None:
+    """Pool worker start-up: be killed with the parent, even by SIGKILL (Linux)."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def write_problem(path: str) -> str | None:
+    """Why `path` cannot be rewritten in place (None: it can). Checked before any file is written."""
+    real = os.path.realpath(path)
     try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temp, mode)
-        os.replace(temp, path)
-    except BaseException:
-        if os.path.exists(temp):
-            os.unlink(temp)
-        raise
+        mode = os.stat(real).st_mode
+    except OSError as exc:
+        return f"cannot rewrite: {exc.strerror}"
+    if not mode & (stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH) or not os.access(real, os.W_OK):
+        return "read-only file: not rewritten (make it writable, e.g. chmod u+w, and run again)"
+    directory = os.path.dirname(real)
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return (f"directory {directory} is not writable: not rewritten (the rewrite is written next to "
+                "the file and renamed over it; make the directory writable and run again)")
+    return None
+
+
+# Run by the guard process: remember announced temporary files, remove those left at EOF.
+_GUARD = """
+import os, sys
+pending = set()
+for line in sys.stdin.buffer:
+    path = bytes.fromhex(line[1:].strip().decode())
+    (pending.add if line[:1] == b"+" else pending.discard)(path)
+for path in pending:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+"""
+
+
+class Writer:
+    """Atomic in-place rewrites; see [Note: nothing half-done survives a kill]."""
+
+    def __init__(self) -> None:
+        self._guard: subprocess.Popen | None = None
+        self._count = itertools.count()
+
+    def __enter__(self) -> "Writer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._guard is not None:
+            self._guard.stdin.close()
+            self._guard.wait()
+
+    def _announce(self, sign: str, path: str) -> None:
+        if self._guard is None:
+            self._guard = subprocess.Popen([sys.executable, "-c", _GUARD], stdin=subprocess.PIPE,
+                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                           start_new_session=True)
+        self._guard.stdin.write(f"{sign}{os.fsencode(path).hex()}\n".encode())
+        self._guard.stdin.flush()
+
+    def write(self, path: str, data: bytes) -> None:
+        """Replace `path` (the file a symlink points to, for a link) with `data`, keeping its mode."""
+        real = os.path.realpath(path)
+        directory, name = os.path.split(real)
+        mode = os.stat(real).st_mode & 0o7777
+        temp = os.path.join(directory, f".fsdp-bridge-{name}-{os.getpid()}-{next(self._count)}.tmp")
+        self._announce("+", temp)
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.chmod(temp, mode)
+            os.replace(temp, real)
+        except BaseException:
+            if os.path.exists(temp):
+                os.unlink(temp)
+            raise
+        finally:
+            self._announce("-", temp)
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """One atomic rewrite (see `Writer` for many)."""
+    with Writer() as writer:
+        writer.write(path, data)

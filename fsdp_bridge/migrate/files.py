@@ -36,6 +36,7 @@ YAML_FSDP = re.compile(rb"^\s*(?:distributed_type:\s*FSDP|fsdp_config:)", re.MUL
 
 PYTHON_SUFFIXES = (".py", ".pyi")
 YAML_SUFFIXES = (".yaml", ".yml")
+NOTEBOOK_SUFFIXES = (".ipynb",)  # not rewritten; reported when they mention FSDP
 ALWAYS_SKIPPED = {".git", ".hg", ".svn", "__pycache__"}
 
 
@@ -116,10 +117,21 @@ class _Ignores:
 
 
 def walk(paths: list[str], excludes: list[str]) -> Iterator[str]:
-    """Python and YAML files under `paths`, honouring .gitignore files and `--exclude` globs.
+    """Python, YAML and notebook files under `paths`, honouring .gitignore files and `--exclude`.
 
-    A file named explicitly on the command line is always included.
+    A file named explicitly on the command line is always included. A file reached twice (a
+    symlink and its target, or two links) is listed once, under the first path met: it is
+    rewritten through the link, which stays a link.
     """
+    seen: set[str] = set()
+    for path in _walk(paths, excludes):
+        real = os.path.realpath(path)
+        if real not in seen:
+            seen.add(real)
+            yield path
+
+
+def _walk(paths: list[str], excludes: list[str]) -> Iterator[str]:
     for top in paths:
         if os.path.isfile(top):
             yield top
@@ -135,5 +147,6 @@ def walk(paths: list[str], excludes: list[str]) -> Iterator[str]:
             )
             for name in sorted(filenames):
                 path = os.path.join(directory, name)
-                if name.endswith(PYTHON_SUFFIXES + YAML_SUFFIXES) and not ignores.ignored(path, False):
+                if (name.endswith(PYTHON_SUFFIXES + YAML_SUFFIXES + NOTEBOOK_SUFFIXES)
+                        and not ignores.ignored(path, False)):
                     yield path

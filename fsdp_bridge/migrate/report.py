@@ -65,13 +65,22 @@ def to_markdown(results: Sequence[FileResult], target: str) -> str:
     return "\n".join(lines)
 
 
-def write(path: str, results: Sequence[FileResult], target: str) -> None:
+def check_path(path: str) -> None:
+    """Raise ValueError unless a report can be written at `path` (checked before any work)."""
     extension = os.path.splitext(path)[1].lower()
-    if extension == ".json":
-        text = to_json(results, target)
-    elif extension in (".md", ".markdown"):
-        text = to_markdown(results, target)
-    else:
-        raise ValueError(f"--report {path!r}: the file name must end in .json or .md")
+    if extension not in (".json", ".md", ".markdown"):
+        raise ValueError(f"--report {path!r}: unknown report format {extension or '(no suffix)'!r}; "
+                         "the file name must end in .json or .md")
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise ValueError(f"--report {path!r}: the directory {directory} does not exist; create it first")
+    if not os.access(directory, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"--report {path!r}: not writable; pick another path")
+
+
+def write(path: str, results: Sequence[FileResult], target: str) -> None:
+    check_path(path)
+    extension = os.path.splitext(path)[1].lower()
+    text = to_json(results, target) if extension == ".json" else to_markdown(results, target)
     with open(path, "w", encoding="utf-8") as handle:
         handle.write(text)

@@ -7,21 +7,31 @@ does for literals. This module imports torch only (never the fsdp_bridge engine)
 script depends on nothing else of ours.
 
 --to fsdp2:  fsdp1_fully_shard, fsdp1_no_sync, fsdp1_clip_grad_norm_, fsdp1_state_dict_options,
-             fsdp1_optim_state_dict_to_load
---to yafsdp: fsdp1_to_yafsdp, yafsdp_zero_stage, yafsdp_modules_to_wrap
+             fsdp1_state_dict_type, fsdp1_state_dict, fsdp1_load_state_dict, fsdp1_optim_state_dict,
+             fsdp1_optim_state_dict_to_load, fsdp1_scatter_full_optim_state_dict, fsdp1_fsdp_modules,
+             fsdp1_unwrap
+--to yafsdp: fsdp1_to_yafsdp, yafsdp_zero_stage, yafsdp_modules_to_wrap, fsdp1_unwrap
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import sys
 import warnings
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
     BackwardPrefetch,
@@ -44,6 +54,13 @@ __all__ = [
     "fsdp1_clip_grad_norm_",
     "fsdp1_state_dict_options",
     "fsdp1_optim_state_dict_to_load",
+    "fsdp1_state_dict_type",
+    "fsdp1_state_dict",
+    "fsdp1_load_state_dict",
+    "fsdp1_optim_state_dict",
+    "fsdp1_scatter_full_optim_state_dict",
+    "fsdp1_fsdp_modules",
+    "fsdp1_unwrap",
     "fsdp1_to_yafsdp",
     "yafsdp_zero_stage",
     "yafsdp_modules_to_wrap",
@@ -279,11 +296,16 @@ def fsdp1_fully_shard(
     ignored = _ignored_params(ignored_modules, ignored_states)
     ignored_module_set = set(ignored_modules or ())
     if sync_module_states:
+        # FSDP1 materialises meta tensors before it broadcasts: a rank that built the model on
+        # meta (the low-CPU-memory recipe) must join the same broadcasts as rank 0.
+        if _has_meta(module):
+            _materialize(module, param_init_fn, mesh.device_type)
         _broadcast_from_first_rank(module, mesh)
     units = fsdp1_units(module, auto_wrap_policy, ignored_module_set)
     for unit, overrides in units:
         if _is_container(unit) or unit in ignored_module_set:
             continue  # its parameters stay with the enclosing unit
+        _check_overrides(overrides)
         unit_strategy = _strategy(overrides.get("sharding_strategy", strategy))
         unit_mp = overrides.get("mixed_precision", mixed_precision)
         unit_offload = overrides.get("cpu_offload", cpu_offload)
@@ -292,9 +314,28 @@ def fsdp1_fully_shard(
     fully_shard(module, **_fsdp2_kwargs(mesh, strategy, mixed_precision, cpu_offload, ignored, root=True))
     if isinstance(mixed_precision, MixedPrecision) and mixed_precision.buffer_dtype is not None:
         _cast_buffers(module, mixed_precision.buffer_dtype)
-    if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+    if _has_meta(module):
         _materialize(module, param_init_fn, mesh.device_type)
     return module
+
+
+def _has_meta(module: nn.Module) -> bool:
+    return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
+
+
+# CustomPolicy overrides: applied per unit, or not needed by FSDP2 (it schedules prefetching itself).
+_APPLIED_OVERRIDES = {"sharding_strategy", "mixed_precision", "cpu_offload"}
+_UNNEEDED_OVERRIDES = {"backward_prefetch", "forward_prefetch", "limit_all_gathers", "use_orig_params", "device_id"}
+
+
+def _check_overrides(overrides: dict[str, Any]) -> None:
+    unknown = sorted(set(overrides) - _APPLIED_OVERRIDES - _UNNEEDED_OVERRIDES)
+    if unknown:
+        raise ValueError(
+            f"auto_wrap_policy: a CustomPolicy override sets {', '.join(unknown)} for one module; "
+            f"fully_shard can only vary {', '.join(sorted(_APPLIED_OVERRIDES))} per module. Move "
+            "these settings to the FullyShardedDataParallel(...) call, or shard that module by hand."
+        )
 
 
 def _keep_norms_in_fp32(module, mixed_precision, policy, mesh, strategy, cpu_offload, ignored) -> None:
@@ -319,8 +360,6 @@ def _broadcast_from_first_rank(module: nn.Module, mesh: DeviceMesh) -> None:
     """
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
-            if tensor.is_meta:
-                continue
             for dim in range(mesh.ndim):
                 group = mesh.get_group(dim)
                 dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
@@ -410,9 +449,126 @@ def fsdp1_optim_state_dict_to_load(model: nn.Module, optim, optim_state_dict: di
 
     FSDP1 returned a dict for `optim.load_state_dict(...)`; DCP loads directly. Returning the
     loaded optimizer's own state dict keeps that following `load_state_dict` call harmless.
+    Without `options`, those of an active `fsdp1_state_dict_type` context apply (FULL otherwise).
     """
-    set_optimizer_state_dict(model, optim, optim_state_dict, options=options or StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(model, optim, optim_state_dict, options=options or _active_options(model, True))
     return optim.state_dict()
+
+
+# --------------------------------------------------------------------------------------------
+# State-dict settings held in variables
+# --------------------------------------------------------------------------------------------
+
+# [Note: state-dict settings at run time]
+# FSDP1's `state_dict_type(model, ...)` is a mode: every state-dict call on `model` (or on a module
+# inside it) made while the context is open uses it. FSDP2 has no mode; options are passed per
+# call. When a script holds the context in a variable or builds it in a helper, the codemod routes
+# the context and the file's state-dict calls here: the context records its options for its
+# module, and the calls look them up, so each call gets the options FSDP1 would have used.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Setting:
+    module: nn.Module
+    model: StateDictOptions
+    optim: StateDictOptions
+
+
+_ACTIVE: list[_Setting] = []
+
+
+def _holds_fsdp2(module: Any) -> bool:
+    return isinstance(module, nn.Module) and any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def _active_options(model: nn.Module, for_optimizer: bool) -> StateDictOptions:
+    for setting in reversed(_ACTIVE):
+        if setting.module is model or any(sub is model for sub in setting.module.modules()):
+            return setting.optim if for_optimizer else setting.model
+    return StateDictOptions(full_state_dict=True)  # FSDP1's default state-dict type is FULL
+
+
+@contextlib.contextmanager
+def fsdp1_state_dict_type(
+    module: nn.Module, state_dict_type: StateDictType, state_dict_config: Any = None, optim_state_dict_config: Any = None
+) -> Iterator[None]:
+    """`FSDP.state_dict_type(module, ...)` for FSDP2 modules (FSDP1's own context otherwise).
+
+    Applies to the state-dict helpers of this module (`fsdp1_state_dict`, ...), see the note above.
+    """
+    if not _holds_fsdp2(module):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config):
+            yield
+        return
+    setting = _Setting(
+        module,
+        fsdp1_state_dict_options(state_dict_type, state_dict_config, optim_state_dict_config),
+        fsdp1_state_dict_options(state_dict_type, state_dict_config, optim_state_dict_config, for_optimizer=True),
+    )
+    _ACTIVE.append(setting)
+    try:
+        yield
+    finally:
+        _ACTIVE.remove(setting)
+
+
+def fsdp1_state_dict(model: nn.Module, options: StateDictOptions | None = None) -> dict[str, Any]:
+    """`model.state_dict()` with FSDP1's meaning: options given, or of the active context, or FULL."""
+    if not _holds_fsdp2(model):
+        return model.state_dict()
+    return get_model_state_dict(model, options=options or _active_options(model, False))
+
+
+def fsdp1_load_state_dict(model: nn.Module, state_dict: dict, options: StateDictOptions | None = None):
+    """`model.load_state_dict(state_dict)` with FSDP1's meaning (see `fsdp1_state_dict`)."""
+    if not _holds_fsdp2(model):
+        return model.load_state_dict(state_dict)
+    return set_model_state_dict(model, state_dict, options=options or _active_options(model, False))
+
+
+def fsdp1_optim_state_dict(model: nn.Module, optim, options: StateDictOptions | None = None) -> dict[str, Any]:
+    """`FSDP.optim_state_dict(model, optim)` (and `full_optim_state_dict`) under the given options,
+    or those of the active state-dict setting.
+
+    FSDP1 returns copies; DCP hands back some of the optimizer's own state tensors (Adam's
+    `step`, unsharded entries), which later steps would change under a state dict kept in memory.
+    Those are copied.
+    """
+    state = get_optimizer_state_dict(model, optim, options=options or _active_options(model, True))
+    live = {id(value) for entry in optim.state.values() for value in entry.values() if torch.is_tensor(value)}
+    for entry in state.get("state", {}).values():
+        for key, value in entry.items():
+            if id(value) in live:
+                entry[key] = value.detach().clone()
+    return state
+
+
+def fsdp1_scatter_full_optim_state_dict(full_optim_state_dict: dict | None, model: nn.Module, optim) -> dict:
+    """`FSDP.scatter_full_optim_state_dict(full_osd, model, optim=optim)`: rank 0's full optimizer
+    state loaded on every rank (`broadcast_from_rank0`); returns the loaded optimizer state."""
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_optimizer_state_dict(model, optim, full_optim_state_dict or {}, options=options)
+    return optim.state_dict()
+
+
+def fsdp1_fsdp_modules(module: nn.Module, root_only: bool = False) -> list[nn.Module]:
+    """`FSDP.fsdp_modules(module)`: the FSDP2 modules in `module` (itself included), in order."""
+    found = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if root_only:
+        nested = {id(sub) for m in found for sub in list(m.modules())[1:]}
+        found = [m for m in found if id(m) not in nested]
+    return found
+
+
+def fsdp1_unwrap(model: nn.Module) -> nn.Module:
+    """`model.module` where `model` may be a rewritten FSDP model: FSDP2 and YaFSDP have no wrapper
+    (the model is the model), anything else (DDP, an FSDP1 wrapper) keeps its `.module`."""
+    ya_fsdp = sys.modules.get("fsdp_bridge.ya_fsdp")
+    if isinstance(model, FSDPModule) or (ya_fsdp is not None and isinstance(model, ya_fsdp.YaFSDP)):
+        return model
+    return model.module
 
 
 # --------------------------------------------------------------------------------------------

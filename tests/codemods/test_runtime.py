@@ -71,3 +71,30 @@ def test_state_dict_options():
 def test_bad_policy_names_the_argument():
     with pytest.raises(TypeError, match="auto_wrap_policy=42 is not a wrap policy"):
         fsdp1_units(_model(), 42)
+
+
+def test_custom_policy_override_that_cannot_be_honoured_is_an_error():
+    import torch
+
+    from fsdp_bridge.migrate.runtime import _check_overrides
+
+    _check_overrides({"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP, "backward_prefetch": None})
+    with pytest.raises(ValueError, match="sets param_init_fn, sync_module_states for one module"):
+        _check_overrides({"param_init_fn": lambda m: None, "sync_module_states": True, "mixed_precision": None})
+    assert torch  # the helpers import torch only
+
+
+def test_helpers_leave_modules_without_fsdp2_units_alone():
+    from fsdp_bridge.migrate.runtime import fsdp1_load_state_dict, fsdp1_state_dict, fsdp1_unwrap
+
+    model = _model()
+    state = fsdp1_state_dict(model)
+    assert state.keys() == model.state_dict().keys()
+    assert fsdp1_load_state_dict(model, state).missing_keys == []
+
+    class Wrapper(nn.Module):  # DDP-like: the model lives in .module
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    assert fsdp1_unwrap(Wrapper(model)) is model

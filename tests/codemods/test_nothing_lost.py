@@ -1,0 +1,92 @@
+"""Adversarial inputs: nothing a user wrote is lost, and errors are reported, not raised."""
+
+import codecs
+import json
+import os
+import pathlib
+import stat
+
+from fsdp_bridge.cli import main
+from fsdp_bridge.migrate.driver import transform_source
+
+FSDP1 = "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\nmodel = FSDP(model)\n"
+
+
+def test_symlink_is_rewritten_through_and_stays_a_link(tmp_path):
+    (tmp_path / "real.py").write_text(FSDP1)
+    (tmp_path / "link.py").symlink_to("real.py")
+    assert main(["migrate", str(tmp_path), "--to", "fsdp2", "--write", "-j", "1"]) == 0
+    assert (tmp_path / "link.py").is_symlink()
+    assert "fully_shard(model)" in (tmp_path / "real.py").read_text()
+
+
+def test_read_only_file_and_unwritable_directory_are_errors_not_writes(tmp_path, capsys):
+    locked = tmp_path / "locked.py"
+    locked.write_text(FSDP1)
+    locked.chmod(0o444)
+    (tmp_path / "sub").mkdir()
+    inner = tmp_path / "sub" / "inner.py"
+    inner.write_text(FSDP1)
+    (tmp_path / "ok.py").write_text(FSDP1)
+    (tmp_path / "sub").chmod(0o555)
+    try:
+        code = main(["migrate", str(tmp_path), "--to", "fsdp2", "--write", "-j", "1"])
+    finally:
+        (tmp_path / "sub").chmod(0o755)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert locked.read_text() == FSDP1 and stat.S_IMODE(locked.stat().st_mode) == 0o444
+    assert "read-only file: not rewritten" in err
+    # root may write into a 0555 directory; everyone else gets the error and an untouched file
+    if os.geteuid() != 0:
+        assert inner.read_text() == FSDP1 and "is not writable" in err
+    assert "fully_shard" in (tmp_path / "ok.py").read_text()
+    assert "Traceback" not in err
+
+
+def test_bad_report_path_fails_before_any_file_is_written(tmp_path, capsys):
+    (tmp_path / "train.py").write_text(FSDP1)
+    for report, words in ((tmp_path / "missing" / "r.json", "does not exist"), (tmp_path / "r.txt", "unknown report format")):
+        assert main(["migrate", str(tmp_path), "--to", "fsdp2", "--write", "--report", str(report)]) == 2
+        assert words in capsys.readouterr().err
+        assert (tmp_path / "train.py").read_text() == FSDP1
+
+
+def test_bom_is_kept(tmp_path):
+    path = tmp_path / "bom.py"
+    path.write_bytes(codecs.BOM_UTF8 + FSDP1.encode())
+    assert main(["migrate", str(path), "--to", "fsdp2", "--write"]) == 0
+    data = path.read_bytes()
+    assert data.startswith(codecs.BOM_UTF8) and b"fully_shard(model)" in data
+
+
+def test_notebook_is_reported(tmp_path, capsys):
+    notebook = {"cells": [{"cell_type": "code", "source": [FSDP1]}]}
+    (tmp_path / "nb.ipynb").write_text(json.dumps(notebook))
+    report = tmp_path / "r.json"
+    main(["migrate", str(tmp_path), "--to", "fsdp2", "--report", str(report)])
+    assert "nb.ipynb: notebook mentions FSDP" in capsys.readouterr().err
+    sites = json.loads(report.read_text())["files"][0]["sites"]
+    assert sites[0]["rule"] == "FB402"
+
+
+def test_star_import_is_flagged():
+    source = "from torch.distributed.fsdp import *\n\nmodel = FullyShardedDataParallel(model)\n"
+    output, sites = transform_source(source, "fsdp2")
+    assert [s["rule"] for s in sites] == ["FB211"]
+    assert "model = FullyShardedDataParallel(model)" in output
+
+
+def test_comment_inside_multiline_policy_argument():
+    source = (
+        "import functools\n"
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n"
+        "from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy\n\n"
+        "model = FSDP(\n    model,\n    auto_wrap_policy=functools.partial(\n"
+        "        transformer_auto_wrap_policy,  # decoder layers only\n"
+        "        transformer_layer_cls={Block},\n    ),\n)\n"
+    )
+    for target in ("fsdp2", "yafsdp"):
+        output, _ = transform_source(source, target)
+        assert "# decoder layers only" in output
+        assert transform_source(output, target)[0] == output
