@@ -148,3 +148,23 @@ def run_world(fn, world_size: int = 2, *args, timeout: float = 600.0):
         if errors:
             raise AssertionError("distributed run failed:\n" + "\n".join(errors))
         return results
+
+
+def run_case_table(table: dict, names=None) -> dict:
+    """On every rank: run the named cases (all by default) of `table` (name -> fn(rank,
+    world)) one after another, each ended by a barrier; a case that raises records
+    {"error": traceback} and the world goes on. Warnings are silenced (they are not results)."""
+    import warnings
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in names or table:
+            torch.manual_seed(0)
+            try:
+                out[name] = table[name](rank, world)
+            except Exception:  # noqa: BLE001 - reported per case; the world goes on
+                out[name] = {"error": traceback.format_exc()}
+            dist.barrier()
+    return out

@@ -9,7 +9,6 @@ values (`full_tensor()`), optimizer state, and what loading / checkpointing give
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -22,6 +21,7 @@ from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_, get_total_nor
 
 from tests import models as M
 from tests.frontends.parity_cases import _model, dialect
+from tests.world import run_case_table
 
 WHICH = ("native", "ours")
 STEPS = 3
@@ -280,16 +280,24 @@ def meta_recipe(which, rank, world):
     model.reset_parameters()
     initial = _full_state(model)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = _tutorial_steps(model, optim, rank, world)
+    return {"inspected": inspected, "initial": initial, "losses": losses,
+            "state": _full_state(model)}
+
+
+def _tutorial_steps(model, optim, rank, world, before_each=None):
+    """The tutorial's loop: the sum of the logits as the loss, clipping, Adam."""
     losses = []
     for step in range(STEPS):
+        if before_each is not None:
+            before_each()
         loss = model(_batch(step, rank, world)).sum()
         loss.backward()
         clip_grad_norm_(model.parameters(), max_norm=1.0)
         optim.step()
         optim.zero_grad()
         losses.append(M.global_mean(loss.item()))
-    return {"inspected": inspected, "initial": initial, "losses": losses,
-            "state": _full_state(model)}
+    return losses
 
 
 def layers_only(which, rank, world):
@@ -311,6 +319,17 @@ def layers_only(which, rank, world):
     changed = sum(not torch.equal(before[k], after[k]) for k in before)
     return {"losses": losses, "layer_params_changed": changed, "layer_params": len(before),
             "layers": {k: v.clone() for k, v in after.items()}}
+
+
+def sub_container_optimizer(which, rank, world):
+    """An optimizer over one sub-container's parameters, built after fully_shard."""
+    model = _shard_llama(which)
+    optim = M.make_adamw(model.model.layers.parameters())
+    for step in range(STEPS):
+        M.lm_loss(model, _batch(step, rank, world)).backward()
+        optim.step()
+        optim.zero_grad()
+    return {k: _full(v).clone() for k, v in model.model.layers.state_dict().items()}
 
 
 def encoder_decoder(which, rank, world):
@@ -492,16 +511,8 @@ def tutorial(which, rank, world, folder, mode):
         optim = torch.optim.Adam(model.parameters(), lr=1e-2)
         if run == "resumed":
             _load_optim(model, optim, folder, dcp_api)
-        losses = []
-        for step in range(STEPS):
-            if mode == "explicit_prefetching":
-                model.unshard()
-            loss = model(_batch(step, rank, world)).sum()
-            loss.backward()
-            clip_grad_norm_(model.parameters(), max_norm=1.0)
-            optim.step()
-            optim.zero_grad()
-            losses.append(M.global_mean(loss.item()))
+        prefetch = model.unshard if mode == "explicit_prefetching" else None
+        losses = _tutorial_steps(model, optim, rank, world, before_each=prefetch)
         _save_full(model, optim, folder, dcp_api)
         out[run] = {"losses": losses, "state": _full_state(model)}
     return out
@@ -651,6 +662,7 @@ def cases(directory):
         "meta_recipe": _both(meta_recipe),
         "layers_only": _both(layers_only),
         "encoder_decoder": _both(encoder_decoder),
+        "sub_container_optimizer": _both(sub_container_optimizer),
         "dcp": lambda rank, world: _dcp(rank, world, directory),
         **{f"tutorial_{mode}": _both(tutorial, directory, mode)
            for mode in ("default", "explicit_prefetching", "mixed_precision", "dcp_api")},
@@ -667,16 +679,4 @@ def _bf16_policy():
 
 
 def run_cases(rank, world, directory, names=None):
-    table = cases(directory)
-    out = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for name in names or table:
-            try:
-                out[name] = table[name](rank, world)
-            except Exception:  # noqa: BLE001 - reported per case; the world goes on
-                import traceback
-
-                out[name] = {"error": traceback.format_exc()}
-            dist.barrier()
-    return out
+    return run_case_table(cases(directory), names)

@@ -5,7 +5,6 @@ ranks (one world, many cases; see test_recompute.py)."""
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -14,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tests import models as M
 from tests.frontends.parity_cases import _layer_cls, _model, dialect
+from tests.world import run_case_table
 
 STEPS = 3
 GLOBAL_BATCH = 8
@@ -222,16 +222,4 @@ CASES = {
 
 
 def run_cases(rank, world):
-    out = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for name, case in CASES.items():
-            torch.manual_seed(0)
-            try:
-                out[name] = case(rank, world)
-            except Exception:  # noqa: BLE001 - reported per case; the world goes on
-                import traceback
-
-                out[name] = {"error": traceback.format_exc()}
-            dist.barrier()
-    return out
+    return run_case_table(CASES)

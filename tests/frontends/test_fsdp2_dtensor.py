@@ -193,3 +193,11 @@ def test_backward_out_of_forward_order_trains_like_native(world):
     result = case(world, "encoder_decoder")
     assert result["ours"]["losses"] == result["native"]["losses"]
     identical(result["ours"]["state"], result["native"]["state"], "trained")
+
+
+def test_optimizer_over_a_sub_container_trains_like_native(world):
+    result = case(world, "sub_container_optimizer")
+    identical(result["ours"], result["native"], "layers after training")
+    untouched = C._model("llama").model.layers.state_dict()
+    assert all(not torch.equal(result["ours"][k], untouched[k]) for k in untouched
+               if k.endswith("proj.weight"))
