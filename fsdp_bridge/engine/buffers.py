@@ -32,6 +32,10 @@ class GatherBuffer:
         self.nbytes = self.tensor.untyped_storage().nbytes()
         self.owner = None  # the FlatGroup whose parameters are in the buffer
 
+    @property
+    def holds_memory(self) -> bool:
+        return self.tensor.untyped_storage().nbytes() > 0
+
     def view_for(self, numel: int) -> torch.Tensor:
         storage = self.tensor.untyped_storage()
         if storage.nbytes() == 0:

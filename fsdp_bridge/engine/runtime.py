@@ -270,8 +270,10 @@ class ShardedModel:
         group.wait_gather()
 
     def _prefetch(self, unit: Optional[Unit]) -> None:
-        """Start gathering `unit` now so that it overlaps the current unit's compute."""
-        if unit is None:
+        """Start gathering `unit` now so that it overlaps the current unit's compute; not while
+        two units' transient buffers already hold weights (in backward the unit just run may
+        not have released them yet): at most two are gathered at once, as with a buffer pair."""
+        if unit is None or sum(b.holds_memory for b in self.transient_buffers) >= 2:
             return
         for group in unit.groups:
             if not group.is_gathered:
