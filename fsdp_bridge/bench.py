@@ -45,7 +45,7 @@ HELP = ("time native FSDP1, FSDP2 and our engine (YaFSDP and fully_shard front-e
 # fsdp_bridge.fsdp.fully_shard (DTensor parameters sharded by rows, one copy after each gather).
 CONFIGS = ("fsdp1", "fsdp2", "ours", "ours2")
 DTYPES = ("fp32", "bf16")
-# Issue 2's targets.
+# The speed target: ours at most this fraction of the faster native step time.
 SPEEDUP_TARGET = 0.85
 # What an option left unset means on the CPU (--device cuda has its own, in bench_cuda).
 CPU_DEFAULTS = dict(dtype="fp32,bf16", nproc=2, hidden=256, layers=4, vocab=1000, seq=128,

@@ -1,4 +1,4 @@
-"""The equivalence part of `make demo` (issue 5), ready to be wired into `fsdp_bridge/demo.py`.
+"""The equivalence part of `make demo`, ready to be wired into `fsdp_bridge/demo.py`.
 
 1. `fsdp-bridge migrate --to bridge` and `--to fsdp2` rewrite the realistic FSDP1 example
    (`examples/fsdp1_train_llama.py`) into a temporary directory;
