@@ -125,10 +125,7 @@ def _group_state(optim, group, named, mesh, out: dict) -> None:
             if value is not None:
                 lo, hi = group._local_range(index)
                 local[lo:hi] = value
-        full = torch.empty(group.padded_numel, dtype=local.dtype, device=local.device)
-        work = group.comm.all_gather(full, local)
-        if work is not None:
-            work.wait()
+        full = group.gather_full(local)
         for (_, value), param in zip(group.split(full), params):
             fqn = named[id(param)][0]
             if fqn not in out:

@@ -117,11 +117,8 @@ class FlatGroup:
         return self.buffer.view_for(self.padded_numel)
 
     def start_gather(self) -> None:
-        """Take the buffer and start gathering this rank's shard into it."""
-        assert self.buffer is not None
-        previous = self.buffer.owner
-        if previous is not None and previous is not self:
-            previous.invalidate()  # waits: never write over an in-flight gather
+        """Start gathering this rank's shard into the group's own buffer."""
+        assert self.buffer is not None and self.buffer.owner in (None, self)
         self.buffer.owner = self
         # The collective keeps its input alive until it has finished.
         self.pending_gather = self.comm.all_gather(self._gather_target(),

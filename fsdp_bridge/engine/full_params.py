@@ -97,10 +97,7 @@ def summon_full_params(
                     lo, hi = group._local_range(index)
                     if param.grad is not None:
                         local[lo:hi] = param.grad
-                grads = torch.empty(flat.shape, dtype=local.dtype, device=local.device)
-                work = group.comm.all_gather(grads, local)
-                if work is not None:
-                    work.wait()
+                grads = group.gather_full(local)
                 if offload_to_cpu:
                     grads = grads.cpu()
             gathered.append((group, flat))
@@ -202,10 +199,7 @@ def full_optim_state_dict(sharded: ShardedModel, optimizer, rank0_only: bool = F
                     value = optimizer.state.get(param, {}).get(key)
                     if value is not None:
                         local[lo:hi] = value
-                full = torch.empty(group.padded_numel, dtype=local.dtype, device=local.device)
-                work = group.comm.all_gather(full, local)
-                if work is not None:
-                    work.wait()
+                full = group.gather_full(local)
                 for slot, value in group.split(full):
                     if slot.fqn in state:
                         state[slot.fqn][key] = value.clone()
