@@ -42,11 +42,16 @@ import traceback
 HELP = ("time native FSDP1, FSDP2 and our engine (YaFSDP and fully_shard front-ends) on a "
         "tiny Llama (CPU ranks, gloo), or on a 1B Llama on CUDA (--device cuda)")
 # "ours": our engine through the YaFSDP front-end (flat shards); "ours2": through
-# fsdp_bridge.fsdp.fully_shard (DTensor parameters sharded by rows, one copy after each gather).
-CONFIGS = ("fsdp1", "fsdp2", "ours", "ours2")
+# fsdp_bridge.fsdp.fully_shard (DTensor parameters sharded by rows, one copy after each gather);
+# "plain": the compute-only baseline, each rank's whole model on its own batch, no communication.
+CONFIGS = ("fsdp1", "fsdp2", "ours", "ours2", "plain")
 DTYPES = ("fp32", "bf16")
 # The speed target: ours at most this fraction of the faster native step time.
 SPEEDUP_TARGET = 0.85
+# The memory target: ours' peak per rank at most this fraction of native FSDP2's.
+MEMORY_TARGET = 0.97
+# The goal for the cost of sharding: ours at most this multiple of the compute-only step.
+COMPUTE_ONLY_GOAL = 1.15
 # What an option left unset means on the CPU (--device cuda has its own, in bench_cuda).
 CPU_DEFAULTS = dict(dtype="fp32,bf16", nproc=2, hidden=256, layers=4, vocab=1000, seq=128,
                     batch=4, heads=4, kv_heads=None, intermediate=None)
@@ -67,6 +72,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: tiny Llama on gloo ranks (default); cuda: a 1.1B Llama on "
                              "NCCL, one GPU per rank, against the plain unsharded model too")
+    parser.add_argument("--sweep", action="store_true",
+                        help="cpu only: run the bench at three model sizes (hidden x layers, "
+                             "vocab: 256x4 1000, 512x8 4000, 1024x8 8000; --hidden, --layers, "
+                             "--vocab and --heads are set per size) and print the ratios per "
+                             "size; takes several minutes per size at the default --steps, "
+                             "e.g. add --steps 4 --warmup 1 --repeats 1")
+    parser.add_argument("--plot", metavar="PNG", default=None,
+                        help="with --sweep: where to draw step time and peak memory against the "
+                             "parameter count (default: bench_sweep.png)")
     parser.add_argument("--profile", metavar="DIR",
                         help="cuda only: export a torch.profiler trace of one step of each "
                              "config to DIR and report how much communication overlaps compute")
@@ -218,8 +232,14 @@ def _wrap_ours_fsdp2(model, dtype):
     return _fully_shard_layers_then_root(fully_shard, model, dtype)
 
 
+def _wrap_plain(model, dtype):
+    """The compute-only baseline: the unsharded model in the compute dtype (under bf16 its
+    parameters are bf16 too: the compute matches, the optimizer is a little cheaper)."""
+    return model.to(dtype)
+
+
 WRAPPERS = {"fsdp1": _wrap_fsdp1, "fsdp2": _wrap_fsdp2, "ours": _wrap_ours,
-            "ours2": _wrap_ours_fsdp2}
+            "ours2": _wrap_ours_fsdp2, "plain": _wrap_plain}
 
 
 def _build(config: str, dtype_name: str, s: dict):
@@ -495,13 +515,20 @@ def _config_figures(times: list[list[float]], per_rank: list[dict]) -> dict:
 def _targets(figs: dict) -> dict:
     ours, f1, f2 = figs["ours"], figs["fsdp1"], figs["fsdp2"]
     faster = min(f1["median_step_ms"], f2["median_step_ms"])
+    fsdp2_peak = max(f2["peak_bytes_per_rank"])
+    measured = fsdp2_peak > 0  # False where the heap cannot be measured (see heap_in_use)
+    compute_only = ours["median_step_ms"] / figs["plain"]["median_step_ms"]
     return {
         "speed_ratio_to_faster_native": ours["median_step_ms"] / faster,
         "speed_met": ours["median_step_ms"] <= SPEEDUP_TARGET * faster,
-        # None where the heap cannot be measured (see heap_in_use).
-        "memory_met": (max(ours["peak_bytes_per_rank"]) <= max(f2["peak_bytes_per_rank"])
-                       if max(f2["peak_bytes_per_rank"]) > 0 else None),
+        "peak_ratio_to_fsdp2": max(ours["peak_bytes_per_rank"]) / fsdp2_peak if measured else None,
+        "memory_met": (max(ours["peak_bytes_per_rank"]) <= MEMORY_TARGET * fsdp2_peak
+                       if measured else None),
+        "step_start_memory_met": (max(ours["step_start_bytes_per_rank"])
+                                  <= max(f2["step_start_bytes_per_rank"]) if measured else None),
         "collectives_met": ours["collective_calls_per_step"] <= f2["collective_calls_per_step"],
+        "compute_only_ratio": compute_only,
+        "compute_only_goal_met": compute_only <= COMPUTE_ONLY_GOAL,
     }
 
 
@@ -523,7 +550,7 @@ def summarize(s: dict, results: list[dict]) -> dict:
             for config in CONFIGS
         }
         ours = figs["ours"]["median_step_ms"]
-        for other in ("fsdp1", "fsdp2", "ours2"):
+        for other in ("fsdp1", "fsdp2", "ours2", "plain"):
             figs["ours"][f"ratio_to_{other}"] = ours / figs[other]["median_step_ms"]
             figs["ours"][f"paired_ratio_to_{other}"] = _paired_ratio(
                 results[0]["times"][dtype_name]["ours"], results[0]["times"][dtype_name][other]
@@ -553,7 +580,8 @@ def format_report(report: dict) -> str:
         "step above the heap before the model was built, max over ranks; start = live bytes when the step begins; collectives = c10d ops per "
         "step on one rank, bytes of the full tensor; paired = median of per-round ours/this",
         "ours = our engine through the YaFSDP front-end; ours2 = through fully_shard "
-        "(DTensor parameters)",
+        "(DTensor parameters); plain = compute only (each rank's unsharded model on its own "
+        "batch, no communication)",
     ]
     for dtype_name, entry in report["dtypes"].items():
         figs, targets = entry["configs"], entry["targets"]
@@ -580,15 +608,55 @@ def format_report(report: dict) -> str:
         if engine:
             lines.append(f"  ours, engine's own counter: {sum(engine['calls'].values())} calls, "
                          f"{_mib(sum(engine['bytes'].values()))} MiB")
+        peak_ratio = targets["peak_ratio_to_fsdp2"]
         lines.append(
             f"  targets: speed {_verdict(targets['speed_met'])} (ours/faster native "
             f"{targets['speed_ratio_to_faster_native']:.2f}, target <= {SPEEDUP_TARGET}); "
-            f"memory <= fsdp2 {_verdict(targets['memory_met'])}; "
+            f"peak {_verdict(targets['memory_met'])} (ours/fsdp2 "
+            f"{'n/a' if peak_ratio is None else f'{peak_ratio:.3f}'}, target <= "
+            f"{MEMORY_TARGET}); start <= fsdp2 {_verdict(targets['step_start_memory_met'])}; "
             f"calls <= fsdp2 {_verdict(targets['collectives_met'])}"
+        )
+        lines.append(
+            f"  cost of sharding: ours/plain {targets['compute_only_ratio']:.2f} (goal <= "
+            f"{COMPUTE_ONLY_GOAL}: {_verdict(targets['compute_only_goal_met'])})"
         )
         lines.append(f"  ours2 (fully_shard) / faster native: "
                      f"{figs['ours2']['ratio_to_faster_native']:.2f}")
     return "\n".join(lines)
+
+
+def _check_sweep_options(args) -> None:
+    import importlib.util
+
+    from fsdp_bridge.outputs import check_output_file
+
+    if getattr(args, "plot", None) and not args.sweep:
+        raise ValueError(f"--plot {args.plot!r}: the plot is drawn from a size sweep; add "
+                         "--sweep, or drop --plot")
+    if not args.sweep:
+        return
+    check_output_file("--plot", args.plot or "bench_sweep.png")
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--sweep draws its plot with matplotlib, which is not installed: pip "
+                         "install 'fsdp-bridge[plot]' (or matplotlib)")
+
+
+def _run_sweep(args, s: dict) -> int:
+    from fsdp_bridge import bench_sweep
+
+    reports = bench_sweep.run_sweep(s)
+    for report in reports:
+        print(format_report(report), end="\n\n")
+    print(bench_sweep.format_sweep(reports))
+    plot = args.plot or "bench_sweep.png"
+    bench_sweep.plot_sweep(reports, plot)
+    print(f"plot written to {plot}")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"sweep": reports}, handle, indent=2)
+        print(f"figures written to {args.json}")
+    return 0
 
 
 def run(args) -> int:
@@ -601,9 +669,12 @@ def run(args) -> int:
             raise ValueError(f"--profile {args.profile!r}: traces are taken on CUDA only; add "
                              "--device cuda, or drop --profile")
         s = _settings(args)
+        _check_sweep_options(args)
     except ValueError as exc:
         print(f"fsdp-bridge bench: {exc}")
         return 2
+    if args.sweep:
+        return _run_sweep(args, s)
     report = summarize(s, run_world(s))
     print(format_report(report))
     if args.json:

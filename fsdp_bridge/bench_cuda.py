@@ -334,6 +334,9 @@ def format_report(report: dict) -> str:
 def run(args) -> int:
     try:
         s = bench._settings(args, CUDA_DEFAULTS)  # bad options first, whatever the machine
+        if getattr(args, "sweep", False) or getattr(args, "plot", None):
+            raise ValueError("--sweep/--plot: the size sweep runs on the CPU bench only; drop "
+                             "--device cuda, or drop --sweep/--plot")
         problem = cuda_problem(s["nproc"])
         if problem:
             raise ValueError(problem)

@@ -1,5 +1,6 @@
 """`fsdp_bridge.explain(model)`: the Plan a model got, as text: units with their parameters and
-bytes per rank, dtypes, strategy, and every setting a front-end could not honour.
+bytes per rank, dtypes, strategy, the memory a rank needs for a training step (see
+`fsdp_bridge.memory`), and every setting a front-end could not honour.
 Also `render_docs()`: every front-end's argument table as Markdown (docs/frontends.md)."""
 
 from __future__ import annotations
@@ -44,7 +45,11 @@ def _bytes(numel: int, dtype) -> str:
     return f"{size} B"
 
 
-def explain(model: nn.Module) -> str:
+def explain(model: nn.Module, optimizer=None) -> str:
+    """The plan of `model` as text; pass the `optimizer` to have its state counted in the
+    memory per rank."""
+    from fsdp_bridge.memory import estimate_step_memory
+
     sharded = find_sharded(model)
     plan = sharded.plan
     comm = sharded.comm
@@ -71,6 +76,7 @@ def explain(model: nn.Module) -> str:
             lines.append(f"  {unit.name or '<root>':<28} {0:>10}")
     if sharded.ignored_params:
         lines.append(f"ignored (not sharded, not reduced): {len(sharded.ignored_params)} params")
+    lines += ["", estimate_step_memory(sharded, optimizer).describe(), ""]
     lines.append("warnings raised while translating:")
     lines += [f"  - {note}" for note in plan.notes] or ["  (none)"]
     return "\n".join(lines)

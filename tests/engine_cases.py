@@ -190,7 +190,8 @@ def case_frozen_embedding(rank, world):
     )
     out["frozen_initial"] = initial
     out["frozen_grad_is_none"] = model.model.embed_tokens.weight.grad is None
-    out["frozen_has_grad_memory"] = frozen_group.grad_shard is not None
+    out["frozen_has_grad_memory"] = (frozen_group.grad_shard is not None
+                                     or frozen_group.grad_shard_ref is not None)
     return out
 
 

@@ -24,7 +24,9 @@ def test_bench_runs_and_writes_figures(tmp_path, capsys):
     for dtype in ("fp32", "bf16"):
         entry = report["dtypes"][dtype]
         assert set(entry["targets"]) == {
-            "speed_ratio_to_faster_native", "speed_met", "memory_met", "collectives_met"
+            "speed_ratio_to_faster_native", "speed_met", "peak_ratio_to_fsdp2", "memory_met",
+            "step_start_memory_met", "collectives_met", "compute_only_ratio",
+            "compute_only_goal_met",
         }
         for config in bench.CONFIGS:
             figures = entry["configs"][config]
@@ -33,6 +35,9 @@ def test_bench_runs_and_writes_figures(tmp_path, capsys):
             assert len(figures["peak_bytes_per_rank"]) == 2
             if bench.heap_in_use() > 0:  # glibc: the heap can be measured
                 assert all(peak > 0 for peak in figures["peak_bytes_per_rank"])
+            if config == "plain":  # the compute-only baseline communicates nothing
+                assert figures["collective_calls_per_step"] == 0
+                continue
             # The counter must see every config's collectives (gathers and reductions).
             assert figures["collective_calls_per_step"] > 0
             assert figures["collective_bytes_per_step"] > 0
@@ -44,10 +49,38 @@ def test_bench_runs_and_writes_figures(tmp_path, capsys):
         assert sum(engine["bytes"].values()) == ours["collective_bytes_per_step"]
 
 
-def test_bench_rejects_bad_options(capsys):
+def test_bench_rejects_bad_options(capsys, tmp_path):
     assert main(["bench", "--dtype", "fp16"]) == 2
     assert "--dtype 'fp16'" in capsys.readouterr().out
     assert main(["bench", "--steps", "0"]) == 2
+    assert main(["bench", "--plot", str(tmp_path / "p.png")]) == 2
+    assert "add --sweep" in capsys.readouterr().out
+    assert main(["bench", "--sweep", "--plot", str(tmp_path / "missing" / "p.png")]) == 2
+    assert "--plot" in capsys.readouterr().out
+    assert main(["bench", "--sweep", "--device", "cuda"]) == 2
+    assert "CPU bench only" in capsys.readouterr().out
+
+
+def test_sweep_prints_ratios_per_size_and_draws_the_plot(tmp_path, capsys, monkeypatch):
+    from fsdp_bridge import bench_sweep
+
+    # Two tiny sizes stand in for the real ones (minutes each); everything else is the same.
+    monkeypatch.setattr(bench_sweep, "SIZES", ((64, 1, 64), (128, 2, 96)))
+    plot, out = tmp_path / "sweep.png", tmp_path / "sweep.json"
+    code = main(["bench", "--sweep", "--seq", "8", "--batch", "2", "--dtype", "fp32",
+                 "--steps", "1", "--warmup", "0", "--repeats", "1", "--plot", str(plot),
+                 "--json", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "64x1 v64" in printed and "128x2 v96" in printed
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    reports = json.loads(out.read_text())["sweep"]
+    assert [r["settings"]["hidden"] for r in reports] == [64, 128]
+    for report in reports:  # the parameter count is the model's
+        assert report["parameters"] == sum(
+            p.numel() for p in bench._build_llama(report["settings"]).parameters()
+        )
+        assert report["dtypes"]["fp32"]["targets"]["compute_only_ratio"] > 0
 
 
 def test_collective_bytes_counts_the_full_tensor():

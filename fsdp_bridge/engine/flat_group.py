@@ -13,6 +13,7 @@ the owner module's `__dict__`, which shadows `_parameters` for attribute lookup.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -51,7 +52,8 @@ class FlatGroup:
         self.dedicated = False
         self.pending_gather = None  # the handle of an in-flight gather (work or future)
         # Gradient state of the current accumulation cycle.
-        self.grad_shard: Optional[torch.Tensor] = None  # exposed to the user as .grad views
+        self.grad_shard: Optional[torch.Tensor] = None  # during a cycle; then .grad views
+        self.grad_shard_ref: Optional[weakref.ref] = None  # after it (see _begin_cycle)
         self.accumulator: Optional[torch.Tensor] = None
         self.accumulating_into_user_grads = False
         self.reduced_this_cycle = False
@@ -120,9 +122,19 @@ class FlatGroup:
         """Start gathering this rank's shard into the group's own buffer."""
         assert self.buffer is not None and self.buffer.owner in (None, self)
         self.buffer.owner = self
-        # The collective keeps its input alive until it has finished.
-        self.pending_gather = self.comm.all_gather(self._gather_target(),
-                                                   self.master.to(self.compute_dtype))
+        target = self._gather_target()
+        self.pending_gather = self.comm.all_gather(target, self._gather_input(target))
+
+    def _gather_input(self, target: torch.Tensor) -> torch.Tensor:
+        """What this rank sends. Cast for compute, it is written straight into its own place in
+        the gather's output (gathered rank after rank), as FSDP2 does, rather than into a copy
+        that the collective would keep alive beside the output until it finishes."""
+        if self.master.dtype == self.compute_dtype or self.comm.shard_size == 1:
+            return self.master.to(self.compute_dtype)
+        start = self.comm.shard_rank * self.shard_numel
+        own_place = target.data[start : start + self.shard_numel]
+        own_place.copy_(self.master)
+        return own_place
 
     def _gather_target(self) -> torch.Tensor:
         """Where the all-gather writes: in this layout, straight into the buffer."""
@@ -194,36 +206,41 @@ class FlatGroup:
         return self.comm.reduce_scatter(output, full), output
 
     def accumulate(self, reduced: torch.Tensor) -> None:
-        """Add one micro-step's reduced gradient shard into this cycle's accumulator."""
+        """Add one micro-step's reduced gradient shard into this cycle's accumulator. (Safe on
+        a collective's thread once `open_cycle` has run: it touches the accumulator only.)"""
+        self.open_cycle()
+        self.accumulator.add_(reduced)
+
+    def open_cycle(self) -> None:
+        """Make the accumulator of this accumulation cycle (zeros at its start)."""
         if not self.reduced_this_cycle:
             self._begin_cycle()
-            self.accumulator.copy_(reduced)
-        else:
-            self.accumulator.add_(reduced)
-        self.reduced_this_cycle = True
-
-    def release_dropped_grads(self) -> None:
-        """Free the gradient shard once the user has dropped every `.grad` view of it
-        (`zero_grad(set_to_none=True)`) between accumulation cycles: nothing can read it any
-        more, and kept, it would sit through the next forward, where activations peak. The
-        next cycle allocates a fresh one."""
-        if self.reduced_this_cycle or self.grad_shard is None:
-            return
-        if all(p.grad is None for p in self.local_params):
-            self.grad_shard = None
-            self.accumulator = None  # may alias the shard; it is reset per cycle anyway
+            self.reduced_this_cycle = True
 
     def _begin_cycle(self) -> None:
-        if self.grad_shard is None:
-            self.grad_shard = torch.zeros_like(self.master)
+        # [Note: gradient memory follows .grad] Between cycles the engine holds the gradient
+        # shard only weakly: the `.grad` views handed to the user are what keep it alive, so
+        # `zero_grad()` (set_to_none) frees it on the spot, as torch frees a plain `.grad`.
         # Torch semantics: gradients add into existing .grad until the user zeroes or drops
-        # them. If the user kept them, accumulate aside and add at the end.
-        self.accumulating_into_user_grads = any(p.grad is not None for p in self.local_params)
-        if self.accumulating_into_user_grads:
-            if self.accumulator is None or self.accumulator is self.grad_shard:
-                self.accumulator = torch.empty_like(self.master)
-        else:
+        # them. If the user kept some, accumulate aside and add at the end.
+        kept = self._kept_grad_shard()
+        self.accumulating_into_user_grads = kept is not None
+        if kept is None:
+            self.grad_shard = torch.zeros_like(self.master)
             self.accumulator = self.grad_shard
+            return
+        self.grad_shard = kept
+        for index, param in enumerate(self.local_params):
+            if param.grad is None:  # dropped on its own: it starts again from zero
+                self._piece(kept, index).zero_()
+        self.accumulator = torch.zeros_like(self.master)
+
+    def _kept_grad_shard(self) -> Optional[torch.Tensor]:
+        """Last cycle's gradient shard if the user still holds any `.grad` view of it."""
+        shard = self.grad_shard_ref() if self.grad_shard_ref is not None else None
+        if shard is None or all(p.grad is None for p in self.local_params):
+            return None
+        return shard
 
     def finalize_grads(self, divisor: float) -> None:
         """Divide once, expose the result as `.grad` views, and end the cycle."""
@@ -231,17 +248,22 @@ class FlatGroup:
             return
         if self.accumulating_into_user_grads:
             self.grad_shard.add_(self.accumulator, alpha=1.0 / divisor)
-            self.accumulator = None
         else:
             self.grad_shard.div_(divisor)
         for index, param in enumerate(self.local_params):
             param.grad = self._grad_of(index)
+        self.grad_shard_ref = weakref.ref(self.grad_shard)
+        self.grad_shard = self.accumulator = None
         self.reduced_this_cycle = False
 
     def _grad_of(self, index: int) -> torch.Tensor:
         """Parameter `index`'s gradient as the user sees it: a view of the gradient shard."""
+        return self._piece(self.grad_shard, index)
+
+    def _piece(self, shard: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter `index`'s part of a tensor laid out as this rank's shard."""
         lo, hi = self._local_range(index)
-        return self.grad_shard[lo:hi]
+        return shard[lo:hi]
 
     def local_grads(self) -> list[torch.Tensor]:
         """This rank's pieces of the parameters' gradients, as plain tensors."""

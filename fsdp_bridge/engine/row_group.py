@@ -103,9 +103,9 @@ class RowGroup(FlatGroup):
             module._parameters[attr] = slot.param
 
     def _master_view(self, index: int) -> torch.Tensor:
-        return self._chunk_view(self.master, index)
+        return self._piece(self.master, index)
 
-    def _chunk_view(self, shard: torch.Tensor, index: int) -> torch.Tensor:
+    def _piece(self, shard: torch.Tensor, index: int) -> torch.Tensor:
         """Parameter `index`'s rows in a tensor laid out as this rank's shard."""
         start = self.chunk_offsets[index]
         rows = self.local_rows[index]
@@ -220,7 +220,7 @@ class RowGroup(FlatGroup):
         from torch.distributed.tensor import DTensor
 
         param = self.local_params[index]
-        local = self._chunk_view(self.grad_shard, index)
+        local = self._piece(self.grad_shard, index)
         return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())
 

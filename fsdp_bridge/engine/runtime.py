@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from fsdp_bridge.engine import init as engine_init
 from fsdp_bridge.engine.autograd import Unflatten
-from fsdp_bridge.engine.buffers import GatherBuffer, GradBufferPool
+from fsdp_bridge.engine.buffers import GatherBuffer
 from fsdp_bridge.engine.comm import Comm
 from fsdp_bridge.engine.flat_group import FlatGroup, local_part
 from fsdp_bridge.engine.layout import assign_groups, describe_layout
@@ -42,7 +42,8 @@ class PendingReduce:
     group: FlatGroup
     work: object  # a c10d work handle, or None when nothing was communicated
     output: torch.Tensor
-    buffer: object
+    full: Optional[torch.Tensor]  # the full gradient being reduced (freed once done)
+    landed: bool = False  # added to the gradient shard by the collective's thread
     done: bool = False
 
 
@@ -89,6 +90,7 @@ class ShardedModel:
         self.last_forward_order: list[Unit] = []
         self.pending_reduces: list[PendingReduce] = []
         self.callback_queued = False
+        self.units_done_in_backward = 0
 
         engine_init.warn_unhonoured_offload(plan, device)
         engine_init.materialize(module, device, param_init_fn)
@@ -129,24 +131,16 @@ class ShardedModel:
         return not any(other.name.startswith(prefix) for other in self.units)
 
     def _allocate_buffers(self) -> None:
-        """A gather buffer of its own for every group (see [Note: gather buffers]); two shared
-        gradient buffers per reduce dtype, sized to the largest trainable group."""
+        """A gather buffer of its own for every group (see [Note: gather buffers])."""
         self.transient_buffers: list[GatherBuffer] = []
         for unit in self.units:
             for group in unit.groups:
                 group.buffer = GatherBuffer(group.padded_numel, group.compute_dtype, self.device)
+                group.buffer.release()  # allocated at its first gather
                 if unit.reshard_after_forward and self._is_leaf(unit) and group.requires_grad:
                     self.transient_buffers.append(group.buffer)
-                    group.buffer.release()  # allocated at its first gather
                 else:
                     group.dedicated = True
-        sizes: dict[torch.dtype, int] = {}
-        for unit in self.units:
-            for group in unit.trainable_groups:
-                sizes[group.reduce_dtype] = max(sizes.get(group.reduce_dtype, 0), group.padded_numel)
-        self.grad_pools = {
-            dtype: GradBufferPool(size, dtype, self.device) for dtype, size in sizes.items()
-        }
 
     def _register_hooks(self) -> None:
         self.hook_handles = []
@@ -187,7 +181,7 @@ class ShardedModel:
             # Backward starts with the last unit: keep it through the turn to backward. (A
             # forward run inside backward, an activation-checkpoint recomputation, keeps its
             # weights for the backward that follows it.)
-            if (unit.reshard_after_forward and unit is not self._last_in_forward()
+            if (unit.reshard_after_forward
                     and not self.callback_queued):
                 self._release_buffers_of(unit)
             if torch.is_grad_enabled():
@@ -198,7 +192,7 @@ class ShardedModel:
                     register_multi_grad_hook(tensors, self._make_pre_backward(unit), mode="any")
             if unit.is_root and self.forward_order:
                 # In case this forward's last unit was not the expected one.
-                self._release_transient_buffers(keep=self.forward_order[-1])
+                self._release_transient_buffers()
                 if self.mp.output_dtype is not None:
                     output = self._cast_floating(output, self.mp.output_dtype)
             return output
@@ -212,7 +206,6 @@ class ShardedModel:
             for group in unit.groups:
                 group.invalidate()
                 group.adopt_replaced_params()
-                group.release_dropped_grads()
         if self.forward_order:
             self.last_forward_order = self.forward_order
         self.forward_order = []
@@ -224,6 +217,11 @@ class ShardedModel:
         for buffer in self.transient_buffers:
             if buffer.owner is None or buffer.owner not in keep_groups:
                 buffer.release()
+
+    def _release_all_buffers(self) -> None:
+        for unit in self.units:
+            for group in unit.groups:
+                group.buffer.release()
 
     def _release_buffers_of(self, unit: Unit) -> None:
         for group in unit.groups:
@@ -279,16 +277,16 @@ class ShardedModel:
             if not group.is_gathered:
                 group.start_gather()
 
-    def _expected_forward_order(self) -> list[Unit]:
+    def expected_forward_order(self) -> list[Unit]:
         """The last forward's order; before any forward, the Plan's."""
         return self.last_forward_order or [u for u in self.units if not u.is_root]
 
     def _last_in_forward(self) -> Optional[Unit]:
-        order = [u for u in self._expected_forward_order() if not u.is_root]
+        order = [u for u in self.expected_forward_order() if not u.is_root]
         return order[-1] if order else None
 
     def _next_in_forward(self, unit: Unit) -> Optional[Unit]:
-        order = self._expected_forward_order()
+        order = self.expected_forward_order()
         for index, candidate in enumerate(order[:-1]):
             if candidate is unit:
                 following = order[index + 1]
@@ -322,30 +320,43 @@ class ShardedModel:
             # recomputations of the units inside it after its own gradient may be complete.
             with torch.enable_grad():
                 self._install_views(unit, counted=False)
-            self._prefetch(self._previous_in_forward(unit))
+            # [Note: no prefetch at the top of backward] Memory peaks in the first unit's
+            # backward: every activation is still saved. Its successor is gathered once its
+            # backward is done (post_backward), not beside it; later units overlap as usual.
+            if self.units_done_in_backward:
+                self._prefetch(self._previous_in_forward(unit))
 
         return pre_backward
 
     def post_backward(self, group: FlatGroup, grads: tuple) -> None:
         """Called by Unflatten.backward once the group's gradient is complete."""
         self._queue_end_of_backward()
-        if self.requires_sync:
-            buffer = self.grad_pools[group.reduce_dtype].acquire(self._finish_reduce)
-            full = buffer.view_for(group.padded_numel)
-            group.write_full_grad(grads, full)
-            group.add_unsynced_grad_into(full)
-            self._start_reduce(group, full, buffer)
-        else:
-            group.accumulate_unsynced(grads)  # no communication inside no_sync
         unit = self.unit_of_group[id(group)]
         unit.backward_groups_left -= 1
-        if unit.backward_groups_left <= 0:
+        unit_done = unit.backward_groups_left <= 0
+        if unit_done and unit.reshard_after_forward:
+            # Every use of its parameters in this backward has run: free its weights before
+            # the full gradient is laid out, not after.
+            self._release_buffers_of(unit)
+        if self.requires_sync:
+            self._reduce(group, grads)
+        else:
+            group.accumulate_unsynced(grads)  # no communication inside no_sync
+        if unit_done:
             unit.in_use = False
-            # Every use of its parameters in this backward has run: free its weights, and
-            # start the next unit backward needs so that it overlaps this unit's reduction.
-            if unit.reshard_after_forward:
-                self._release_buffers_of(unit)
-            self._prefetch(self._next_to_gather_in_backward(unit))
+            self.units_done_in_backward += 1
+
+
+    def _reduce(self, group: FlatGroup, grads: tuple) -> None:
+        # [Note: gradient buffers] A unit's full gradient lives in a buffer of its own from
+        # here until its reduction has finished. The reduction before it had this unit's
+        # whole backward to run: finish it and free its buffer first, so that at most one
+        # full gradient waits on the network at a time, as in FSDP2.
+        self._finish_pending_reduces()
+        full = torch.empty(group.padded_numel, dtype=group.reduce_dtype, device=self.device)
+        group.write_full_grad(grads, full)
+        group.add_unsynced_grad_into(full)
+        self._start_reduce(group, full)
 
     def _next_to_gather_in_backward(self, unit: Unit) -> Optional[Unit]:
         """The first unit after `unit` in backward order that is not gathered yet."""
@@ -356,27 +367,42 @@ class ShardedModel:
             candidate = self._previous_in_forward(candidate)
         return None
 
-    def _start_reduce(self, group: FlatGroup, full: torch.Tensor, buffer) -> None:
+    def _start_reduce(self, group: FlatGroup, full: torch.Tensor) -> None:
         work, output = group.start_reduce(full)
-        pending = PendingReduce(group, work, output, buffer)
-        if buffer is not None:
-            buffer.pending = pending
+        pending = PendingReduce(group, work, output, full)
+        if work is not None and self.comm.wait_on_futures and self.comm.replicate_size == 1:
+            # [Note: reductions land early] On gloo the reduction runs on the process group's
+            # thread while backward goes on. Its result is added to the gradient shard there,
+            # as soon as it is summed, and the full gradient freed with it, rather than held
+            # until the next unit's gradient is ready: the next unit's backward, where the
+            # memory of a step is highest, does not carry it.
+            pending.work = work.get_future().then(lambda _: self._land(pending))
         self.pending_reduces.append(pending)
+
+    @staticmethod
+    def _land(pending: PendingReduce) -> None:
+        pending.group.accumulate(pending.output)
+        pending.landed = True
+        pending.output = pending.full = None
+
+    def _finish_pending_reduces(self) -> None:
+        for pending in self.pending_reduces:
+            self._finish_reduce(pending)
+        self.pending_reduces.clear()
 
     def _finish_reduce(self, pending: PendingReduce) -> None:
         if pending.done:
             return
         if pending.work is not None:
             pending.work.wait()
-        if self.comm.shard_size > 1:  # hybrid: shards are summed across replicas too
-            self.comm.all_reduce_replicas(pending.output, async_op=False)
-        pending.group.accumulate(pending.output)
-        if pending.buffer is not None:
-            pending.buffer.pending = None
+        if not pending.landed:
+            if self.comm.shard_size > 1:  # hybrid: shards are summed across replicas too
+                self.comm.all_reduce_replicas(pending.output, async_op=False)
+            pending.group.accumulate(pending.output)
         pending.done = True
-        # Drop the work handle and the reduced shard now, not at the end of backward: gloo's
-        # work keeps a full-size scratch copy of its input alive as long as the handle lives.
-        pending.work = pending.output = None
+        # Drop the work handle, the reduced shard and the full gradient now: gloo's work
+        # keeps a full-size scratch copy of its input alive as long as the handle lives.
+        pending.work = pending.output = pending.full = None
 
     def _queue_end_of_backward(self) -> None:
         if not self.callback_queued:
@@ -390,12 +416,8 @@ class ShardedModel:
                 for group in unit.trainable_groups:
                     if group.unsynced_grad is not None:
                         full, group.unsynced_grad = group.unsynced_grad, None
-                        self._start_reduce(group, full, None)
-        for pending in self.pending_reduces:
-            self._finish_reduce(pending)
-        self.pending_reduces.clear()
-        for pool in self.grad_pools.values():
-            pool.release()
+                        self._start_reduce(group, full)
+        self._finish_pending_reduces()
         self.micro_step += 1
         steps = self.plan.gradient_accumulation_steps
         if self.requires_sync and self.micro_step % steps == 0:
@@ -413,10 +435,11 @@ class ShardedModel:
             # be the last before the script tears its process group down.
             for group in unit.groups:
                 group.wait_gather()
-        # The next forward gathers every unit again (the masters move): nothing in the
-        # transient buffers is worth holding through the optimizer step.
-        self._release_transient_buffers()
+        # The next forward gathers every unit again (the masters move): no gathered weights
+        # are worth holding through the optimizer step.
+        self._release_all_buffers()
         self.callback_queued = False
+        self.units_done_in_backward = 0
 
     # -- public operations --------------------------------------------------------------------
 

@@ -1,0 +1,170 @@
+"""How many bytes a rank needs for one training step of a sharded model, predicted from the
+engine's layout and schedule (what `fsdp_bridge.explain` prints).
+
+The prediction walks the step as the engine runs it:
+- always held: the parameter shards, the optimizer state, and (from the first reduction of
+  backward until `zero_grad`) the gradient shards;
+- in backward, unit by unit in reverse forward order: the running unit's gathered weights, the
+  next unit's (prefetched, except beside the first unit of backward), the weights of units that
+  stay gathered through the step (the root), the gathered weights' gradients as autograd makes
+  them plus the full gradient the reduction reads (as the unit ends), and the gradient shards
+  reduced so far; while a gather is in flight (as the unit starts), the scratch it lands in
+  (the row layout's, and gloo's own flat output);
+- in the optimizer step: its temporaries (one parameter's worth, or every parameter's for the
+  foreach implementations).
+Activations are not included: they depend on the batch, and come on top of the backward figure.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from fsdp_bridge.engine.flat_group import local_part
+from fsdp_bridge.engine.row_group import RowGroup
+
+# Optimizer state tensors kept per parameter, by optimizer class (same shape and dtype as the
+# parameter); a callable reads the param group's settings.
+STATES_PER_PARAM = {
+    "Adam": 2, "AdamW": 2, "Adamax": 2, "NAdam": 2, "RAdam": 2, "Adadelta": 2, "Adagrad": 1,
+    "SGD": lambda group: 1 if group.get("momentum", 0) else 0,
+    "RMSprop": lambda group: (1 + (group.get("momentum", 0) > 0)
+                              + bool(group.get("centered", False))),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """Bytes per rank. `optimizer` is None when no optimizer was given or its kind is unknown."""
+
+    params: int
+    grads: int
+    optimizer: Optional[int]
+    optimizer_note: str
+    gathered_resident: int  # weights that stay gathered through a step (the root's)
+    gathered_peak: int  # the most gathered layer weights at one time (running + prefetched)
+    backward_peak: int  # everything above at the heaviest moment of backward, activations aside
+    optimizer_step_peak: int
+
+    @property
+    def predicted_peak(self) -> int:
+        return max(self.backward_peak, self.optimizer_step_peak)
+
+    def describe(self) -> str:
+        def mib(n: Optional[int]) -> str:
+            return "unknown" if n is None else f"{n / 2**20:.1f} MiB"
+
+        return "\n".join([
+            "memory per rank for one training step (activations not included):",
+            f"  parameters (shards)          {mib(self.params)}",
+            f"  gradients (shards)           {mib(self.grads)}",
+            f"  optimizer state              {mib(self.optimizer)}  ({self.optimizer_note})",
+            f"  gathered, held through step  {mib(self.gathered_resident)}",
+            f"  gathered layers, at most     {mib(self.gathered_peak)}",
+            f"  predicted peak               {mib(self.predicted_peak)}  (backward "
+            f"{mib(self.backward_peak)}, optimizer step {mib(self.optimizer_step_peak)})",
+        ])
+
+
+def _nbytes(numel: int, dtype: torch.dtype) -> int:
+    return numel * dtype.itemsize
+
+
+def _gathered_bytes(unit) -> int:
+    return sum(_nbytes(g.padded_numel, g.compute_dtype) for g in unit.groups)
+
+
+def _gather_scratch_bytes(unit, on_gloo: bool) -> int:
+    """What a gather of `unit` allocates beside its buffer while it runs."""
+    scratch = 0
+    for group in unit.groups:
+        copies = int(isinstance(group, RowGroup)) + int(on_gloo and group.comm.shard_size > 1)
+        scratch += copies * _nbytes(group.padded_numel, group.compute_dtype)
+    return scratch
+
+
+def _unit_gradient_bytes(unit) -> int:
+    """A unit's gradients as autograd hands them over, plus the full buffer they are reduced in."""
+    return sum(_nbytes(g.numel, g.compute_dtype) + _nbytes(g.padded_numel, g.reduce_dtype)
+               for g in unit.trainable_groups)
+
+
+def _grad_shard_bytes(unit) -> int:
+    return sum(_nbytes(g.shard_numel, g.master.dtype) for g in unit.trainable_groups)
+
+
+def _optimizer_bytes(optimizer) -> tuple[Optional[int], str, int]:
+    """(state bytes, how they were found, bytes of the largest parameter it steps)."""
+    if optimizer is None:
+        return None, "no optimizer given", 0
+    tensors = [local_part(p) for group in optimizer.param_groups for p in group["params"]]
+    largest = max((t.numel() * t.element_size() for t in tensors), default=0)
+    if optimizer.state:
+        held = sum(local_part(v).numel() * v.element_size() for state in optimizer.state.values()
+                   for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return held, f"{type(optimizer).__name__}, measured from its state", largest
+    rule = STATES_PER_PARAM.get(type(optimizer).__name__)
+    if rule is None:
+        return None, f"{type(optimizer).__name__}: kind not known, not counted", largest
+    total = 0
+    for group in optimizer.param_groups:
+        per_param = rule(group) if callable(rule) else rule
+        total += per_param * sum(local_part(p).numel() * p.element_size() for p in group["params"])
+    return total, f"{type(optimizer).__name__}, predicted before its first step", largest
+
+
+def _optimizer_scratch(optimizer, largest_param: int, all_params: int) -> int:
+    if optimizer is None:
+        return 0
+    foreach = optimizer.defaults.get("foreach")
+    if foreach is None:  # torch's default: foreach on accelerators only
+        foreach = any(local_part(p).device.type != "cpu"
+                      for group in optimizer.param_groups for p in group["params"])
+    return all_params if foreach else largest_param
+
+
+def _backward_peak(sharded, held: int) -> tuple[int, int]:
+    """(the heaviest moment of backward, the most gathered layer weights at once), walking the
+    units in backward order as the engine schedules them."""
+    on_gloo = sharded.comm.wait_on_futures
+    resident_units = [u for u in sharded.units if any(g.dedicated for g in u.groups)]
+    layers = [u for u in reversed(sharded.expected_forward_order())
+              if u.groups and u not in resident_units]
+    resident = sum(_gathered_bytes(u) for u in resident_units)
+    peak = gathered_peak = 0
+    reduced = 0
+    for index, unit in enumerate(layers):
+        following = layers[index + 1] if index + 1 < len(layers) else None
+        prefetched = following is not None and index > 0
+        gathered = _gathered_bytes(unit) + (_gathered_bytes(following) if prefetched else 0)
+        base = held + reduced + resident + gathered
+        # As the unit's backward starts, the prefetch of the next one is landing; as it ends,
+        # its gradients are laid out for the reduction.
+        starting = base + (_gather_scratch_bytes(following, on_gloo) if prefetched else 0)
+        ending = base + _unit_gradient_bytes(unit)
+        peak = max(peak, starting, ending)
+        gathered_peak = max(gathered_peak, gathered)
+        reduced += _grad_shard_bytes(unit)
+    for unit in resident_units:  # their gradients complete last
+        peak = max(peak, held + reduced + resident + _unit_gradient_bytes(unit))
+        reduced += _grad_shard_bytes(unit)
+    return peak, gathered_peak
+
+
+def estimate_step_memory(sharded, optimizer=None) -> StepMemory:
+    """Predict the bytes one rank of `sharded` (a ShardedModel) needs for a training step."""
+    groups = [g for unit in sharded.units for g in unit.groups]
+    ignored = sum(p.numel() * p.element_size() for p in sharded.ignored_params)
+    params = sum(_nbytes(g.shard_numel, g.master.dtype) for g in groups) + ignored
+    grads = sum(_grad_shard_bytes(u) for u in sharded.units) + sum(
+        p.numel() * p.element_size() for p in sharded.ignored_params if p.requires_grad)
+    state, note, largest = _optimizer_bytes(optimizer)
+    held = params + (state or 0)
+    backward, gathered_peak = _backward_peak(sharded, held)
+    step = held + grads + _optimizer_scratch(optimizer, largest, params)
+    resident = sum(_nbytes(g.padded_numel, g.compute_dtype) for g in groups if g.dedicated)
+    return StepMemory(params=params, grads=grads, optimizer=state, optimizer_note=note,
+                      gathered_resident=resident, gathered_peak=gathered_peak,
+                      backward_peak=backward, optimizer_step_peak=step)
