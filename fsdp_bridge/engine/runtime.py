@@ -18,6 +18,7 @@ Order of events in one training step (ZeRO-3, units u0..u3 inside the root):
 from __future__ import annotations
 
 import contextlib
+import functools
 import dataclasses
 from typing import Callable, Optional
 
@@ -59,6 +60,9 @@ class Unit:
         self.reshard_after_forward = spec.reshard_after_forward and not is_root
         self.in_use = False
         self.backward_groups_left = 0
+        # [Note: prefetch from inside a unit's backward]
+        self.numel_to_watch = self.numel_arrived = 0
+        self.prefetched_from_inside = False
         # FSDP2's per-module `set_gradient_divide_factor`; None: the model's divisor.
         self.gradient_divide_factor: Optional[float] = None
 
@@ -90,7 +94,6 @@ class ShardedModel:
         self.last_forward_order: list[Unit] = []
         self.pending_reduces: list[PendingReduce] = []
         self.callback_queued = False
-        self.units_done_in_backward = 0
 
         engine_init.warn_unhonoured_offload(plan, device)
         engine_init.materialize(module, device, param_init_fn)
@@ -235,11 +238,33 @@ class ShardedModel:
             if group.requires_grad and torch.is_grad_enabled():
                 views = Unflatten.apply(group.gate, group, self)
                 unit.backward_groups_left += counted
+                if counted:
+                    self._watch_gradients(unit, views)
             else:
                 views = group.full_views()
             for slot, view in zip(group.slots, views):
                 for owner, attr in slot.owners:
                     owner.__dict__[attr] = view
+
+    def _watch_gradients(self, unit: Unit, views) -> None:
+        """[Note: prefetch from inside a unit's backward] A unit's backward is heaviest at its
+        start: the gradients of its last layers are being made while all its activations are
+        still saved (and, for the first unit of backward, every other unit's too). So the
+        next unit is not gathered beside that start, but once gradients for half of this
+        unit's parameters have arrived; the rest of its backward overlaps the gather."""
+        unit.numel_to_watch = sum(g.numel for g in unit.trainable_groups)
+        for view in views:
+            if view.requires_grad:
+                view.register_hook(functools.partial(self._gradient_arrived, unit, view.numel()))
+
+    def _gradient_arrived(self, unit: Unit, numel: int, grad):
+        if unit.prefetched_from_inside:
+            return None
+        unit.numel_arrived += numel
+        if 2 * unit.numel_arrived >= unit.numel_to_watch:
+            unit.prefetched_from_inside = True
+            self._prefetch(self._next_to_gather_in_backward(unit))
+        return None
 
     def _remove_views(self, unit: Unit) -> None:
         for group in unit.groups:
@@ -320,11 +345,6 @@ class ShardedModel:
             # recomputations of the units inside it after its own gradient may be complete.
             with torch.enable_grad():
                 self._install_views(unit, counted=False)
-            # [Note: no prefetch at the top of backward] Memory peaks in the first unit's
-            # backward: every activation is still saved. Its successor is gathered once its
-            # backward is done (post_backward), not beside it; later units overlap as usual.
-            if self.units_done_in_backward:
-                self._prefetch(self._previous_in_forward(unit))
 
         return pre_backward
 
@@ -344,7 +364,8 @@ class ShardedModel:
             group.accumulate_unsynced(grads)  # no communication inside no_sync
         if unit_done:
             unit.in_use = False
-            self.units_done_in_backward += 1
+            if not unit.prefetched_from_inside:  # its gradients reached no watched view
+                self._prefetch(self._next_to_gather_in_backward(unit))
 
 
     def _reduce(self, group: FlatGroup, grads: tuple) -> None:
@@ -430,6 +451,7 @@ class ShardedModel:
         for unit in self.units:
             unit.in_use = False
             unit.backward_groups_left = 0
+            unit.numel_arrived, unit.prefetched_from_inside = 0, False
             self._remove_views(unit)
             # A prefetch nobody uses this step must not stay in flight past it: the step may
             # be the last before the script tears its process group down.
@@ -439,7 +461,6 @@ class ShardedModel:
         # are worth holding through the optimizer step.
         self._release_all_buffers()
         self.callback_queued = False
-        self.units_done_in_backward = 0
 
     # -- public operations --------------------------------------------------------------------
 
