@@ -77,13 +77,14 @@ def test_native_fsdp2_both_ways(runs, key):
 
 def test_llama_recipes_sharded_checkpoint_on_our_fsdp1(runs):
     # FSDP.state_dict_type(SHARDED_STATE_DICT) + dcp.save / dcp.load + model.load_state_dict,
-    # written as llama-recipes writes it: ours -> ours (with the optimizer through
-    # FSDP.optim_state_dict / optim_state_dict_to_load), native FSDP1 -> ours, ours -> native.
+    # written as llama-recipes writes it, the optimizer through FSDP.optim_state_dict /
+    # optim_state_dict_to_load: ours -> ours, native FSDP1 -> ours, ours -> native FSDP1.
     for rank_result in runs["first"]:
         result = rank_result["llama_recipes"]
         assert result["ours_to_ours"] == {"params": 0.0, "optim": 0.0}, result
         assert result["ours_to_ours_step"] == 0.0, result
-        assert result["native_to_ours"] == 0.0 and result["ours_to_native"] == 0.0, result
+        assert result["native_to_ours"] == 0.0, result
+        assert result["ours_to_native"] == {"params": 0.0, "optim": 0.0}, result
 
 
 def test_llama_recipes_sharded_checkpoint_loads_at_other_world_sizes(runs):
