@@ -32,6 +32,22 @@ RUNTIME_MODULE = "fsdp_bridge.migrate.runtime"
 # Key under which every codemod appends its `Site`s to `context.scratch`.
 SITES_KEY = "fsdp_bridge.sites"
 
+# [Note: what the tree keeps of FSDP1]
+# `isinstance(x, FullyShardedDataParallel)` may only be narrowed to the new class when no code
+# the check can see still builds FSDP1 modules: a constructor the codemod could not translate
+# (a TODO), one in a file that was not parsed or cannot be written, a subclass, a partial, or a
+# library configured to wrap (HF Trainer, accelerate). Such a module lives in one file and is
+# checked in another, so the run over the tree decides, not the file:
+# - each codemod notes, under FILE_FACTS_KEY, where its file keeps FSDP1 constructors
+#   ("kept", lines with the rule) and whether it narrowed a type check ("narrowed");
+# - the caller puts, under TREE_KEY, where the rest of the tree keeps them (a tuple of
+#   descriptions, empty when nowhere) before the pass whose output is kept. With something
+#   there, type checks accept both classes and the report says why. Without the key at all (a
+#   runner that sees one file at a time, such as `python -m libcst.tool codemod`), the rest of
+#   the tree is unknown, so type checks accept both too.
+TREE_KEY = "fsdp_bridge.tree_keeps_fsdp1"
+FILE_FACTS_KEY = "fsdp_bridge.file_facts"
+
 # Tag that marks our comments; a second run finds it and adds nothing.
 TODO_TAG = "TODO(fsdp-bridge"
 
@@ -181,7 +197,7 @@ def is_literal(node: cst.BaseExpression, *values: str) -> bool:
     return isinstance(node, cst.Name) and node.value in values
 
 
-BUILTINS_WE_MATCH = frozenset({"isinstance", "issubclass"})
+BUILTINS_WE_MATCH = frozenset({"isinstance", "issubclass", "type"})
 
 
 def _names_bound_by_imports(module: cst.Module) -> set[str] | None:
@@ -240,6 +256,7 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
         super().__init__(context)
         self._pending: list[_Pending] = []
         self.context.scratch.setdefault(SITES_KEY, [])
+        self.context.scratch.setdefault(FILE_FACTS_KEY, {"kept": [], "narrowed": False})
 
     # -- whole-module guard ----------------------------------------------------------------
 
@@ -257,6 +274,7 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
         for key in (SITES_KEY, "AddImportsVisitor", "RemoveImportsVisitor"):
             self.context.scratch.pop(key, None)
         self.context.scratch[SITES_KEY] = []
+        self.context.scratch[FILE_FACTS_KEY] = {"kept": [], "narrowed": False}
         del self.context.warnings[:]
         self.remove_unused_imports = False
         return super().transform_module(tree)
@@ -353,6 +371,16 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
         self.context.scratch[SITES_KEY].append(Site(rule, status, self.line_of(node), what, reason))
         if status == TODO:
             self.warn(f"line {self.line_of(node)}: {rule} {what}: {reason}")
+
+    def keeps_fsdp1(self, rule: str, node: cst.CSTNode) -> None:
+        """Note that this file still builds FSDP1 modules here (see [Note: what the tree keeps
+        of FSDP1])."""
+        self.context.scratch[FILE_FACTS_KEY]["kept"].append(f"line {self.line_of(node)} ({rule})")
+
+    def fsdp1_kept_elsewhere(self) -> tuple[str, ...] | None:
+        """Where the rest of the tree keeps FSDP1 constructors (None: the caller cannot know)."""
+        kept = self.context.scratch.get(TREE_KEY)
+        return None if kept is None else tuple(kept)
 
     def todo(self, rule: str, node: cst.CSTNode, what: str, reason: str) -> None:
         """Leave the enclosing statement as it is, under one tagged TODO comment."""

@@ -12,7 +12,8 @@ FB102  `with model.no_sync():` -> `set_requires_gradient_sync(False)` / `try` / 
 FB103  `model.clip_grad_norm_(...)` -> `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`.
 FB104  `with FSDP.state_dict_type(...)` blocks, `model.state_dict()`, `FSDP.optim_state_dict*`
        -> `torch.distributed.checkpoint.state_dict` calls with `StateDictOptions`.
-FB105  `isinstance(x, FSDP)` -> `isinstance(x, FSDPModule)`.
+FB105  `isinstance(x, FSDP)` -> `isinstance(x, FSDPModule)`, or `isinstance(x, (FSDPModule, FSDP))`
+       when the tree keeps FSDP1 constructors (see [Note: what the tree keeps of FSDP1] in _common).
 FB106  `model.module` on a wrapped model -> `model`.
 FB107  `FSDP.fsdp_modules`, `scatter_full_optim_state_dict`, `model.no_sync` as a value -> runtime helpers.
 FB208  `FSDP.state_dict_type(...)` used as a value (held in a variable, returned by a helper)
@@ -22,7 +23,8 @@ FB2xx  left with a TODO: FSDP subclasses (201), `partial(FSDP, ...)` (202), priv
        (203), `LOCAL_STATE_DICT` (204), `summon_full_params` (205), `enable_wrap`/`wrap` (206),
        `set_state_dict_type` (207), a `with FSDP.state_dict_type(...)` that configures calls
        made elsewhere (209), a name bound to FSDP1 or to something else depending on a branch
-       (210), `import *` of an FSDP module (211), any other FSDP1 API use (299).
+       (210), `import *` of an FSDP module (211), `type(x) is FSDP` (212), a read of
+       `.sharding_strategy` (213), any other FSDP1 API use (299).
 FB400  FSDP configured through Hugging Face Trainer / accelerate arguments (report only).
 FB410  code that already handles FSDP1 and FSDP2 (both names in one function): left as is.
 
@@ -51,6 +53,7 @@ from libcst.metadata import ScopeProvider
 from codemods import _fsdp1
 from codemods._common import (
     IN_PLACE,
+    FILE_FACTS_KEY,
     INFO,
     PRIVATE_ATTRIBUTES,
     RUNTIME,
@@ -59,6 +62,7 @@ from codemods._common import (
     call_arguments,
     comments_in,
     fsdp_module,
+    fsdp_name,
     dotted,
     is_literal,
     is_private_fsdp1,
@@ -111,6 +115,9 @@ PROVEN, MAYBE = "proven", "maybe"
 # harmless, the helpers leave anything without FSDP2 units alone).
 NOT_A_MODEL = re.compile(r"optim|sched|scaler|sampler|loader|tokenizer|generator|^opt$|^lr", re.IGNORECASE)
 KEPT = "kept"  # a state_dict_type block left as it was (FB204/FB209)
+# What FSDP(...) becomes through the runtime helpers: their arguments are FSDP1's, translated
+# when the script runs (a second run must not flag them).
+RUNTIME_CONSTRUCTORS = {f"{RUNTIME_MODULE}.fsdp1_fully_shard", f"{RUNTIME_MODULE}.fsdp1_to_yafsdp"}
 
 
 def _arg(keyword: str, value: str) -> cst.Arg:
@@ -147,8 +154,14 @@ class ToFsdp2Command(FsdpCodemod):
     # What `isinstance(x, FSDP)` becomes: (module, class, rule, reason).
     WRAPPED_CLASS = (FSDP, "FSDPModule", "FB105", "FSDP2 modules are instances of FSDPModule")
     UNWRAP_REASON = "fully_shard works in place: the wrapped model is the model"
-    # Type checks: accept FSDP1 too (constructors elsewhere in the tree may stay FSDP1)?
+    # Type checks: always accept FSDP1 too, whatever the tree keeps?
     ACCEPT_FSDP1_TOO = False
+    # Why a read of `.sharding_strategy` no longer means what it did (FB213).
+    STRATEGY_READ_REASON = (
+        "fully_shard modules have no sharding_strategy attribute (the read fails on the migrated "
+        "model, or finds an attribute of the model itself) and FSDP2 states the strategy as "
+        "reshard_after_forward plus the mesh's shape, so a test of a ShardingStrategy value may no "
+        "longer describe how the model is sharded: check what this code decides with it")
     ROUTE_NO_SYNC_REFERENCES = True  # `model.no_sync` as a value -> functools.partial(fsdp1_no_sync, model)
 
     METADATA_DEPENDENCIES = (*FsdpCodemod.METADATA_DEPENDENCIES, ScopeProvider)
@@ -172,6 +185,9 @@ class ToFsdp2Command(FsdpCodemod):
         self._state_dict: list[tuple[str | None, str, str]] = []  # (model, model opts, optim opts)
         self._in_import = 0
         self._names: set[str] = set()
+        self._fsdp_file = False  # the file names FSDP1 or ShardingStrategy (FB213 applies)
+        self._in_constructor = 0  # inside the arguments of an FSDP(...) call (or its rewrite)
+        self._constructors: set[int] = set()
 
     # -- file-level facts ----------------------------------------------------------------
 
@@ -180,7 +196,9 @@ class ToFsdp2Command(FsdpCodemod):
         self._removed_nodes = None
         facts = _Facts()
         node.visit(facts)  # one plain pass: libcst's matchers.findall costs several times more per pass
-        self._uses_fsdp1 = any((self.fsdp(n) or "").split(".")[0] == FSDP1 for n in facts.names)
+        heads = {(self.fsdp(n) or "").split(".")[0] for n in facts.names}
+        self._uses_fsdp1 = FSDP1 in heads
+        self._fsdp_file = self._uses_fsdp1 or "ShardingStrategy" in heads
         self._names = {n.value for n in facts.names if isinstance(n, cst.Name)}
         if not self._uses_fsdp1:
             return
@@ -298,6 +316,7 @@ class ToFsdp2Command(FsdpCodemod):
             self.todo("FB211", node, f"from {module} import *", "names from a star import cannot be "
                       "resolved, so nothing in this file is translated: import the names you use "
                       "explicitly and run the migration again")
+            self.keeps_fsdp1("FB211", node)
 
     def leave_ImportFrom(self, original, updated):
         self._in_import -= 1
@@ -312,6 +331,9 @@ class ToFsdp2Command(FsdpCodemod):
     def visit_Call(self, node: cst.Call) -> None:
         self._called.add(id(node.func))
         name = self.fsdp(node.func) or ""
+        if name == FSDP1 or self.qualified(node.func) & RUNTIME_CONSTRUCTORS:
+            self._in_constructor += 1
+            self._constructors.add(id(node))
         if name == FSDP1 or name.startswith(FSDP1 + "."):
             self._claim(node.func)
         qualified = self.qualified(node.func)
@@ -335,6 +357,8 @@ class ToFsdp2Command(FsdpCodemod):
 
     def _report_config(self, node: cst.Call, qualified: set[str]) -> None:
         keywords = {a.keyword.value for a in node.args if a.keyword}
+        if qualified & ACCELERATE_PLUGIN or keywords & {"fsdp", "fsdp_config"}:
+            self.keeps_fsdp1("FB400", node)  # the library wraps the model, with FSDP1 by default
         if qualified & ACCELERATE_PLUGIN:
             self.site("FB400", "report only", node, "FullyShardedDataParallelPlugin(...)",
                       "FSDP is configured through accelerate: set fsdp_version=2 there "
@@ -356,10 +380,13 @@ class ToFsdp2Command(FsdpCodemod):
         if isinstance(node, cst.Name) and self.ambiguous(node):
             self.todo("FB210", node, node.value, "this name is FSDP's or another object depending on "
                       "which import ran (conditional or fallback import): left as it was")
+            if FSDP1 in {fsdp_name(q) for q in self.qualified(node)}:
+                self.keeps_fsdp1("FB210", node)
             return
         if self.fsdp(node) == FSDP1:
             self.todo("FB299", node, code(node), "FullyShardedDataParallel is used in a way "
                       "the codemod does not translate; FSDP2 has no wrapper class (see FSDPModule)")
+            self.keeps_fsdp1("FB299", node)  # e.g. passed on as a class to build wrappers with
             return
         for name in self.qualified(node):
             if is_private_fsdp1(name):
@@ -368,6 +395,12 @@ class ToFsdp2Command(FsdpCodemod):
 
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
         self._check_reference(original)
+        if (original.attr.value == "sharding_strategy" and self._fsdp_file and not self._in_import
+                and not self._in_constructor and id(original) not in self._store_targets):
+            # In FSDP(..., sharding_strategy=cfg.sharding_strategy) the constructor's translation
+            # takes the value; anywhere else the read may no longer mean the same.
+            self.todo("FB213", original, f"{code(original)} (a read of an FSDP1 sharding strategy)",
+                      self.STRATEGY_READ_REASON)
         if original.attr.value in PRIVATE_ATTRIBUTES and self._uses_fsdp1 and not self._in_import:
             self.todo("FB203", original, f".{original.attr.value}",
                       "FSDP1's wrapper internals do not exist in FSDP2 (no wrapper, no flat parameter)")
@@ -410,6 +443,8 @@ class ToFsdp2Command(FsdpCodemod):
         if fsdp1 and fsdp2:
             self.site("FB410", INFO, node, f"def {node.name.value}(...)", "already handles FSDP1 and "
                       "FSDP2 (both are named here): left as it was")
+            if any(self.fsdp(call.func) == FSDP1 for call in m.findall(node, m.Call())):
+                self.keeps_fsdp1("FB410", node)
             return False
         return True
 
@@ -426,6 +461,7 @@ class ToFsdp2Command(FsdpCodemod):
                 self.todo("FB201", original, f"class {original.name.value}(FullyShardedDataParallel)",
                           "FSDP2 is not a wrapper class to subclass; move the overrides onto the "
                           "model and call fully_shard on it")
+                self.keeps_fsdp1("FB201", original)
         return updated
 
     def visit_Annotation(self, node: cst.Annotation) -> None:
@@ -446,6 +482,8 @@ class ToFsdp2Command(FsdpCodemod):
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         name = self.fsdp(original.func) or ""
         qualified = self.qualified(original.func)
+        if id(original) in self._constructors:
+            self._in_constructor -= 1
         if name == FSDP1:
             return self._constructor(original, updated)
         if name.startswith(FSDP1 + "."):
@@ -453,10 +491,12 @@ class ToFsdp2Command(FsdpCodemod):
         if name in ("enable_wrap", "wrap"):
             self.todo("FB206", original, f"{name}(...)", "call fully_shard on each module after "
                       "construction, bottom-up, instead of wrap() inside enable_wrap()")
+            self.keeps_fsdp1("FB206", original)
             return updated
         if _fsdp1.PARTIAL in qualified and original.args and self.fsdp(original.args[0].value) == FSDP1:
             self.todo("FB202", original, "partial(FullyShardedDataParallel, ...)", "FSDP2's fully_shard "
                       "works in place; call it where the partial is applied")
+            self.keeps_fsdp1("FB202", original)
             return updated
         if qualified & {"builtins.isinstance", "builtins.issubclass"}:
             return self._isinstance(original, updated)
@@ -464,15 +504,46 @@ class ToFsdp2Command(FsdpCodemod):
             return self._method(original, updated)
         return updated
 
+    def visit_Comparison(self, node: cst.Comparison) -> None:
+        """`type(x) is FSDP`: FSDP2 gives each sharded module a class of its own, so no exact-class
+        test has a translation; flag it (and do not count it as code that builds FSDP1 modules)."""
+        operands = [node.left, *(target.comparator for target in node.comparisons)]
+        classes = [op for op in operands if self.fsdp(op) == FSDP1]
+        exact = any(isinstance(op, cst.Call) and "builtins.type" in self.qualified(op.func)
+                    or isinstance(op, cst.Attribute) and op.attr.value == "__class__" for op in operands)
+        if not classes or not exact:
+            return
+        for op in classes:
+            self._claim(op)
+        _, class_name, _, _ = self.WRAPPED_CLASS
+        self.todo("FB212", node, f"{code(node)} (an exact-class test)", "the migrated model's class is "
+                  f"not FullyShardedDataParallel: test isinstance(x, {class_name}) instead (with "
+                  "FullyShardedDataParallel in the tuple while FSDP1 constructors remain)")
+
+    def _accept_fsdp1_reason(self) -> str | None:
+        """Why type checks must still accept FullyShardedDataParallel (None: they need not)."""
+        elsewhere = self.fsdp1_kept_elsewhere()
+        if elsewhere:
+            shown = ", ".join(elsewhere[:3]) + (f" and {len(elsewhere) - 3} more" if len(elsewhere) > 3 else "")
+            return f"FSDP1 constructors stay in the migrated tree ({shown}) and still build FSDP1 modules"
+        if elsewhere is None:
+            return ("this runner migrates one file at a time, so constructors left as FSDP1 in other "
+                    "files cannot be known")
+        if self.ACCEPT_FSDP1_TOO:
+            return ("constructors the migration could not translate, here or in other files, still "
+                    "build FSDP1 modules")
+        return None
+
     def _isinstance(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         if len(original.args) != 2:
             return updated
         classes, new_classes = original.args[1].value, updated.args[1].value
         module, class_name, rule, reason = self.WRAPPED_CLASS
         space = cst.Comma(whitespace_after=cst.SimpleWhitespace(" "))
+        keep_fsdp1 = self._accept_fsdp1_reason()
 
         def replacement(old: cst.BaseExpression) -> list[cst.Element]:
-            if self.ACCEPT_FSDP1_TOO:
+            if keep_fsdp1:
                 return [cst.Element(cst.Name(class_name), comma=space), cst.Element(old)]
             return [cst.Element(cst.Name(class_name))]
 
@@ -495,12 +566,13 @@ class ToFsdp2Command(FsdpCodemod):
             new_classes = new_classes.with_changes(elements=elements)
         else:
             return updated
-        if self.ACCEPT_FSDP1_TOO:
-            reason += " (FullyShardedDataParallel is still accepted: constructors the migration could " \
-                      "not translate, here or in other files, still build FSDP1 modules)"
+        if keep_fsdp1:
+            reason += f" (FullyShardedDataParallel is still accepted: {keep_fsdp1})"
+        else:
+            self.context.scratch[FILE_FACTS_KEY]["narrowed"] = True
         self.site(rule, IN_PLACE, original, "isinstance(..., FullyShardedDataParallel)", reason)
         self.need(module, class_name)
-        if not self.ACCEPT_FSDP1_TOO:
+        if not keep_fsdp1:
             self.drop_import_of(classes)
         return updated.with_changes(args=[updated.args[0], updated.args[1].with_changes(value=new_classes)])
 

@@ -8,7 +8,8 @@ FB301  `FSDP(model, ...)` with non-literal values -> `fsdp1_to_yafsdp(model, ...
 FB302  FSDP1 settings YaFSDP cannot express (hybrid/NO_SHARD, CPU offload, ignored modules,
        device_mesh): the call is left as it was, with a TODO.
 FB303  `isinstance(x, FSDP)` -> `isinstance(x, (YaFSDP, FSDP))`: constructors this run could not
-       translate (here or in other files of the tree) still build FSDP1 modules.
+       translate (here or in other files of the tree) still build FSDP1 modules; the report names
+       them when the run saw them.
 FB304  `with FSDP.state_dict_type(model, FULL_STATE_DICT...)`: YaFSDP's `state_dict()` is full, so
        the block's body stays and the `with` goes (kept with FB209 when the block configures
        calls made elsewhere); other types, or the context used as a value, get a TODO.
@@ -43,6 +44,11 @@ class ToYafsdpCommand(ToFsdp2Command):
         "state_dict/load_state_dict/no_sync take the place of the wrapped module's"
     ACCEPT_FSDP1_TOO = True  # the tree may keep FSDP1 constructors (TODOs) in other files
     ROUTE_NO_SYNC_REFERENCES = False  # YaFSDP keeps no_sync()
+    STRATEGY_READ_REASON = (
+        "YaFSDP has no sharding_strategy attribute (the read fails on the migrated model, or finds "
+        "an attribute of the model itself); its strategy is zero_stage (3 for FULL_SHARD, 2 for "
+        "SHARD_GRAD_OP), so a test of a ShardingStrategy value may no longer describe how the model "
+        "is sharded: check what this code decides with it")
 
     # -- FSDP(...) -----------------------------------------------------------------------
 
@@ -52,6 +58,7 @@ class ToYafsdpCommand(ToFsdp2Command):
         unsupported = self._unsupported(values)
         if unsupported:
             self.todo("FB302", original, "FullyShardedDataParallel(...)", unsupported)
+            self.keeps_fsdp1("FB302", original)
             return updated
         reasons = self._needs_runtime(original, args, values)
         if reasons:

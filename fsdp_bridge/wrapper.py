@@ -6,6 +6,19 @@ attributes and indexing to it, and exposes FSDP1's behaviour on top of the engin
 `clip_grad_norm_`, state dicts by `state_dict_type` (FULL / SHARDED), `summon_full_params`,
 optimizer state dicts. Front-ends subclass it and add their constructor (the translation).
 
+[Note: SHARDED_STATE_DICT is what DCP can save]
+Native FSDP1's SHARDED_STATE_DICT gives, per original parameter, a tensor sharded on dim 0 (a
+ShardedTensor, or a DTensor with a device mesh): the unit is gathered and chunked as torch.chunk
+does. Scripts hand it to `torch.distributed.checkpoint` (`dcp.save(...)`, then `dcp.load` into
+`{"model": model.state_dict()}` and `model.load_state_dict`), which needs each rank's piece
+described with its offset. Our flat shards are arbitrary element ranges, and a plain tensor is
+taken by DCP as a whole, replicated value: one rank's piece is saved as if it were everything,
+and a load meets a different size on every rank. So SHARDED here gives what
+`fsdp_bridge.checkpoint.model_state` gives torch's helpers: `Shard(0)` DTensors of the gathered
+rows (see [Note: sharded state dicts are DTensors over the rows] there), and loads any sharded
+or full form, from any world size, gathering each value before keeping this rank's range.
+Optimizer state dicts follow the same rule (keyed by parameter name, as native FSDP1's).
+
 [Note: nesting]
 Wrappers never stay nested: when a wrapper is built over a module that already contains
 wrappers (FSDP1 manual wrapping, `enable_wrap`/`wrap`), the inner ones are released (their
@@ -163,7 +176,10 @@ class ShardedWrapper(nn.Module):
         self._only_on_root("state_dict")
         settings = self._state_dict_settings
         if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
-            result = engine.sharded_state_dict(self._sharded)
+            from fsdp_bridge.checkpoint import model_state
+
+            result = model_state.get_model_state_dict(
+                self, cpu_offload=getattr(settings.state_dict_config, "offload_to_cpu", False))
         else:
             config = settings.state_dict_config
             result = engine.full_state_dict(
@@ -180,7 +196,9 @@ class ShardedWrapper(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         self._only_on_root("load_state_dict")
         if self._state_dict_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
-            engine.load_sharded_state_dict(self._sharded, state_dict, strict=strict)
+            from fsdp_bridge.checkpoint import model_state
+
+            return model_state.set_model_state_dict(self, state_dict, strict=strict)
         else:
             engine.load_full_state_dict(self._sharded, state_dict, strict=strict)
         return nn.modules.module._IncompatibleKeys([], [])
@@ -302,7 +320,11 @@ class ShardedWrapper(nn.Module):
         root = ShardedWrapper._root(model)
         settings = root._state_dict_settings
         if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
-            return optim.state_dict()
+            from fsdp_bridge.checkpoint import optim_state
+
+            return optim_state.get_optimizer_state_dict(
+                root, [optim],
+                cpu_offload=getattr(settings.optim_state_dict_config, "offload_to_cpu", False))
         rank0_only = getattr(settings.optim_state_dict_config, "rank0_only", False)
         return engine.full_optim_state_dict(root._sharded, optim, rank0_only=rank0_only)
 
@@ -312,7 +334,12 @@ class ShardedWrapper(nn.Module):
                                  load_directly: bool = False, group=None) -> dict:
         root = ShardedWrapper._root(model)
         if root._state_dict_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
-            result = optim_state_dict
+            # Name-keyed DTensors of any world size: load them, and return the optimizer's own
+            # state dict, which is what `optim.load_state_dict` then expects.
+            from fsdp_bridge.checkpoint import optim_state
+
+            optim_state.set_optimizer_state_dict(root, [optim], optim_state_dict)
+            result = optim.state_dict()
         else:
             result = engine.optim_state_dict_to_load(root._sharded, optim, optim_state_dict)
         if load_directly:

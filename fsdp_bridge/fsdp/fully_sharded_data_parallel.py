@@ -189,5 +189,14 @@ class FullyShardedDataParallel(ShardedWrapper):
         self._attach(module, sharded, dict(translate_kwargs, process_group=process_group,
                                            device_mesh=device_mesh), nested)
 
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        """The strategy in effect, as torch's FSDP1 reports it: the one passed (FULL_SHARD by
+        default), or NO_SHARD when the shard group has one rank (FSDP1 switches to NO_SHARD
+        then, and scripts that branch on this attribute see that)."""
+        if self._sharded.comm.shard_size == 1:
+            return ShardingStrategy.NO_SHARD
+        return self._fsdp_kwargs["sharding_strategy"]
+
 
 FullyShardedDataParallel.__module__ = "fsdp_bridge.fsdp"

@@ -13,7 +13,7 @@ import sys
 import time
 
 from fsdp_bridge.migrate import report
-from fsdp_bridge.migrate.driver import TARGETS, FileResult, Writer, run_all, write_problem
+from fsdp_bridge.migrate.driver import TARGETS, FileResult, Writer, run_all, settle_type_checks, write_problem
 from fsdp_bridge.migrate.files import walk
 
 HELP = "Rewrite FSDP code between dialects (FSDP1 -> bridge / FSDP2 / YaFSDP) with libcst."
@@ -64,11 +64,23 @@ def _diff(result: FileResult) -> str:
     return "".join(difflib.unified_diff(old, new, f"a/{result.path}", f"b/{result.path}"))
 
 
-def _write(results: list[FileResult]) -> None:
-    """Check every file to be rewritten, then rewrite those that can be (problems become errors)."""
+# Sites of a constructor the rewrite turns into the new dialect.
+CONSTRUCTOR_RULES = {"FB100", "FB101", "FB300", "FB301"}
+
+
+def _write(results: list[FileResult], target: str, jobs: int) -> list[FileResult]:
+    """Check every file to be rewritten, then rewrite those that can be (problems become errors).
+
+    A file that cannot be written keeps its FSDP1 constructors, so the type checks of the other
+    files are settled again, knowing that, before anything is written."""
+    problems = {r.path: write_problem(r.path) for r in results if r.changed}
+    stuck = [f"{r.path} (cannot be written)" for r in results if problems.get(r.path)
+             and any(site["rule"] in CONSTRUCTOR_RULES for site in r.sites)]
+    if stuck:
+        results = settle_type_checks(results, target, jobs, stuck)
     pending = [r for r in results if r.changed]
     for result in pending:
-        result.error = write_problem(result.path)
+        result.error = problems[result.path] if result.path in problems else write_problem(result.path)
     with Writer() as writer:
         for result in pending:
             if result.error is None:
@@ -79,6 +91,7 @@ def _write(results: list[FileResult]) -> None:
     for result in pending:
         if result.error is not None:
             result.new_source = None  # not rewritten: the report must not say it was
+    return results
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,9 +107,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"fsdp-bridge migrate: {exc}", file=sys.stderr)
         return 2
     progress = _Progress(len(paths))
-    results = list(run_all(paths, args.target, args.jobs, progress))
+    results = run_all(paths, args.target, args.jobs, progress)
     if args.mode == "write":
-        _write(results)
+        results = _write(results, args.target, args.jobs)
     for result in results:
         if result.error:
             print(f"error: {result.path}: {result.error}", file=sys.stderr)

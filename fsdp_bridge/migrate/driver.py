@@ -1,5 +1,15 @@
 """Run one codemod over one file; run many files in worker processes; write atomically.
 
+[Note: type checks are settled over the whole tree]
+Whether `isinstance(x, FullyShardedDataParallel)` may become `isinstance(x, FSDPModule)` depends
+on every file of the run: a constructor left as FSDP1 in one file builds the modules another file
+checks. So every file is first rewritten as if the rest of the tree kept no FSDP1 constructor,
+each result noting where its own file keeps them and whether it narrowed a type check; then, if
+anything is kept anywhere (or a file that mentions FSDP could not be read, parsed or written),
+the files that narrowed a check are rewritten again, told where, so that their checks accept
+both classes. Nothing is written before this is settled (see codemods/_common.py, [Note: what
+the tree keeps of FSDP1]).
+
 [Note: nothing half-done survives a kill]
 A file is replaced by `os.replace` of a complete temporary file, so readers see the original or
 the full rewrite. SIGKILL leaves no chance to clean up in the process itself, so two things do it
@@ -36,6 +46,8 @@ class FileResult:
     sites: list[dict] = dataclasses.field(default_factory=list)
     error: str | None = None
     lines: int = 0
+    kept_fsdp1: list[str] = dataclasses.field(default_factory=list)  # "line 12 (FB302)"
+    narrowed: bool = False  # a type check was narrowed to the new class only
 
     @property
     def changed(self) -> bool:
@@ -51,17 +63,37 @@ def _command(target: str):
     return {"bridge": ToBridgeCommand, "fsdp2": ToFsdp2Command, "yafsdp": ToYafsdpCommand}[target]
 
 
-def transform_source(source: str, target: str, path: str = "<string>") -> tuple[str, list[dict]]:
-    """Rewrite one file's text; returns (new text, report sites). Raises on a parse error."""
+def transform_source(source: str, target: str, path: str = "<string>",
+                     kept_elsewhere: tuple[str, ...] = ()) -> tuple[str, list[dict]]:
+    """Rewrite one file's text; returns (new text, report sites). Raises on a parse error.
+
+    `kept_elsewhere`: where the rest of the tree keeps FSDP1 constructors (empty: nowhere, as
+    when this file is the whole tree)."""
+    new_source, sites, _ = transform_with_facts(source, target, path, kept_elsewhere)
+    return new_source, sites
+
+
+def transform_with_facts(source: str, target: str, path: str = "<string>",
+                         kept_elsewhere: tuple[str, ...] = ()) -> tuple[str, list[dict], dict]:
+    """`transform_source`, plus the file's facts: {"kept": [...], "narrowed": bool}."""
     import libcst as cst
     from libcst.codemod import CodemodContext
 
-    from codemods._common import SITES_KEY
+    from codemods._common import FILE_FACTS_KEY, SITES_KEY, TREE_KEY
 
-    context = CodemodContext(filename=path)
-    command = _command(target)(context)
-    module = command.transform_module(cst.parse_module(source))
-    return module.code, [site.as_dict() for site in context.scratch.get(SITES_KEY, [])]
+    def run(kept: tuple[str, ...]):
+        context = CodemodContext(filename=path, scratch={TREE_KEY: kept})
+        module = _command(target)(context).transform_module(cst.parse_module(source))
+        facts = context.scratch.get(FILE_FACTS_KEY, {"kept": [], "narrowed": False})
+        return module.code, [site.as_dict() for site in context.scratch.get(SITES_KEY, [])], facts
+
+    new_source, sites, facts = run(tuple(kept_elsewhere))
+    if facts["narrowed"] and facts["kept"]:
+        # A check may come before the constructor it depends on: run again, knowing.
+        own = tuple(f"this file, {where}" for where in facts["kept"])
+        new_source, sites, again = run((*kept_elsewhere, *own))
+        facts = {"kept": facts["kept"], "narrowed": again["narrowed"]}
+    return new_source, sites, facts
 
 
 def _yaml_sites(data: bytes) -> list[dict]:
@@ -85,8 +117,9 @@ def _notebook_sites(data: bytes, target: str) -> list[dict]:
                        "migrate that, and convert back"}]
 
 
-def process(path: str, target: str) -> FileResult:
-    """Everything `migrate` does to one file, except writing it."""
+def process(path: str, target: str, kept_elsewhere: tuple[str, ...] = ()) -> FileResult:
+    """Everything `migrate` does to one file, except writing it (see [Note: type checks are
+    settled over the whole tree] for `kept_elsewhere`)."""
     result = FileResult(path)
     try:
         with open(path, "rb") as handle:
@@ -109,7 +142,8 @@ def process(path: str, target: str) -> FileResult:
     bom = codecs.BOM_UTF8 if data.startswith(codecs.BOM_UTF8) else b""
     try:
         source = data[len(bom):].decode("utf-8")
-        new_source, result.sites = transform_source(source, target, path)
+        new_source, result.sites, facts = transform_with_facts(source, target, path, kept_elsewhere)
+        result.kept_fsdp1, result.narrowed = list(facts["kept"]), facts["narrowed"]
     except UnicodeDecodeError as exc:
         result.error = f"not UTF-8: {exc}"
     except Exception as exc:  # a parse error (libcst.ParserSyntaxError) or a codemod bug
@@ -121,12 +155,54 @@ def process(path: str, target: str) -> FileResult:
     return result
 
 
-def _process_star(args: tuple[str, str]) -> FileResult:
+def _process_star(args: tuple) -> FileResult:
     return process(*args)
 
 
-def run_all(paths: Iterable[str], target: str, jobs: int, on_done: Callable[[], None]) -> Iterator[FileResult]:
-    """Process files in order; files that need parsing go to `jobs` worker processes."""
+# Sites that show a file builds FSDP1 modules without a constructor this run rewrites.
+_FSDP1_BUILDERS = {"FB401": "accelerate config", "FB402": "notebook, not migrated"}
+
+
+def fsdp1_kept(results: Iterable[FileResult]) -> list[str]:
+    """Where the run's files keep FSDP1 constructors, for the report: "path line 3 (FB302)"."""
+    kept = []
+    for result in results:
+        kept += [f"{result.path} {where}" for where in result.kept_fsdp1]
+        kept += [f"{result.path} ({_FSDP1_BUILDERS[s['rule']]})" for s in result.sites if s["rule"] in _FSDP1_BUILDERS]
+        if result.error is not None:
+            kept.append(f"{result.path} (not migrated: {result.error.split(':')[0]})")
+    return kept
+
+
+def settle_type_checks(results: list[FileResult], target: str, jobs: int,
+                       extra_kept: Iterable[str] = ()) -> list[FileResult]:
+    """Rewrite again the files whose type checks were narrowed while the tree keeps FSDP1
+    constructors (see [Note: type checks are settled over the whole tree])."""
+    kept = tuple(fsdp1_kept(results)) + tuple(extra_kept)
+    redo = [r.path for r in results if r.narrowed and r.error is None]
+    if not kept or not redo:
+        return results
+    again = {r.path: r for r in _map(redo, target, jobs, kept)}
+    return [again.get(r.path, r) for r in results]
+
+
+def _map(paths: list[str], target: str, jobs: int, kept: tuple[str, ...] = ()) -> Iterator[FileResult]:
+    if jobs <= 1 or len(paths) <= 1:
+        for path in paths:
+            yield process(path, target, kept)
+        return
+    with ProcessPoolExecutor(max_workers=min(jobs, len(paths)), initializer=_die_with_parent,
+                             initargs=(os.getpid(),)) as pool:
+        yield from pool.map(_process_star, [(p, target, kept) for p in paths])
+
+
+def run_all(paths: Iterable[str], target: str, jobs: int, on_done: Callable[[], None]) -> list[FileResult]:
+    """Process files in order (those that need parsing in `jobs` worker processes), then settle
+    the type checks over the whole tree."""
+    return settle_type_checks(list(_first_pass(paths, target, jobs, on_done)), target, jobs)
+
+
+def _first_pass(paths: Iterable[str], target: str, jobs: int, on_done: Callable[[], None]) -> Iterator[FileResult]:
     paths = list(paths)
     if jobs <= 1:
         for path in paths:
@@ -141,16 +217,9 @@ def run_all(paths: Iterable[str], target: str, jobs: int, on_done: Callable[[], 
             on_done()
         else:
             candidates.append(path)
-    if len(candidates) <= 1:
-        for path in candidates:
-            results[path] = process(path, target)
-            on_done()
-    else:
-        with ProcessPoolExecutor(max_workers=min(jobs, len(candidates)), initializer=_die_with_parent,
-                                 initargs=(os.getpid(),)) as pool:
-            for result in pool.map(_process_star, [(p, target) for p in candidates]):
-                results[result.path] = result
-                on_done()
+    for result in _map(candidates, target, jobs):
+        results[result.path] = result
+        on_done()
     for path in paths:
         yield results[path]
 

@@ -502,6 +502,93 @@ def native_fsdp1_interop(rank, world, directory, model_name="llama"):
     return out
 
 
+# -- the llama-recipes sharded FSDP1 checkpoint, on our FSDP1 face ---------------------------------
+
+
+def _fsdp1_face(kind):
+    """(FullyShardedDataParallel class, model builder) of native FSDP1 or of ours."""
+    if kind == "native":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        return FullyShardedDataParallel, functools.partial(build, "native_fsdp1")
+    from fsdp_bridge.fsdp import FullyShardedDataParallel
+    return FullyShardedDataParallel, functools.partial(build, "fsdp1")
+
+
+def recipes_save(FSDP, model, optimizer, path):
+    """llama-recipes' save_model_and_optimizer_sharded, as written there (FSDP1 names)."""
+    import torch.distributed.checkpoint as dist_cp
+    from torch.distributed.fsdp import StateDictType
+
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        state_dict = {"model": model.state_dict()}
+        if optimizer is not None:
+            state_dict["optim"] = FSDP.optim_state_dict(model, optimizer)
+        dist_cp.save(state_dict, storage_writer=dist_cp.FileSystemWriter(path))
+
+
+def recipes_load(FSDP, model, optimizer, path):
+    """llama-recipes' load_model_sharded (and the optimizer the same way, through
+    FSDP.optim_state_dict_to_load, when `optimizer` is given)."""
+    import torch.distributed.checkpoint as dist_cp
+    from torch.distributed.fsdp import StateDictType
+
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        state_dict = {"model": model.state_dict()}
+        if optimizer is not None:
+            state_dict["optim"] = FSDP.optim_state_dict(model, optimizer)
+        dist_cp.load(state_dict, storage_reader=dist_cp.FileSystemReader(path))
+        model.load_state_dict(state_dict["model"])
+        if optimizer is not None:
+            optimizer.load_state_dict(FSDP.optim_state_dict_to_load(model, optimizer, state_dict["optim"]))
+
+
+def llama_recipes_sharded(rank, world, directory):
+    """Ours -> ours, native -> ours and ours -> native, model and optimizer, each compared
+    with the saving model: bit-identical."""
+    warnings.simplefilter("ignore")
+    OursFSDP, build_ours = _fsdp1_face("ours")
+    NativeFSDP, build_native_fsdp1 = _fsdp1_face("native")
+    out = {}
+    ours = build_ours(seed=21)
+    ours_opt = optimizer_for(ours)
+    train_steps(ours, ours_opt, 2)
+    path = os.path.join(directory, "recipes_ours")
+    recipes_save(OursFSDP, ours, ours_opt, path)
+    save_truth(path + ".truth", ours, ours_opt)
+    loaded = build_ours(seed=22)
+    loaded_opt = optimizer_for(loaded)
+    recipes_load(OursFSDP, loaded, loaded_opt, path)
+    out["ours_to_ours"] = compare_truth(path + ".truth", loaded, loaded_opt)
+    out["ours_to_ours_step"] = _pair_diffs(_step_truth(ours, ours_opt), _step_truth(loaded, loaded_opt))
+    native = build_native_fsdp1(seed=23)
+    native_opt = optimizer_for(native)
+    native_path = os.path.join(directory, "recipes_native")
+    train_steps(native, native_opt, 2)
+    recipes_save(NativeFSDP, native, native_opt, native_path)
+    from_native = build_ours(seed=24)
+    from_native_opt = optimizer_for(from_native)
+    recipes_load(OursFSDP, from_native, from_native_opt, native_path)
+    out["native_to_ours"] = _pair_diffs(truth(native, native_opt), truth(from_native, from_native_opt))
+    to_native = build_native_fsdp1(seed=25)
+    to_native_opt = optimizer_for(to_native)
+    # Native FSDP1's template has optimizer state only after a step; the load overwrites it.
+    train_steps(to_native, to_native_opt, 1)
+    recipes_load(NativeFSDP, to_native, to_native_opt, path)
+    out["ours_to_native"] = compare_truth(path + ".truth", to_native, to_native_opt)
+    return out
+
+
+def llama_recipes_reshard(rank, world, directory):
+    """The world-2 llama-recipes checkpoint of ours, loaded by ours at this world size."""
+    warnings.simplefilter("ignore")
+    OursFSDP, build_ours = _fsdp1_face("ours")
+    path = os.path.join(directory, "recipes_ours")
+    model = build_ours(seed=26)
+    optimizer = optimizer_for(model)
+    recipes_load(OursFSDP, model, optimizer, path)
+    return compare_truth(path + ".truth", model, optimizer)
+
+
 def _ours_to_native(directory, native_kind, model_name, seed, ours, ours_opt) -> dict:
     """Save ours with our checkpoint API, load it into a fresh native model through torch's
     own DCP helpers, and compare after the load and after one more step."""
@@ -540,7 +627,8 @@ def world2_first(rank, world, directory):
                      ("native_fsdp2", lambda: native_fsdp2_interop(rank, world, directory)),
                      ("native_fsdp2_gpt2", lambda: native_fsdp2_interop(rank, world, directory,
                                                                         "gpt2")),
-                     ("native_fsdp1", lambda: native_fsdp1_interop(rank, world, directory))):
+                     ("native_fsdp1", lambda: native_fsdp1_interop(rank, world, directory)),
+                     ("llama_recipes", lambda: llama_recipes_sharded(rank, world, directory))):
         out[name] = fn()
         dist.barrier()
     out["resume"] = resume(rank, world, directory)  # last: it replaces the process group
@@ -550,11 +638,13 @@ def world2_first(rank, world, directory):
 def world4(rank, world, directory):
     out = {"reshard": reshard_stage(rank, world, directory, 1, "hybrid", "w2", "w4")}
     out["legacy"] = legacy_per_rank_load(rank, world, directory)
+    out["llama_recipes"] = llama_recipes_reshard(rank, world, directory)
     return out
 
 
 def world1(rank, world, directory):
-    return {"reshard": reshard_stage(rank, world, directory, 2, "yafsdp", "w4", "w1")}
+    return {"reshard": reshard_stage(rank, world, directory, 2, "yafsdp", "w4", "w1"),
+            "llama_recipes": llama_recipes_reshard(rank, world, directory)}
 
 
 def world2_last(rank, world, directory):

@@ -75,6 +75,24 @@ def test_native_fsdp2_both_ways(runs, key):
         assert result["in_step"] < TIGHT and result["out_step"] < TIGHT, result
 
 
+def test_llama_recipes_sharded_checkpoint_on_our_fsdp1(runs):
+    # FSDP.state_dict_type(SHARDED_STATE_DICT) + dcp.save / dcp.load + model.load_state_dict,
+    # written as llama-recipes writes it, the optimizer through FSDP.optim_state_dict /
+    # optim_state_dict_to_load: ours -> ours, native FSDP1 -> ours, ours -> native FSDP1.
+    for rank_result in runs["first"]:
+        result = rank_result["llama_recipes"]
+        assert result["ours_to_ours"] == {"params": 0.0, "optim": 0.0}, result
+        assert result["ours_to_ours_step"] == 0.0, result
+        assert result["native_to_ours"] == 0.0, result
+        assert result["ours_to_native"] == {"params": 0.0, "optim": 0.0}, result
+
+
+def test_llama_recipes_sharded_checkpoint_loads_at_other_world_sizes(runs):
+    for stage in ("four", "one"):  # saved at world 2
+        for rank_result in runs[stage]:
+            assert rank_result["llama_recipes"] == {"params": 0.0, "optim": 0.0}, stage
+
+
 def test_native_fsdp1_full_and_sharded_both_ways(runs):
     for rank_result in runs["first"]:
         result = rank_result["native_fsdp1"]

@@ -1,7 +1,8 @@
 """Before/after edge cases, with libcst's CodemodTest (the style of libcst's own commands)."""
 
-from libcst.codemod import CodemodTest
+from libcst.codemod import CodemodContext, CodemodTest
 
+from codemods._common import TREE_KEY
 from codemods.to_bridge import ToBridgeCommand
 from codemods.to_fsdp2 import ToFsdp2Command
 from codemods.to_yafsdp import ToYafsdpCommand
@@ -140,6 +141,22 @@ class TestToFsdp2(CodemodTest):
                 from torch.distributed.fsdp import FullyShardedDataParallel
 
                 return isinstance(module, FSDPModule)
+        """
+        # As `fsdp-bridge migrate` runs it on a tree that keeps no FSDP1 constructor.
+        self.assertCodemod(before, after, context_override=CodemodContext(scratch={TREE_KEY: ()}))
+
+    def test_type_check_accepts_both_when_the_tree_is_unknown(self):
+        # libcst's own runner shows the codemod one file at a time: other files may keep FSDP1
+        # constructors, so the check must not be narrowed.
+        before = """
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+            ok = isinstance(model, FSDP)
+        """
+        after = """
+            from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP
+
+            ok = isinstance(model, (FSDPModule, FSDP))
         """
         self.assertCodemod(before, after)
 

@@ -239,6 +239,21 @@ def fsdp1_state_dicts(which, rank, world):
     return out
 
 
+def fsdp1_sharding_strategy(which, rank, world):
+    """`model.sharding_strategy` as scripts read it: the strategy passed, FULL_SHARD by default,
+    NO_SHARD when the shard group has one rank (FSDP1 switches to it)."""
+    fsdp = dialect(which)
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    strategies = {"default": {}, "grad_op": {"sharding_strategy": fsdp.ShardingStrategy.SHARD_GRAD_OP},
+                  "no_shard": {"sharding_strategy": fsdp.ShardingStrategy.NO_SHARD},
+                  "one_rank": {"process_group": singles[rank]}}
+    out = {}
+    for name, kwargs in strategies.items():
+        wrapped = fsdp.FullyShardedDataParallel(nn.Linear(4, 4), device_id=torch.device("cpu"), **kwargs)
+        out[name] = wrapped.sharding_strategy.name
+    return out
+
+
 # -- FSDP2 ---------------------------------------------------------------------------------------
 
 
@@ -413,6 +428,7 @@ CASES = {
     "fsdp1_optim": _optim_and_resume,
     "fsdp1_optim_ignored_module": _optim_ignored_module,
     "fsdp1_state_dicts": _both(fsdp1_state_dicts),
+    "fsdp1_sharding_strategy": _both(fsdp1_sharding_strategy),
     "fsdp2_forward_method": _both(fsdp2_forward_method),
     "fsdp2_tied_list": _both(fsdp2_tied_list),
     "fsdp2_unshard_reshard": _both(fsdp2_unshard_reshard),

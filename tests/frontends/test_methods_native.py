@@ -254,6 +254,15 @@ def test_apply_module_isinstance_fsdp_modules(world):
         print(f"state dict cases: max |ours - native| = {figure:.2e}")
 
 
+def test_sharding_strategy_attribute_reads_as_native(world):
+    expected = {"default": "FULL_SHARD", "grad_op": "SHARD_GRAD_OP", "no_shard": "NO_SHARD",
+                "one_rank": "NO_SHARD"}
+    for rank in (0, 1):
+        out = case(world, "fsdp1_sharding_strategy", rank)
+        assert out["native"] == expected, out["native"]
+        assert out["ours"] == expected, out["ours"]
+
+
 # -- FSDP2 ---------------------------------------------------------------------------------------
 
 
