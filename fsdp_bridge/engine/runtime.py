@@ -148,6 +148,22 @@ class ShardedModel:
             dtype: GradBufferPool(size, dtype, self.device) for dtype, size in sizes.items()
         }
 
+    def _retype(self, group: FlatGroup) -> None:
+        """The model was cast after wrapping (see FlatGroup.adopt_replaced_params): gather
+        and reduce in the new master dtype, unless MixedPrecision fixes them."""
+        dtype = group.master.dtype
+        group.compute_dtype = self.mp.param_dtype or dtype
+        group.reduce_dtype = self.mp.effective_reduce_dtype(dtype)
+        old = group.buffer
+        group.buffer = GatherBuffer(group.padded_numel, group.compute_dtype, self.device)
+        if old in self.transient_buffers:
+            self.transient_buffers[self.transient_buffers.index(old)] = group.buffer
+            group.buffer.release()
+        pool = self.grad_pools.get(group.reduce_dtype)
+        if group.requires_grad and (pool is None or pool.buffers[0].numel < group.padded_numel):
+            self.grad_pools[group.reduce_dtype] = GradBufferPool(
+                group.padded_numel, group.reduce_dtype, self.device)
+
     def _register_hooks(self) -> None:
         self.hook_handles = []
         for unit in self.units:
@@ -211,7 +227,8 @@ class ShardedModel:
         for unit in self.units:
             for group in unit.groups:
                 group.invalidate()
-                group.adopt_replaced_params()
+                if group.adopt_replaced_params():
+                    self._retype(group)
                 group.release_dropped_grads()
         if self.forward_order:
             self.last_forward_order = self.forward_order
