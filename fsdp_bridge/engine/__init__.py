@@ -31,6 +31,7 @@ from fsdp_bridge.engine.full_params import (
     tag_parameters,
     unshard_unit,
 )
+from fsdp_bridge.engine.rollback import restored_on_failure
 from fsdp_bridge.engine.runtime import ShardedModel
 from fsdp_bridge.engine.state_dict import full_state_dict, load_full_state_dict
 from fsdp_bridge.plan import Plan, ShardingMode
@@ -50,6 +51,7 @@ __all__ = [
     "owner_of",
     "release",
     "reshard_unit",
+    "restored_on_failure",
     "run_as_forward",
     "run_pre_forward",
     "set_gradient_divide_factor",
@@ -104,10 +106,11 @@ def shard_model(
     world_group = dist.group.WORLD if dist.is_initialized() else None
     comm = Comm(shard_group, replicate_group, world_group)
     device = torch.device(device) if device is not None else default_device(shard_group)
-    sharded = ShardedModel(module, plan, comm, device, param_init_fn)
-    tag_parameters(sharded)
-    # object.__setattr__: keep the state out of the module tree (not a submodule).
-    object.__setattr__(module, ATTRIBUTE, sharded)
+    with restored_on_failure(module, buffer_values=plan.sync_module_states):
+        sharded = ShardedModel(module, plan, comm, device, param_init_fn)
+        tag_parameters(sharded)
+        # object.__setattr__: keep the state out of the module tree (not a submodule).
+        object.__setattr__(module, ATTRIBUTE, sharded)
     return sharded
 
 

@@ -2,13 +2,14 @@
 flat buffer, padded to a multiple of the shard-group size, of which this rank keeps one slice.
 
 [Note: what the user sees]
-Each original parameter stays registered on its module, under its name, as an `nn.Parameter`
-that is a view into this rank's slice of the flat fp32 master (FSDP1's `use_orig_params`
-layout): 1-D, holding only the elements that fall in this rank's slice (possibly none). So
-`named_parameters()` keeps the original names, optimizers built on `model.parameters()` or on
-name-based groups update the masters in place, and `.grad` is a view into the flat gradient
-shard. While a unit runs, the full parameters are views of its gathered buffer, installed in
-the owner module's `__dict__`, which shadows `_parameters` for attribute lookup.
+Each original parameter stays registered on its module, under its name, and stays the very
+`nn.Parameter` object the user created: its `.data` becomes a view into this rank's slice of
+the flat fp32 master (FSDP1's `use_orig_params` layout): 1-D, holding only the elements that
+fall in this rank's slice (possibly none). So `named_parameters()` keeps the original names,
+optimizers built on `model.parameters()` (before or after wrapping) or on name-based groups
+update the masters in place, and `.grad` is a view into the flat gradient shard. While a unit
+runs, the full parameters are views of its gathered buffer, installed in the owner module's
+`__dict__`, which shadows `_parameters` for attribute lookup.
 """
 
 from __future__ import annotations
@@ -76,9 +77,74 @@ class FlatGroup:
             self.comm.broadcast_from_first(full)
         return full[self.shard_start : self.shard_start + self.shard_numel].clone()
 
-    def adopt_replaced_params(self) -> None:
-        """Nothing to adopt: this layout's parameters are created and registered by the engine
-        alone (see RowGroup for the layout whose parameters users may replace)."""
+    def adopt_replaced_params(self) -> bool:
+        """Take in a cast of the model since the last forward (`model.half()`,
+        `model.to(torch.float64)`): torch's `Module.to` keeps the Parameter objects but gives
+        each new `.data`, which no longer aliases the master. The casted values become the
+        master, in their dtype, as native FSDP1 casts its flat parameters; the parameters
+        (and gradients kept across the cast) become views of it again. Returns whether the
+        master's dtype changed: the runtime then rebuilds this group's buffers."""
+        master_ptr = self.master.untyped_storage().data_ptr()
+        moved = [index for index, slot in enumerate(self.slots)
+                 if slot.param.untyped_storage().data_ptr() != master_ptr
+                 or slot.param.dtype != self.master.dtype]
+        if not moved:
+            return False
+        self._check_castable(moved)
+        if self.reduced_this_cycle or self.unsynced_grad is not None:
+            raise ValueError(
+                f"fsdp_bridge: parameter {self.slots[moved[0]].fqn!r} was cast in the middle "
+                "of a gradient accumulation cycle (gradients of earlier micro-steps are held "
+                f"in {self.master.dtype}); accepted: a cast between optimizer steps. Cast the "
+                "model before the first micro-step of a cycle.")
+        dtype = self.slots[moved[0]].param.dtype
+        master = torch.zeros(self.shard_numel, dtype=dtype, device=self.master.device)
+        grads = torch.zeros_like(master) if any(
+            slot.param.grad is not None for slot in self.slots) else None
+        for index, slot in enumerate(self.slots):
+            lo, hi = self._local_range(index)
+            master[lo:hi] = slot.param.detach()
+            if grads is not None and slot.param.grad is not None:
+                grads[lo:hi] = slot.param.grad
+        retyped = dtype != self.master.dtype
+        self.invalidate()
+        self.master = master
+        for index in range(len(self.slots)):
+            self._point_at_master(index)
+        self.grad_shard = self.accumulator = self.grad_shard_ref = None
+        if grads is not None:  # held by the `.grad` views only, as after any cycle
+            self.grad_shard = grads
+            for index, param in enumerate(self.local_params):
+                param.grad = self._grad_of(index)
+            self.grad_shard_ref, self.grad_shard = weakref.ref(grads), None
+        return retyped
+
+    def _check_castable(self, moved: list[int]) -> None:
+        """A cast is taken in only when it leaves the group whole: one dtype, the same device
+        and the same local shapes. Anything else is refused by name (never guessed)."""
+        dtypes = {self.slots[i].param.dtype for i in range(len(self.slots))}
+        for index in moved:
+            slot = self.slots[index]
+            lo, hi = self._local_range(index)
+            problem = None
+            if slot.param.device != self.master.device:
+                problem = (f"moved to {slot.param.device} (sharded on {self.master.device})",
+                           "Move the model before wrapping it (device_id), not after.")
+            elif tuple(slot.param.shape) != (hi - lo,):
+                problem = (f"given shape {tuple(slot.param.shape)} (its local shard has "
+                           f"{(hi - lo,)})", "Load new values with load_state_dict, or inside "
+                           "summon_full_params.")
+            elif len(dtypes) > 1:
+                found = ", ".join(sorted(str(d) for d in dtypes))
+                problem = (f"cast to {slot.param.dtype} while parameters flattened with it "
+                           f"(unit {self.unit_name or '<root>'!r}) are now {found}",
+                           "Cast the whole wrapped model (e.g. model.half()), or use "
+                           "MixedPrecision(param_dtype=...).")
+            if problem is not None:
+                raise ValueError(
+                    f"fsdp_bridge: parameter {slot.fqn!r} was {problem[0]} after wrapping; "
+                    "accepted: a cast of whole units to one floating dtype on their device. "
+                    f"{problem[1]}")
 
     def _flatten_originals(self, device: torch.device) -> torch.Tensor:
         parts = [slot.param.detach().reshape(-1).to(device) for slot in self.slots]
@@ -96,18 +162,24 @@ class FlatGroup:
         return start - self.shard_start, end - self.shard_start
 
     def _register_local_params(self) -> list[nn.Parameter]:
-        local_params = []
+        """The user's own Parameter objects become the local shards: their `.data` is pointed
+        at their piece of the master (and the full original is freed), so an optimizer built
+        before wrapping, which holds these very objects, updates the masters (as native FSDP1
+        with `use_orig_params=True`, whose original parameters stay live the same way)."""
         for index, slot in enumerate(self.slots):
-            lo, hi = self._local_range(index)
-            local = nn.Parameter(self.master[lo:hi], requires_grad=self.requires_grad)
+            self._point_at_master(index)
             # How many ranks hold this same piece (replicas of a shard), so layout-independent
             # digests (the equivalence harness) count it once.
-            local._fsdp_bridge_replicas = self.comm.replicate_size
+            slot.param._fsdp_bridge_replicas = self.comm.replicate_size
             for module, attr in slot.owners:
-                module._parameters[attr] = local
-            slot.param.data = torch.empty(0, dtype=slot.param.dtype)  # free the original
-            local_params.append(local)
-        return local_params
+                module._parameters[attr] = slot.param
+        return [slot.param for slot in self.slots]
+
+    def _point_at_master(self, index: int) -> None:
+        lo, hi = self._local_range(index)
+        param = self.slots[index].param
+        param.grad = None  # a full-shaped gradient would not fit the shard
+        param.data = self.master[lo:hi]
 
     # -- gathering ----------------------------------------------------------------------------
 

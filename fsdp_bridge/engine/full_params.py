@@ -55,9 +55,13 @@ def release(sharded: ShardedModel) -> None:
                     continue
                 flat = group.gather_full_master()
                 for slot, value in group.split(flat):
+                    slot.param.grad = None
                     slot.param.data = value.clone()
                     slot.param.requires_grad_(group.requires_grad)
-                    slot.param.grad = None
+                    # An ordinary parameter again: no owner to combine norms over, no
+                    # replicas to count (the objects are the user's, they outlive us).
+                    slot.param.__dict__.pop(OWNER_ATTRIBUTE, None)
+                    slot.param.__dict__.pop("_fsdp_bridge_replicas", None)
                     for owner, attr in slot.owners:
                         owner.__dict__.pop(attr, None)
                         owner._parameters[attr] = slot.param

@@ -112,7 +112,7 @@ class RowGroup(FlatGroup):
         shape = (rows,) + tuple(self.slots[index].shape[1:])
         return shard[start : start + rows * self.row_numels[index]].view(shape)
 
-    def adopt_replaced_params(self) -> None:
+    def adopt_replaced_params(self) -> bool:
         """Take in parameters the user replaced since the group was built (`load_state_dict(
         assign=True)`, `module.to_empty()`): their values are copied into the master and
         they become views of it, as the ones they replaced were."""
@@ -138,6 +138,7 @@ class RowGroup(FlatGroup):
             self.local_params[index] = current
             self._point_at_master(index)
             self.invalidate()
+        return False  # a change of dtype is refused above
 
     def expose_full(self) -> None:
         """FSDP2's `unshard()`: the owner modules hold the gathered parameters (compute dtype)

@@ -145,6 +145,18 @@ class ShardedModel:
                 else:
                     group.dedicated = True
 
+    def _retype(self, group: FlatGroup) -> None:
+        """The model was cast after wrapping (see FlatGroup.adopt_replaced_params): gather
+        and reduce in the new master dtype, unless MixedPrecision fixes them."""
+        dtype = group.master.dtype
+        group.compute_dtype = self.mp.param_dtype or dtype
+        group.reduce_dtype = self.mp.effective_reduce_dtype(dtype)
+        old = group.buffer
+        group.buffer = GatherBuffer(group.padded_numel, group.compute_dtype, self.device)
+        group.buffer.release()  # allocated at its next gather
+        if old in self.transient_buffers:
+            self.transient_buffers[self.transient_buffers.index(old)] = group.buffer
+
     def _register_hooks(self) -> None:
         self.hook_handles = []
         for unit in self.units:
@@ -208,7 +220,8 @@ class ShardedModel:
         for unit in self.units:
             for group in unit.groups:
                 group.invalidate()
-                group.adopt_replaced_params()
+                if group.adopt_replaced_params():
+                    self._retype(group)
         if self.forward_order:
             self.last_forward_order = self.forward_order
         self.forward_order = []

@@ -55,6 +55,10 @@ TABLE = register_table(
                        "implemented yet and the engine warns by name"),
             translated("process_group", "the shard group; a tuple (shard_pg, replicate_pg) "
                        "with a hybrid strategy"),
+            rejected("process_group of a nested wrapper", "a hand-nested wrapper over other "
+                     "ranks than the root's (e.g. experts with a one-rank group) is refused by "
+                     "name: the engine shards one model over one set of ranks; rank-local "
+                     "modules go in the root's ignored_modules instead"),
             translated("device_mesh", "1-D: the shard group; 2-D (hybrid): dim 0 replicate, "
                        "dim 1 shard"),
             translated("ignored_modules", "Plan.ignored_params: their parameters are neither "
@@ -65,9 +69,10 @@ TABLE = register_table(
             translated("device_id", "the compute device (an int is a CUDA index)"),
             translated("sync_module_states", "Plan.sync_module_states: rank 0's parameters and "
                        "buffers are broadcast (works on CPU, unlike native FSDP1)"),
-            translated("use_orig_params", "both values: parameters are always the original "
-                       "ones (1-D local shards under their names); False only changes what "
-                       "native FSDP1 shows in named_parameters() (FlatParameters)"),
+            translated("use_orig_params", "both values: parameters are always the user's "
+                       "own Parameter objects (1-D local shards under their names), so an "
+                       "optimizer built before wrapping trains; False only changes what native "
+                       "FSDP1 shows in named_parameters() (FlatParameters)"),
             ignored("backward_prefetch", "BACKWARD_PRE is what the engine does; BACKWARD_POST "
                     "and None are ignored (numerics are identical)"),
             ignored("forward_prefetch", "the engine always prefetches the next unit in the "

@@ -27,6 +27,7 @@ takes full tensors and DTensors of another layout, converted per key to the para
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import weakref
@@ -42,6 +43,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from fsdp_bridge import engine
 from fsdp_bridge.engine.row_group import chunk_rows
 from fsdp_bridge.fsdp import _fsdp2_translate as T
+from fsdp_bridge.fsdp._stale_optimizer import mark_replaced
 
 CONFIG = "_fsdp_bridge_fsdp2"  # per fully_shard-ed module: its FullyShardCall
 SHARDED = "_fsdp_bridge_row_sharded"  # on each DTensor parameter fully_shard made
@@ -173,6 +175,20 @@ class FSDPModule:
 # -- helpers ----------------------------------------------------------------------------------
 
 
+def _already_in_use(module: nn.Module) -> bool:
+    """Whether `module` belongs to a model the engine has already sharded: it is a root, a
+    unit, or a module inside one (its parameters then have an owner; submodules of a model
+    that ran are not fully_shard-ed themselves, so only their parameters tell). A model that
+    ran *inside* `module` does not count: `module`'s first use releases it and shards all."""
+    if engine.get_sharded(module) is not None:
+        return True
+    if hasattr(module, CONFIG) and _root_sharded(module) is not None:
+        return True
+    inside = {id(sub) for sub in module.modules()} - {id(module)}
+    owners = {id(o): o for o in map(engine.owner_of, module.parameters()) if o is not None}
+    return any(id(owner.module) not in inside for owner in owners.values())
+
+
 def _root_sharded(module: nn.Module):
     call: FullyShardCall = getattr(module, CONFIG)
     root = call.root_of() if call.root_of is not None else None
@@ -270,18 +286,16 @@ def fully_shard(
     modules = T.check_call(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy,
                            offload_policy, ignored_params, dp_mesh_dims)
     for m in modules:
-        if engine.get_sharded(m) is not None or (hasattr(m, CONFIG) and
-                                                 _root_sharded(m) is not None):
-            raise T.bad("module", m, "a module whose model has not run yet (the engine's "
-                        "buffers are built at the first forward, for the fully_shard calls made "
-                        "until then)", "Call fully_shard on every module before the first "
-                        "forward.")
+        if _already_in_use(m):
+            raise T.bad("module", m, "a module whose model has not run yet: the sharding is "
+                        "fixed at the model's first forward (or unshard()), for the fully_shard "
+                        "calls made until then, and this module's model has already run",
+                        "Call fully_shard on every module before the first forward.")
         if hasattr(m, CONFIG):
             raise T.bad("module", m, "a module not fully_shard-ed yet (as FSDP2, which asserts)",
                         "Call fully_shard once per module.")
     _check_one_dtype(modules, mp_policy, ignored_params or ())
     mesh = mesh if mesh is not None else _default_mesh()
-    _to_dtensor_params(modules, mesh, ignored_params or ())
     call = FullyShardCall(
         modules=tuple(modules),
         mesh=mesh,
@@ -290,10 +304,15 @@ def fully_shard(
         offload_policy=offload_policy,
         ignored_params=frozenset(ignored_params or ()),
     )
-    for m in modules:
-        object.__setattr__(m, CONFIG, call)
-        _swap_class(m)
-        m.register_forward_pre_hook(_lazy_init_hook, with_kwargs=True, prepend=True)
+    # A parameter refused halfway (a scalar, a non-contiguous one) leaves nothing converted.
+    with contextlib.ExitStack() as stack:
+        for m in modules:
+            stack.enter_context(engine.restored_on_failure(m))
+        _to_dtensor_params(modules, mesh, ignored_params or ())
+        for m in modules:
+            object.__setattr__(m, CONFIG, call)
+            _swap_class(m)
+            m.register_forward_pre_hook(_lazy_init_hook, with_kwargs=True, prepend=True)
     return module
 
 
@@ -357,6 +376,7 @@ def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params) -> None:
                     name = f"{owner_name}.{attr}" if owner_name else attr
                     new = converted[id(param)] = _row_sharded(param, name, mesh)
                     setattr(param, REPLACED_BY, new)
+                    mark_replaced(param, name)
                 owner._parameters[attr] = new
                 _convert_loads_of(owner)
 

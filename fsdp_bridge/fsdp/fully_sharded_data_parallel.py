@@ -4,7 +4,10 @@ Differences users can see (all documented in the argument table):
 - Wrappers never stay nested: auto-wrapped units are units of the Plan, not wrapper modules in
   the tree, and hand-nested wrappers are adopted by the outer one (see `fsdp_bridge.wrapper`).
   `FSDP.fsdp_modules(model)` therefore lists the root wrappers only.
-- Parameters are always the original ones (1-D local shards, as `use_orig_params=True`).
+- Parameters are always the user's own Parameter objects (1-D local shards, as
+  `use_orig_params=True`), whatever `use_orig_params` says: an optimizer built before wrapping
+  trains.
+- A hand-nested wrapper over other ranks than the root's is refused (see check_nested_groups).
 - It runs on CPU without `device_id`, with `sync_module_states`, CPU offload and full state
   dicts offloaded to CPU (all of which native FSDP1 refuses on a CPU-only build).
 """
@@ -128,6 +131,43 @@ def resolve_groups(strategy: ShardingStrategy, process_group, device_mesh, devic
     return process_group, None
 
 
+def _ranks_of(*groups) -> list[int]:
+    """Every rank a wrapper communicates with (from this rank): the union of its groups (the
+    shard group and, hybrid or replicated, the replicate group); no group is the whole world."""
+    given = [group for group in groups if group is not None]
+    if not given:
+        return list(range(dist.get_world_size()))
+    return sorted({rank for group in given for rank in dist.get_process_group_ranks(group)})
+
+
+def check_nested_groups(module: nn.Module, shard_group, replicate_group) -> None:
+    """[Note: nested wrappers with their own group]
+    Native FSDP1 lets a nested wrapper shard over its own process group, e.g. mixture-of-experts
+    layers whose experts are wrapped over a group of their own (often one rank per expert).
+    The engine shards one wrapped model over one set of ranks, so an outer wrapper adopting
+    such a unit would reduce its gradients over the wrong ranks: refuse it by name instead.
+    Groups are compared by the ranks they hold, whatever form they were given in."""
+    if not dist.is_initialized():
+        return
+    expected = _ranks_of(shard_group, replicate_group)
+    for path, wrapper in module.named_modules():
+        if not isinstance(wrapper, ShardedWrapper) or not path:
+            continue
+        comm = wrapper._sharded.comm
+        ranks = _ranks_of(comm.shard_group, comm.replicate_group)
+        if ranks != expected:
+            kwargs = wrapper._fsdp_kwargs
+            argument = "device_mesh" if kwargs.get("device_mesh") is not None else "process_group"
+            raise bad_argument(
+                FRONTEND, f"{argument} (of the nested wrapper at {path!r})", kwargs.get(argument),
+                f"the ranks of the enclosing wrapper ({expected}); this group has ranks {ranks}",
+                "fsdp_bridge shards one wrapped model over one set of ranks. Wrap the nested "
+                "module with the same process_group / device_mesh as the root (or none); for "
+                "modules local to each rank (experts with a one-rank group), leave them "
+                "unwrapped and pass them in the root's ignored_modules: they then stay whole "
+                "and unreduced on their rank, as a one-rank group keeps them.")
+
+
 class FullyShardedDataParallel(ShardedWrapper):
     _frontend = FRONTEND
 
@@ -179,15 +219,19 @@ class FullyShardedDataParallel(ShardedWrapper):
             limit_all_gathers=limit_all_gathers,
         )
         shard_group, replicate_group = resolve_groups(strategy, process_group, device_mesh, device)
-        nested = self.release_nested(module)
-        plan = build_plan(module, nested=nested, **translate_kwargs)
-        if plan.mode is ShardingMode.REPLICATE and replicate_group is None:
-            shard_group, replicate_group = None, shard_group
-        sharded = shard_flat(module, plan, shard_group=shard_group,
-                                     replicate_group=replicate_group, device=device,
-                                     param_init_fn=param_init_fn)
-        self._attach(module, sharded, dict(translate_kwargs, process_group=process_group,
-                                           device_mesh=device_mesh), nested)
+        # From here on the model changes (nested wrappers released, parameters flattened): a
+        # failure anywhere puts it back as it was (see engine/rollback.py).
+        check_nested_groups(module, shard_group, replicate_group)
+        with engine.restored_on_failure(module):
+            nested = self.release_nested(module)
+            plan = build_plan(module, nested=nested, **translate_kwargs)
+            if plan.mode is ShardingMode.REPLICATE and replicate_group is None:
+                shard_group, replicate_group = None, shard_group
+            sharded = shard_flat(module, plan, shard_group=shard_group,
+                                 replicate_group=replicate_group, device=device,
+                                 param_init_fn=param_init_fn)
+            self._attach(module, sharded, dict(translate_kwargs, process_group=process_group,
+                                               device_mesh=device_mesh), nested)
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:

@@ -2,8 +2,9 @@
 
 Differences from YaFSDP that users can see, all in the direction of torch's conventions:
 `named_parameters()` yields the original parameters (sharded, under their original names) rather
-than two flat tensors, so name-based optimizer groups work; `state_dict()` returns the full fp32
-state dict on every rank (`rank0_only=True` for YaFSDP's "local rank 0 only"), and
+than two flat tensors, so name-based optimizer groups work, and they are the very Parameter
+objects the model had, so an optimizer built before wrapping trains too; `state_dict()` returns
+the full fp32 state dict on every rank (`rank0_only=True` for YaFSDP's "local rank 0 only"), and
 `load_state_dict` accepts one; `zero_grad(set_to_none=True)` is allowed.
 """
 
