@@ -274,7 +274,12 @@ class ShardedModel:
         if unit.prefetched_from_inside:
             return None
         unit.numel_arrived += numel
-        if 2 * unit.numel_arrived >= unit.numel_to_watch:
+        if unit.is_root:
+            # The root's backward starts with the loss and the head; the first gradient of
+            # its parameters (the head's) means that part is done: gather the last unit.
+            unit.prefetched_from_inside = True
+            self._prefetch(self._last_in_forward())
+        elif 2 * unit.numel_arrived >= unit.numel_to_watch:
             unit.prefetched_from_inside = True
             self._prefetch(self._next_to_gather_in_backward(unit))
         return None

@@ -77,8 +77,8 @@ TABLE = register_table(
                     "and None are ignored (numerics are identical)"),
             ignored("forward_prefetch", "the engine always prefetches the next unit in the "
                     "recorded forward order; numerics are identical"),
-            ignored("limit_all_gathers", "the engine never has more than two gathers in "
-                    "flight (two reused buffers); False is ignored"),
+            ignored("limit_all_gathers", "the engine never holds more than two units' "
+                    "gathered weights at once; False is ignored"),
             rejected("sharding_strategy per unit", "a CustomPolicy override or nested wrapper "
                      "may change FULL_SHARD <-> SHARD_GRAD_OP only (resharding), not the mode "
                      "(shard / replicate / hybrid)"),
