@@ -168,3 +168,16 @@ def run_case_table(table: dict, names=None) -> dict:
                 out[name] = {"error": traceback.format_exc()}
             dist.barrier()
     return out
+
+
+def case_result(results: list, name: str, rank: int = 0):
+    """Rank `rank`'s result of case `name` from `run_case_table`; fails the test with the case's
+    traceback when the case raised (cases may also return an {"error": message} of their own)."""
+    import pytest
+
+    assert name in results[rank], f"case {name} did not run on rank {rank}"
+    value = results[rank][name]
+    if (isinstance(value, dict) and isinstance(value.get("error"), str)
+            and value["error"].startswith("Traceback")):
+        pytest.fail(f"case {name} failed on rank {rank}:\n{value['error']}")
+    return value

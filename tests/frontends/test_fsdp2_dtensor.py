@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.frontends import dtensor_cases as C
-from tests.world import run_world
+from tests.world import case_result as case, run_world
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 BF16 = dict(rtol=1.6e-2, atol=1e-5)
@@ -22,13 +22,6 @@ BF16 = dict(rtol=1.6e-2, atol=1e-5)
 def world(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("dcp"))
     return run_world(C.run_cases, 2, directory)
-
-
-def case(world, name, rank=0):
-    value = world[rank][name]
-    if isinstance(value, dict) and "error" in value:
-        pytest.fail(f"case {name} failed on rank {rank}:\n{value['error']}")
-    return value
 
 
 def identical(actual: dict, expected: dict, what: str) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from tests import models as M
 from tests.frontends import method_cases as C
-from tests.world import run_world
+from tests.world import case_result as case, run_world
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -28,14 +28,6 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 @pytest.fixture(scope="module")
 def world():
     return run_world(C.run_cases, 2, list(C.CASES))
-
-
-def case(world, name, rank=0):
-    assert name in world[rank], f"case {name} did not run on rank {rank}"
-    value = world[rank][name]
-    if isinstance(value, dict) and "error" in value:
-        pytest.fail(f"case {name} failed on rank {rank}:\n{value['error']}")
-    return value
 
 
 def close(actual, expected, what=""):

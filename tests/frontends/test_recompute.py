@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.frontends import recompute_cases as C
-from tests.world import run_world
+from tests.world import case_result as case, run_world
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 
@@ -21,13 +21,6 @@ FP32 = dict(rtol=1e-5, atol=1e-6)
 @pytest.fixture(scope="module")
 def world():
     return run_world(C.run_cases, 2)
-
-
-def case(world, name, rank=0):
-    value = world[rank][name]
-    if isinstance(value, dict) and "error" in value:
-        pytest.fail(f"case {name} failed on rank {rank}:\n{value['error']}")
-    return value
 
 
 @pytest.mark.parametrize("name", [

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.frontends import wrap_cases as C
-from tests.world import run_world
+from tests.world import case_result as case, run_world
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 FP64 = dict(rtol=1e-12, atol=1e-12)
@@ -29,14 +29,6 @@ FP64_REDUCED_IN_FP32 = dict(rtol=1e-8, atol=1e-10)
 @pytest.fixture(scope="module")
 def world():
     return run_world(C.run_cases, 2)
-
-
-def case(world, name, rank=0):
-    value = world[rank][name]
-    if isinstance(value, dict) and isinstance(value.get("error"), str) and (
-            value["error"].startswith("Traceback")):
-        pytest.fail(f"case {name} failed on rank {rank}:\n{value['error']}")
-    return value
 
 
 def close(actual, expected, **tolerance):
