@@ -18,7 +18,6 @@ Order of events in one training step (ZeRO-3, units u0..u3 inside the root):
 from __future__ import annotations
 
 import contextlib
-import functools
 import dataclasses
 from typing import Callable, Optional
 
@@ -60,9 +59,6 @@ class Unit:
         self.reshard_after_forward = spec.reshard_after_forward and not is_root
         self.in_use = False
         self.backward_groups_left = 0
-        # [Note: prefetch from inside a unit's backward]
-        self.numel_to_watch = self.numel_arrived = 0
-        self.prefetched_from_inside = False
         # FSDP2's per-module `set_gradient_divide_factor`; None: the model's divisor.
         self.gradient_divide_factor: Optional[float] = None
 
@@ -251,38 +247,11 @@ class ShardedModel:
             if group.requires_grad and torch.is_grad_enabled():
                 views = Unflatten.apply(group.gate, group, self)
                 unit.backward_groups_left += counted
-                if counted:
-                    self._watch_gradients(unit, views)
             else:
                 views = group.full_views()
             for slot, view in zip(group.slots, views):
                 for owner, attr in slot.owners:
                     owner.__dict__[attr] = view
-
-    def _watch_gradients(self, unit: Unit, views) -> None:
-        """[Note: prefetch from inside a unit's backward] A unit's backward is heaviest at its
-        start: the gradients of its last layers are being made while all its activations are
-        still saved (and, for the first unit of backward, every other unit's too). So the
-        next unit is not gathered beside that start, but once gradients for half of this
-        unit's parameters have arrived; the rest of its backward overlaps the gather."""
-        unit.numel_to_watch = sum(g.numel for g in unit.trainable_groups)
-        for view in views:
-            if view.requires_grad:
-                view.register_hook(functools.partial(self._gradient_arrived, unit, view.numel()))
-
-    def _gradient_arrived(self, unit: Unit, numel: int, grad):
-        if unit.prefetched_from_inside:
-            return None
-        unit.numel_arrived += numel
-        if unit.is_root:
-            # The root's backward starts with the loss and the head; the first gradient of
-            # its parameters (the head's) means that part is done: gather the last unit.
-            unit.prefetched_from_inside = True
-            self._prefetch(self._last_in_forward())
-        elif 2 * unit.numel_arrived >= unit.numel_to_watch:
-            unit.prefetched_from_inside = True
-            self._prefetch(self._next_to_gather_in_backward(unit))
-        return None
 
     def _remove_views(self, unit: Unit) -> None:
         for group in unit.groups:
@@ -372,19 +341,21 @@ class ShardedModel:
         unit = self.unit_of_group[id(group)]
         unit.backward_groups_left -= 1
         unit_done = unit.backward_groups_left <= 0
-        if unit_done and unit.reshard_after_forward:
+        if unit_done:
+            unit.in_use = False
             # Every use of its parameters in this backward has run: free its weights before
-            # the full gradient is laid out, not after.
-            self._release_buffers_of(unit)
+            # the full gradient is laid out, and start gathering the next unit backward
+            # needs, to overlap this unit's reduction. [Note: no prefetch beside a unit's
+            # backward] Not earlier: a unit's backward is heaviest at its start (for the
+            # first unit of backward, with every activation of the step still saved), and on
+            # gloo a gather in flight also holds a full-size output of its own.
+            if unit.reshard_after_forward:
+                self._release_buffers_of(unit)
+            self._prefetch(self._next_to_gather_in_backward(unit))
         if self.requires_sync:
             self._reduce(group, grads)
         else:
             group.accumulate_unsynced(grads)  # no communication inside no_sync
-        if unit_done:
-            unit.in_use = False
-            if not unit.prefetched_from_inside:  # its gradients reached no watched view
-                self._prefetch(self._next_to_gather_in_backward(unit))
-
 
     def _reduce(self, group: FlatGroup, grads: tuple) -> None:
         # [Note: gradient buffers] A unit's full gradient lives in a buffer of its own from
@@ -469,7 +440,6 @@ class ShardedModel:
         for unit in self.units:
             unit.in_use = False
             unit.backward_groups_left = 0
-            unit.numel_arrived, unit.prefetched_from_inside = 0, False
             self._remove_views(unit)
             # A prefetch nobody uses this step must not stay in flight past it: the step may
             # be the last before the script tears its process group down.
