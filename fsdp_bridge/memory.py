@@ -4,12 +4,13 @@ engine's layout and schedule (what `fsdp_bridge.explain` prints).
 The prediction walks the step as the engine runs it:
 - always held: the parameter shards, the optimizer state, and (from the first reduction of
   backward until `zero_grad`) the gradient shards;
-- in backward, unit by unit in reverse forward order: the running unit's gathered weights, the
-  next unit's (prefetched, except beside the first unit of backward), the weights of units that
-  stay gathered through the step (the root), the gathered weights' gradients as autograd makes
-  them plus the full gradient the reduction reads (as the unit ends), and the gradient shards
-  reduced so far; while a gather is in flight (as the unit starts), the scratch it lands in
-  (the row layout's, and gloo's own flat output);
+- in forward, the running unit's gathered weights and the next unit's (prefetched beside it);
+- in backward, unit by unit in reverse forward order, with the weights of units that stay
+  gathered through the step (the root) and the gradient shards reduced so far: a unit starts
+  with its own gathered weights (the first unit of backward also with the scratch its gather
+  lands in: the row layout's, and gloo's own flat output); it ends by giving its weights back,
+  starting the next unit's gather (weights and scratch) and laying out its gradients, as
+  autograd makes them, into the full gradient the reduction reads;
 - in the optimizer step: its temporaries (one parameter's worth, or every parameter's for the
   foreach implementations).
 Activations are not included: they depend on the batch, and come on top of the backward figure.
@@ -125,32 +126,38 @@ def _optimizer_scratch(optimizer, largest_param: int, all_params: int) -> int:
     return all_params if foreach else largest_param
 
 
-def _backward_peak(sharded, held: int) -> tuple[int, int]:
-    """(the heaviest moment of backward, the most gathered layer weights at once), walking the
-    units in backward order as the engine schedules them."""
+def _layers(sharded, resident_units) -> list:
+    """Units whose weights are gathered and given back around their use, in forward order."""
+    return [u for u in sharded.expected_forward_order() if u.groups and u not in resident_units]
+
+
+def _forward_gathered_peak(layers) -> int:
+    """The most layer weights gathered at once: a running unit and the one prefetched."""
+    sizes = [_gathered_bytes(u) for u in layers]
+    return max((a + b for a, b in zip(sizes, sizes[1:])), default=max(sizes, default=0))
+
+
+def _backward_peak(sharded, held: int, layers, resident_units) -> int:
+    """The heaviest moment of backward, walking the units as the engine schedules them."""
     on_gloo = sharded.comm.wait_on_futures
-    resident_units = [u for u in sharded.units if any(g.dedicated for g in u.groups)]
-    layers = [u for u in reversed(sharded.expected_forward_order())
-              if u.groups and u not in resident_units]
     resident = sum(_gathered_bytes(u) for u in resident_units)
-    peak = gathered_peak = 0
-    reduced = 0
-    for index, unit in enumerate(layers):
-        following = layers[index + 1] if index + 1 < len(layers) else None
-        prefetched = following is not None and index > 0
-        gathered = _gathered_bytes(unit) + (_gathered_bytes(following) if prefetched else 0)
-        base = held + reduced + resident + gathered
-        # As the unit's backward starts, the prefetch of the next one is landing; as it ends,
-        # its gradients are laid out for the reduction.
-        starting = base + (_gather_scratch_bytes(following, on_gloo) if prefetched else 0)
-        ending = base + _unit_gradient_bytes(unit)
+    order = list(reversed(layers))
+    peak = reduced = 0
+    for index, unit in enumerate(order):
+        following = order[index + 1] if index + 1 < len(order) else None
+        base = held + reduced + resident
+        # Later units' gathers started at the end of the unit before (counted there).
+        starting = base + _gathered_bytes(unit) + (
+            _gather_scratch_bytes(unit, on_gloo) if index == 0 else 0)
+        ending = base + _unit_gradient_bytes(unit) + (
+            _gathered_bytes(following) + _gather_scratch_bytes(following, on_gloo)
+            if following is not None else 0)
         peak = max(peak, starting, ending)
-        gathered_peak = max(gathered_peak, gathered)
         reduced += _grad_shard_bytes(unit)
     for unit in resident_units:  # their gradients complete last
         peak = max(peak, held + reduced + resident + _unit_gradient_bytes(unit))
         reduced += _grad_shard_bytes(unit)
-    return peak, gathered_peak
+    return peak
 
 
 def estimate_step_memory(sharded, optimizer=None) -> StepMemory:
@@ -162,7 +169,10 @@ def estimate_step_memory(sharded, optimizer=None) -> StepMemory:
         p.numel() * p.element_size() for p in sharded.ignored_params if p.requires_grad)
     state, note, largest = _optimizer_bytes(optimizer)
     held = params + (state or 0)
-    backward, gathered_peak = _backward_peak(sharded, held)
+    resident_units = [u for u in sharded.units if any(g.dedicated for g in u.groups)]
+    layers = _layers(sharded, resident_units)
+    backward = _backward_peak(sharded, held, layers, resident_units)
+    gathered_peak = _forward_gathered_peak(layers)
     step = held + grads + _optimizer_scratch(optimizer, largest, params)
     resident = sum(_nbytes(g.padded_numel, g.compute_dtype) for g in groups if g.dedicated)
     return StepMemory(params=params, grads=grads, optimizer=state, optimizer_note=note,

@@ -278,16 +278,14 @@ class FlatGroup:
         return self.comm.reduce_scatter(output, full), output
 
     def accumulate(self, reduced: torch.Tensor) -> None:
-        """Add one micro-step's reduced gradient shard into this cycle's accumulator. (Safe on
-        a collective's thread once `open_cycle` has run: it touches the accumulator only.)"""
-        self.open_cycle()
-        self.accumulator.add_(reduced)
-
-    def open_cycle(self) -> None:
-        """Make the accumulator of this accumulation cycle (zeros at its start)."""
+        """Add one micro-step's reduced gradient shard into this cycle's accumulator. On gloo
+        this runs on the process group's thread as the reduction lands (see [Note: reductions
+        land early]): it touches only this group's gradient state, which the main thread reads
+        again only after waiting on that reduction."""
         if not self.reduced_this_cycle:
             self._begin_cycle()
             self.reduced_this_cycle = True
+        self.accumulator.add_(reduced)
 
     def _begin_cycle(self) -> None:
         # [Note: gradient memory follows .grad] Between cycles the engine holds the gradient

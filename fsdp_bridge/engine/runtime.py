@@ -44,7 +44,6 @@ class PendingReduce:
     output: torch.Tensor
     full: Optional[torch.Tensor]  # the full gradient being reduced (freed once done)
     landed: bool = False  # added to the gradient shard by the collective's thread
-    done: bool = False
 
 
 class Unit:
@@ -189,11 +188,11 @@ class ShardedModel:
         def post_forward(module, args, output):
             self._remove_views(unit)
             unit.in_use = False
-            # Backward starts with the last unit: keep it through the turn to backward. (A
-            # forward run inside backward, an activation-checkpoint recomputation, keeps its
-            # weights for the backward that follows it.)
-            if (unit.reshard_after_forward
-                    and not self.callback_queued):
+            # Every unit, the last of forward included, gives its weights back: backward
+            # gathers them again, and none sit under the activations of the turn to backward.
+            # (A forward run inside backward, an activation-checkpoint recomputation, keeps
+            # its weights for the backward that follows it.)
+            if unit.reshard_after_forward and not self.callback_queued:
                 self._release_buffers_of(unit)
             if torch.is_grad_enabled():
                 tensors = [
@@ -202,7 +201,8 @@ class ShardedModel:
                 if tensors:
                     register_multi_grad_hook(tensors, self._make_pre_backward(unit), mode="any")
             if unit.is_root and self.forward_order:
-                # In case this forward's last unit was not the expected one.
+                # A prefetch for a unit this forward did not run must not hold its weights
+                # through the turn to backward.
                 self._release_transient_buffers()
                 if self.mp.output_dtype is not None:
                     output = self._cast_floating(output, self.mp.output_dtype)
@@ -222,13 +222,9 @@ class ShardedModel:
             self.last_forward_order = self.forward_order
         self.forward_order = []
 
-    def _release_transient_buffers(self, keep: Optional[Unit] = None) -> None:
-        # Activations peak at the turn to backward (the head and the loss run after the last
-        # unit): through it, hold only the weights of `keep`, the unit backward starts with.
-        keep_groups = keep.groups if keep is not None else []
+    def _release_transient_buffers(self) -> None:
         for buffer in self.transient_buffers:
-            if buffer.owner is None or buffer.owner not in keep_groups:
-                buffer.release()
+            buffer.release()
 
     def _release_all_buffers(self) -> None:
         for unit in self.units:
@@ -292,10 +288,6 @@ class ShardedModel:
     def expected_forward_order(self) -> list[Unit]:
         """The last forward's order; before any forward, the Plan's."""
         return self.last_forward_order or [u for u in self.units if not u.is_root]
-
-    def _last_in_forward(self) -> Optional[Unit]:
-        order = [u for u in self.expected_forward_order() if not u.is_root]
-        return order[-1] if order else None
 
     def _next_in_forward(self, unit: Unit) -> Optional[Unit]:
         order = self.expected_forward_order()
@@ -401,15 +393,12 @@ class ShardedModel:
         self.pending_reduces.clear()
 
     def _finish_reduce(self, pending: PendingReduce) -> None:
-        if pending.done:
-            return
         if pending.work is not None:
             pending.work.wait()
         if not pending.landed:
             if self.comm.shard_size > 1:  # hybrid: shards are summed across replicas too
                 self.comm.all_reduce_replicas(pending.output, async_op=False)
             pending.group.accumulate(pending.output)
-        pending.done = True
         # Drop the work handle, the reduced shard and the full gradient now: gloo's work
         # keeps a full-size scratch copy of its input alive as long as the handle lives.
         pending.work = pending.output = pending.full = None
