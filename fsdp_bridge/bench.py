@@ -52,6 +52,7 @@ SPEEDUP_TARGET = 0.85
 MEMORY_TARGET = 0.97
 # The goal for the cost of sharding: ours at most this multiple of the compute-only step.
 COMPUTE_ONLY_GOAL = 1.15
+DEFAULT_PLOT = "bench_sweep.png"  # where --sweep draws its plot unless --plot says otherwise
 # What an option left unset means on the CPU (--device cuda has its own, in bench_cuda).
 CPU_DEFAULTS = dict(dtype="fp32,bf16", nproc=2, hidden=256, layers=4, vocab=1000, seq=128,
                     batch=4, heads=4, kv_heads=None, intermediate=None)
@@ -626,6 +627,14 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def write_figures(path, figures: dict) -> None:
+    """`--json FILE`: the figures as JSON (nothing when the option is not given)."""
+    if path:
+        with open(path, "w") as handle:
+            json.dump(figures, handle, indent=2)
+        print(f"figures written to {path}")
+
+
 def _check_sweep_options(args) -> None:
     import importlib.util
 
@@ -636,7 +645,7 @@ def _check_sweep_options(args) -> None:
                          "--sweep, or drop --plot")
     if not args.sweep:
         return
-    check_output_file("--plot", args.plot or "bench_sweep.png")
+    check_output_file("--plot", args.plot or DEFAULT_PLOT)
     if importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--sweep draws its plot with matplotlib, which is not installed: pip "
                          "install 'fsdp-bridge[plot]' (or matplotlib)")
@@ -649,13 +658,10 @@ def _run_sweep(args, s: dict) -> int:
     for report in reports:
         print(format_report(report), end="\n\n")
     print(bench_sweep.format_sweep(reports))
-    plot = args.plot or "bench_sweep.png"
+    plot = args.plot or DEFAULT_PLOT
     bench_sweep.plot_sweep(reports, plot)
     print(f"plot written to {plot}")
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"sweep": reports}, handle, indent=2)
-        print(f"figures written to {args.json}")
+    write_figures(args.json, {"sweep": reports})
     return 0
 
 
@@ -677,8 +683,5 @@ def run(args) -> int:
         return _run_sweep(args, s)
     report = summarize(s, run_world(s))
     print(format_report(report))
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
-        print(f"figures written to {args.json}")
+    write_figures(args.json, report)
     return 0

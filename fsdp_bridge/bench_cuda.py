@@ -346,8 +346,5 @@ def run(args) -> int:
         return 2
     report = summarize(s, bench.run_world(s, _rank_entry))
     print(format_report(report))
-    if args.json:
-        with open(args.json, "w") as handle:
-            json.dump(report, handle, indent=2)
-        print(f"figures written to {args.json}")
+    bench.write_figures(args.json, report)
     return 0

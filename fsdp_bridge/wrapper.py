@@ -176,10 +176,7 @@ class ShardedWrapper(nn.Module):
         self._only_on_root("state_dict")
         settings = self._state_dict_settings
         if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
-            from fsdp_bridge.checkpoint import model_state
-
-            result = model_state.get_model_state_dict(
-                self, cpu_offload=getattr(settings.state_dict_config, "offload_to_cpu", False))
+            result = self._sharded_state_dict(settings)
         else:
             config = settings.state_dict_config
             result = engine.full_state_dict(
@@ -196,12 +193,21 @@ class ShardedWrapper(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         self._only_on_root("load_state_dict")
         if self._state_dict_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
-            from fsdp_bridge.checkpoint import model_state
-
-            return model_state.set_model_state_dict(self, state_dict, strict=strict)
-        else:
-            engine.load_full_state_dict(self._sharded, state_dict, strict=strict)
+            return self._load_sharded_state_dict(state_dict, strict)
+        engine.load_full_state_dict(self._sharded, state_dict, strict=strict)
         return nn.modules.module._IncompatibleKeys([], [])
+
+    def _sharded_state_dict(self, settings: StateDictSettings) -> dict:
+        """SHARDED_STATE_DICT's values (see [Note: SHARDED_STATE_DICT is what DCP can save])."""
+        from fsdp_bridge.checkpoint import model_state
+
+        return model_state.get_model_state_dict(
+            self, cpu_offload=getattr(settings.state_dict_config, "offload_to_cpu", False))
+
+    def _load_sharded_state_dict(self, state_dict: dict, strict: bool):
+        from fsdp_bridge.checkpoint import model_state
+
+        return model_state.set_model_state_dict(self, state_dict, strict=strict)
 
     # -- FSDP1's static helpers ---------------------------------------------------------------
 

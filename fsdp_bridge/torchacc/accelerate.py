@@ -47,20 +47,16 @@ class AcceleratedModel(ShardedWrapper):
                 "rank": dist.get_rank() if dist.is_initialized() else 0,
                 "world_size": dist.get_world_size() if dist.is_initialized() else 1}
 
-    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        # torch_xla FSDP's sharded view: this rank's own flat pieces, which
-        # `consolidate_sharded_model_checkpoints` puts together offline on one process with
-        # `get_shard_metadata()`. (FSDP1's SHARDED_STATE_DICT, DTensors gathered by rows for
-        # torch.distributed.checkpoint, would need every rank to read them.)
-        if self._state_dict_settings.state_dict_type is not StateDictType.SHARDED_STATE_DICT:
-            return super().state_dict(*args, destination=destination, prefix=prefix,
-                                      keep_vars=keep_vars)
-        self._only_on_root("state_dict")
-        result = {prefix + k: v for k, v in engine.sharded_state_dict(self._sharded).items()}
-        if destination is None:
-            return result
-        destination.update(result)
-        return destination
+    # torch_xla FSDP's sharded view: this rank's own flat pieces, which
+    # `consolidate_sharded_model_checkpoints` puts together offline on one process with
+    # `get_shard_metadata()`. (FSDP1's SHARDED_STATE_DICT, DTensors gathered by rows for
+    # torch.distributed.checkpoint, would need every rank to read them.)
+    def _sharded_state_dict(self, settings: StateDictSettings) -> dict:
+        return engine.sharded_state_dict(self._sharded)
+
+    def _load_sharded_state_dict(self, state_dict: dict, strict: bool):
+        engine.load_sharded_state_dict(self._sharded, state_dict, strict=strict)
+        return nn.modules.module._IncompatibleKeys([], [])
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         shapes = self.get_shard_metadata()["shard_shapes"]
@@ -68,9 +64,6 @@ class AcceleratedModel(ShardedWrapper):
                    if k in state_dict)
         if full:  # a consolidated checkpoint
             engine.load_full_state_dict(self._sharded, state_dict, strict=strict)
-            return nn.modules.module._IncompatibleKeys([], [])
-        if self._state_dict_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
-            engine.load_sharded_state_dict(self._sharded, state_dict, strict=strict)
             return nn.modules.module._IncompatibleKeys([], [])
         return super().load_state_dict(state_dict, strict=strict)
 
