@@ -54,14 +54,28 @@ WRAPPED = "_fsdp_wrapped_module"
 
 def shard_flat(module: nn.Module, plan, **kwargs):
     """`engine.shard_model` for the front-ends whose parameters are flat 1-D local pieces
-    (FSDP1, YaFSDP, Zeta, TorchAcc). torch's `torch.distributed.checkpoint.state_dict` helpers
-    cannot tell such a piece from a whole parameter, so they are routed to our state-dict code
-    for these models (see [Note: routing torch's state-dict helpers] in
-    fsdp_bridge/checkpoint/dsd.py); FSDP2 models hold DTensors and need no routing."""
-    from fsdp_bridge.checkpoint import dsd
+    (FSDP1, YaFSDP, Zeta, TorchAcc). Such pieces mean nothing to torch's
+    `torch.distributed.checkpoint.state_dict` helpers as they are, so these models and their
+    optimizers describe themselves to those helpers (see [Note: answering torch's state-dict
+    helpers] in fsdp_bridge/checkpoint/torch_helpers.py); FSDP2 models hold DTensors already."""
+    from fsdp_bridge.checkpoint import torch_helpers
 
-    dsd.install()
+    torch_helpers.watch_optimizers()
     return engine.shard_model(module, plan, **kwargs)
+
+
+def for_torch_helpers() -> bool:
+    """Whether torch's state-dict helpers are asking (they get the rows-as-DTensors form)."""
+    from fsdp_bridge.checkpoint import torch_helpers
+
+    return torch_helpers.called_by_torch_helpers()
+
+
+def hidden_child_names(inner: nn.Module, hidden: str) -> dict:
+    """`_fqn_modifiers` of a wrapper that hides its child `hidden` from state-dict names: every
+    name directly inside the child is reached through it."""
+    names = list(inner._modules) + list(inner._parameters) + list(inner._buffers)
+    return {name: hidden for name in names}
 
 
 def _default_config(state_dict_type: StateDictType):
@@ -175,7 +189,9 @@ class ShardedWrapper(nn.Module):
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         self._only_on_root("state_dict")
         settings = self._state_dict_settings
-        if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
+        if for_torch_helpers():
+            result = self._rows_state_dict()
+        elif settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             result = self._sharded_state_dict(settings)
         else:
             config = settings.state_dict_config
@@ -192,10 +208,25 @@ class ShardedWrapper(nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         self._only_on_root("load_state_dict")
+        if for_torch_helpers():
+            return self._load_rows_state_dict(state_dict, strict)
         if self._state_dict_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             return self._load_sharded_state_dict(state_dict, strict)
         engine.load_full_state_dict(self._sharded, state_dict, strict=strict)
         return nn.modules.module._IncompatibleKeys([], [])
+
+    def _fqn_modifiers(self) -> dict:
+        return hidden_child_names(self._modules[WRAPPED], WRAPPED)
+
+    def _rows_state_dict(self) -> dict:
+        from fsdp_bridge.checkpoint import model_state
+
+        return model_state.get_model_state_dict(self)
+
+    def _load_rows_state_dict(self, state_dict: dict, strict: bool):
+        from fsdp_bridge.checkpoint import model_state
+
+        return model_state.set_model_state_dict(self, state_dict, strict=strict)
 
     def _sharded_state_dict(self, settings: StateDictSettings) -> dict:
         """SHARDED_STATE_DICT's values (see [Note: SHARDED_STATE_DICT is what DCP can save])."""
@@ -205,9 +236,7 @@ class ShardedWrapper(nn.Module):
             self, cpu_offload=getattr(settings.state_dict_config, "offload_to_cpu", False))
 
     def _load_sharded_state_dict(self, state_dict: dict, strict: bool):
-        from fsdp_bridge.checkpoint import model_state
-
-        return model_state.set_model_state_dict(self, state_dict, strict=strict)
+        return self._load_rows_state_dict(state_dict, strict)
 
     # -- FSDP1's static helpers ---------------------------------------------------------------
 
@@ -298,13 +327,14 @@ class ShardedWrapper(nn.Module):
             yield
 
     def named_parameters(self, *args, **kwargs):
-        """Inside `summon_full_params`, names without the wrapper prefix (as FSDP1)."""
-        clean = self.__dict__.get("_summoning", 0) > 0
+        """Inside `summon_full_params`, names without the wrapper prefix (as FSDP1); torch's
+        state-dict helpers name native FSDP1's parameters that way too."""
+        clean = self.__dict__.get("_summoning", 0) > 0 or for_torch_helpers()
         for name, param in super().named_parameters(*args, **kwargs):
             yield (name.replace(WRAPPED + ".", "") if clean else name), param
 
     def named_buffers(self, *args, **kwargs):
-        clean = self.__dict__.get("_summoning", 0) > 0
+        clean = self.__dict__.get("_summoning", 0) > 0 or for_torch_helpers()
         for name, buffer in super().named_buffers(*args, **kwargs):
             yield (name.replace(WRAPPED + ".", "") if clean else name), buffer
 

@@ -5,9 +5,9 @@
   `get_state_dict`, `set_state_dict`) work on models sharded by any of our front-ends, full
   and sharded, with optimizer state keyed by parameter name; sharded values are DTensors laid
   out as native FSDP2's, so `dcp.save` / `dcp.load` reshard between any world sizes and
-  interoperate with native FSDP2 and FSDP1. FSDP2 models of ours hold such DTensors and use
-  torch's code as it is; models of the flat-layout front-ends are routed to `model_state` /
-  `optim_state` (see `dsd`). They are re-exported here.
+  interoperate with native FSDP2 and FSDP1. FSDP2 models of ours hold such DTensors; models of
+  the flat-layout front-ends describe themselves in that form when those functions ask (see
+  `torch_helpers`). They are re-exported here, unchanged.
 - `save` / `load`: DCP, atomic (a crash never leaves a partial checkpoint) and checked before
   reading (truncated files, checksums, missing / unexpected keys, wrong shapes:
   `CheckpointError`). `save` replaces only its own checkpoints (see `manifest`) unless
@@ -21,7 +21,7 @@
 
 from __future__ import annotations
 
-from torch.distributed.checkpoint.state_dict import (  # noqa: F401  (routed, see dsd)
+from torch.distributed.checkpoint.state_dict import (  # noqa: F401  (re-exported)
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -31,7 +31,6 @@ from torch.distributed.checkpoint.state_dict import (  # noqa: F401  (routed, se
     set_state_dict,
 )
 
-from fsdp_bridge.checkpoint import dsd as _dsd
 from fsdp_bridge.checkpoint.api import (
     CheckpointManager,
     load,
@@ -42,7 +41,6 @@ from fsdp_bridge.checkpoint.api import (
 )
 from fsdp_bridge.checkpoint.validate import CheckpointError
 
-_dsd.install()
 
 __all__ = [
     "CheckpointError",

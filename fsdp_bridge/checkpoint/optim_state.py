@@ -20,7 +20,13 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_bridge.checkpoint.model_state import global_shape, to_dtensor, to_full
-from fsdp_bridge.checkpoint.parts import entries, find_parts, mesh_of, world_rank
+from fsdp_bridge.checkpoint.parts import (
+    entries,
+    find_parts,
+    flat_piece_entries,
+    mesh_of,
+    world_rank,
+)
 
 STATE, GROUPS, PARAMS = "state", "param_groups", "params"
 
@@ -273,3 +279,56 @@ def broadcast_object_tree(tree):
         dist.broadcast(tensor, src=0)
         out.append(tensor)
     return tree_unflatten(out, spec)
+
+
+# -- an optimizer's own state dict, as torch's state-dict helpers read and load it ---------------
+# (see [Note: answering torch's state-dict helpers] in `torch_helpers`)
+
+
+def _optimizer_params(optimizer) -> list:
+    return [p for group in optimizer.param_groups for p in group[PARAMS]]
+
+
+def holds_flat_pieces(optimizer) -> bool:
+    return bool(flat_piece_entries(_optimizer_params(optimizer)))
+
+
+def pieces_as_rows(optimizer, state_dict: dict) -> dict:
+    """`optimizer.state_dict()` (keyed by position) with each flat piece's per-parameter
+    tensors replaced by the whole parameter's row DTensor. A collective."""
+    params = _optimizer_params(optimizer)
+    located = flat_piece_entries(params)
+    if not located:
+        return state_dict
+    _check_agreement([(i, sorted(optimizer.state.get(p, {}))) for i, p in enumerate(params)])
+    position = {id(p): i for i, p in enumerate(params)}
+    state = {key: value for key, value in state_dict[STATE].items()}
+    groups = []
+    for entry in located.values():
+        if all(entry.group is not seen[1] for seen in groups):
+            groups.append((entry.part.sharded, entry.group))
+    for sharded, group in groups:
+        named = {id(p): (position.get(id(p), ("elsewhere", id(p))), None)
+                 for p in group.local_params}
+        for param in group.local_params:
+            state.pop(position.get(id(param)), None)
+        _group_state(optimizer, group, named, mesh_of(sharded), state)
+    return {STATE: state, GROUPS: state_dict[GROUPS]}
+
+
+def rows_as_pieces(optimizer, state_dict: dict) -> dict:
+    """The reverse, before `optimizer.load_state_dict`: whole-parameter values (DTensors of
+    any world size or full tensors) of flat pieces cut down to this rank's piece. The saved
+    state is matched to parameters by position in the groups, as torch's loader does."""
+    params = _optimizer_params(optimizer)
+    located = flat_piece_entries(params)
+    saved_keys = [key for group in state_dict[GROUPS] for key in group[PARAMS]]
+    state = dict(state_dict[STATE])
+    with torch.no_grad():
+        for key, param in zip(saved_keys, params):
+            entry = located.get(id(param))
+            if entry is None or key not in state:
+                continue
+            _check_state_shapes(key, param, entry, state[key])
+            state[key] = _local_state(param, (key, entry), state[key])
+    return {STATE: state, GROUPS: state_dict[GROUPS]}

@@ -93,6 +93,26 @@ def has_flat_shards(model: nn.Module) -> bool:
     return False
 
 
+def flat_piece_entries(params) -> dict[int, Entry]:
+    """id(param) -> its Entry (sharded model, group, slot) for each of `params` that is a
+    flat-layout piece of ours; other parameters are left out."""
+    found: dict[int, Entry] = {}
+    owners = []
+    for param in params:
+        sharded = engine.owner_of(param)
+        if (sharded is not None and sharded.plan.param_layout is ParamLayout.FLAT
+                and all(sharded is not seen for seen in owners)):
+            owners.append(sharded)
+    for sharded in owners:
+        part = Part("", sharded)
+        for unit in sharded.units:
+            for group in unit.groups:
+                for index, param in enumerate(group.local_params):
+                    found[id(param)] = Entry("", param, False, part, group, index)
+    wanted = {id(p) for p in params}
+    return {key: entry for key, entry in found.items() if key in wanted}
+
+
 def entries(model: nn.Module, parts: list[Part]) -> list[Entry]:
     """Every key `nn.Module.state_dict` would give the unwrapped model, in the same order
     (tied parameters under each of their names)."""

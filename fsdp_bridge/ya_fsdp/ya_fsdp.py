@@ -20,7 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_bridge import devices, engine
 from fsdp_bridge.translation import bad_argument
-from fsdp_bridge.wrapper import shard_flat
+from fsdp_bridge.wrapper import for_torch_helpers, hidden_child_names, shard_flat
 from fsdp_bridge.ya_fsdp._translate import FRONTEND, build_plan, ignored_notes
 
 
@@ -163,12 +163,29 @@ class YaFSDP(nn.Module):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         return self._sharded.clip_grad_norm_(max_norm, norm_type)
 
-    def state_dict(self, *args, rank0_only: bool = False, **kwargs):
-        return engine.full_state_dict(self._sharded, rank0_only=rank0_only)
+    def state_dict(self, *args, rank0_only: bool = False, destination=None, prefix: str = "",
+                   **kwargs):
+        if for_torch_helpers():  # see [Note: answering torch's state-dict helpers]
+            from fsdp_bridge.checkpoint import model_state
+
+            result = model_state.get_model_state_dict(self)
+        else:
+            result = engine.full_state_dict(self._sharded, rank0_only=rank0_only)
+        if destination is None:
+            return result if not prefix else {prefix + k: v for k, v in result.items()}
+        destination.update((prefix + k, v) for k, v in result.items())
+        return destination
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if for_torch_helpers():
+            from fsdp_bridge.checkpoint import model_state
+
+            return model_state.set_model_state_dict(self, state_dict, strict=strict)
         engine.load_full_state_dict(self._sharded, state_dict, strict=strict)
         return nn.modules.module._IncompatibleKeys([], [])
+
+    def _fqn_modifiers(self) -> dict:
+        return hidden_child_names(self._modules["_module"], "_module")
 
     # FSDP-style accumulation also works on top of the declared steps.
     def no_sync(self):

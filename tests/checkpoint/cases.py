@@ -9,6 +9,7 @@ test.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import warnings
 
@@ -617,6 +618,72 @@ def _ours_to_native(directory, native_kind, model_name, seed, ours, ours_opt) ->
     }
 
 
+# -- torch's own state-dict helpers, unpatched, on the flat-layout front-ends ------------------
+
+
+def _torch_helpers_untouched() -> bool:
+    import torch.distributed.checkpoint.state_dict as dsd
+
+    workers = ("_get_model_state_dict", "_load_model_state_dict", "_get_optim_state_dict",
+               "_load_optim_state_dict", "get_model_state_dict", "get_optimizer_state_dict")
+    # torch decorates some of them (no_grad); whatever wraps them must be torch's own code
+    return all(inspect.unwrap(getattr(dsd, name)).__code__.co_filename == dsd.__file__
+               for name in workers)
+
+
+def torch_helpers_on_flat(rank, world, frontend):
+    """torch's get_/set_ state-dict functions on an FSDP1 / YaFSDP model of ours: full form
+    equal to the engine's own full state, sharded form as row DTensors, a round trip through
+    set_state_dict (full, flattened, broadcast from rank 0) onto a fresh model; outside those
+    functions, state_dict() / optim.state_dict() / named_parameters() keep FSDP1's meanings."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+    from torch.distributed.tensor import DTensor, Shard
+
+    model = build(frontend)
+    optimizer = optimizer_for(model)
+    train_steps(model, optimizer, 1)
+    params, optim = truth(model, optimizer)
+    full = StateDictOptions(full_state_dict=True)
+    got_model, got_optim = get_state_dict(model, optimizer, options=full)
+    sharded_model, sharded_optim = get_state_dict(model, optimizer)
+    rows = [v for v in sharded_model.values() if isinstance(v, DTensor)]
+    state_rows = [v for s in sharded_optim["state"].values() for v in s.values()
+                  if isinstance(v, DTensor)]
+    local = optimizer.state_dict()["state"]
+    pieces = [p for p in model.parameters()]
+    out = {
+        "untouched": _torch_helpers_untouched(),
+        "model_full": max_diff(_plain(got_model), params),
+        "optim_full": max_diff(_plain(got_optim["state"]), optim),
+        "model_rows": bool(rows) and all(v.placements[-1] == Shard(0) for v in rows),
+        "optim_rows": bool(state_rows) and all(v.placements[-1] == Shard(0) for v in state_rows),
+        "sharded_equals_full": max_diff(_plain(sharded_model), params),
+        "local_optim_pieces": all(s["exp_avg"].shape == pieces[i].shape
+                                  for i, s in local.items()),
+        "plain_names_kept": [n for n, _ in model.named_parameters()][0],
+    }
+    for name, options in (("full", full),
+                          ("sharded", StateDictOptions()),
+                          # (torch 2.13 cannot load full_state_dict with a flattened optimizer
+                          # state dict even for native FSDP2, so flattened is tried sharded)
+                          ("flattened", StateDictOptions(flatten_optimizer_state_dict=True)),
+                          ("broadcast", StateDictOptions(full_state_dict=True,
+                                                         broadcast_from_rank0=True))):
+        src_model, src_optim = get_state_dict(model, optimizer, options=options)
+        fresh_model = build(frontend, seed=7)
+        fresh_optim = optimizer_for(fresh_model)
+        set_state_dict(fresh_model, fresh_optim, model_state_dict=src_model,
+                       optim_state_dict=src_optim, options=options)
+        new_params, new_optim = truth(fresh_model, fresh_optim)
+        out[f"round_trip_{name}"] = max(max_diff(new_params, params),
+                                        max_diff(new_optim, optim))
+    return out
+
+
 def world2_first(rank, world, directory):
     """Everything the first world-2 run does (one spawn)."""
     out = {"reshard": reshard_stage(rank, world, directory, 0, "fsdp2", None, "w2")}
@@ -628,7 +695,10 @@ def world2_first(rank, world, directory):
                      ("native_fsdp2_gpt2", lambda: native_fsdp2_interop(rank, world, directory,
                                                                         "gpt2")),
                      ("native_fsdp1", lambda: native_fsdp1_interop(rank, world, directory)),
-                     ("llama_recipes", lambda: llama_recipes_sharded(rank, world, directory))):
+                     ("llama_recipes", lambda: llama_recipes_sharded(rank, world, directory)),
+                     ("torch_helpers_fsdp1", lambda: torch_helpers_on_flat(rank, world, "fsdp1")),
+                     ("torch_helpers_yafsdp",
+                      lambda: torch_helpers_on_flat(rank, world, "yafsdp"))):
         out[name] = fn()
         dist.barrier()
     out["resume"] = resume(rank, world, directory)  # last: it replaces the process group

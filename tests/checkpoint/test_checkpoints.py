@@ -100,3 +100,21 @@ def test_native_fsdp1_full_and_sharded_both_ways(runs):
             assert result[key] == 0.0, (key, result)
         for key in ("full_step", "sharded_step", "out_step"):
             assert result[key] < TIGHT, (key, result)
+
+
+@pytest.mark.parametrize("frontend", ["fsdp1", "yafsdp"])
+def test_torch_state_dict_helpers_unpatched_on_flat_models(runs, frontend):
+    # torch's get_/set_ state-dict functions, as torch ships them, on a model whose parameters
+    # are flat 1-D pieces: full values equal the engine's own gather, sharded ones are row
+    # DTensors, round trips are exact; plain calls keep FSDP1's local meanings.
+    for rank_result in runs["first"]:
+        result = rank_result[f"torch_helpers_{frontend}"]
+        assert result["untouched"], result
+        assert result["model_full"] == 0.0 and result["optim_full"] == 0.0, result
+        assert result["model_rows"] and result["optim_rows"], result
+        assert result["sharded_equals_full"] == 0.0, result
+        assert result["local_optim_pieces"], result
+        for name in ("full", "sharded", "flattened", "broadcast"):
+            assert result[f"round_trip_{name}"] == 0.0, (name, result)
+    first_name = runs["first"][0]["torch_helpers_fsdp1"]["plain_names_kept"]
+    assert first_name.startswith("_fsdp_wrapped_module."), first_name
