@@ -4,15 +4,14 @@ and finish the step once the whole backward is done.
 Order of events in one training step (ZeRO-3, units u0..u3 inside the root):
 
     root pre-forward   every gathered copy is marked stale (the optimizer moved the masters),
-                       the root unit is gathered and stays gathered until the step ends
+                       the root unit is gathered
     ui pre-forward     wait for ui's gather, install its views, prefetch u(i+1)
-    ui post-forward    remove the views; ui's buffer may now be taken by u(i+2); after the
-                       last unit, the other shared buffers release their memory
-    ui pre-backward    (hook on ui's outputs) gather ui again unless its buffer still holds it,
-                       prefetch u(i-1)
-    ui post-backward   (Unflatten.backward) lay out the gradient, start its reduction
+    ui post-forward    remove the views and free ui's gathered weights (the last unit's too)
+    ui pre-backward    (hook on ui's outputs) wait for ui's gather, or gather it now
+    ui post-backward   (Unflatten.backward) free ui's weights, prefetch u(i-1), lay out the
+                       gradient and start its reduction
     end of backward    finish the reductions; on the last micro-step divide once and expose
-                       .grad; the shared gather buffers release their memory
+                       .grad; every gathered copy, the root's included, is freed
 """
 
 from __future__ import annotations

@@ -39,7 +39,9 @@ TABLE = register_table(
             translated("TransformerBlock", "the block class for auto_wrap (required with "
                        "auto_wrap=True)"),
             translated("(fixed) backward_prefetch=BACKWARD_PRE, forward_prefetch=True, "
-                       "use_orig_params=True", "what the engine does"),
+                       "use_orig_params=True", "same numerics; the engine prefetches the next "
+                       "unit in forward, and in backward at BACKWARD_POST's point (the lower "
+                       "peak memory)"),
         ),
     )
 )
