@@ -14,7 +14,7 @@ does. Scripts hand it to `torch.distributed.checkpoint` (`dcp.save(...)`, then `
 described with its offset. Our flat shards are arbitrary element ranges, and a plain tensor is
 taken by DCP as a whole, replicated value: one rank's piece is saved as if it were everything,
 and a load meets a different size on every rank. So SHARDED here gives what
-`fsdp_bridge.checkpoint.model_state` gives torch's helpers: `Shard(0)` DTensors of the gathered
+`fsdp_bridge.state_dicts.model_state` gives torch's helpers: `Shard(0)` DTensors of the gathered
 rows (see [Note: sharded state dicts are DTensors over the rows] there), and loads any sharded
 or full form, from any world size, gathering each value before keeping this rank's range.
 Optimizer state dicts follow the same rule (keyed by parameter name, as native FSDP1's).
@@ -47,6 +47,8 @@ from torch.distributed.fsdp import (
 )
 
 from fsdp_bridge import engine
+from fsdp_bridge.state_dicts import model_state, optim_state, torch_helpers
+from fsdp_bridge.state_dicts.torch_helpers import called_by_torch_helpers
 from fsdp_bridge.translation import bad_argument, check_bool
 
 WRAPPED = "_fsdp_wrapped_module"
@@ -57,18 +59,9 @@ def shard_flat(module: nn.Module, plan, **kwargs):
     (FSDP1, YaFSDP, Zeta, TorchAcc). Such pieces mean nothing to torch's
     `torch.distributed.checkpoint.state_dict` helpers as they are, so these models and their
     optimizers describe themselves to those helpers (see [Note: answering torch's state-dict
-    helpers] in fsdp_bridge/checkpoint/torch_helpers.py); FSDP2 models hold DTensors already."""
-    from fsdp_bridge.checkpoint import torch_helpers
-
+    helpers] in fsdp_bridge/state_dicts/torch_helpers.py); FSDP2 models hold DTensors already."""
     torch_helpers.watch_optimizers()
     return engine.shard_model(module, plan, **kwargs)
-
-
-def for_torch_helpers() -> bool:
-    """Whether torch's state-dict helpers are asking (they get the rows-as-DTensors form)."""
-    from fsdp_bridge.checkpoint import torch_helpers
-
-    return torch_helpers.called_by_torch_helpers()
 
 
 def hidden_child_names(inner: nn.Module, hidden: str) -> dict:
@@ -189,7 +182,7 @@ class ShardedWrapper(nn.Module):
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         self._only_on_root("state_dict")
         settings = self._state_dict_settings
-        if for_torch_helpers():
+        if called_by_torch_helpers():
             result = self._rows_state_dict()
         elif settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             result = self._sharded_state_dict(settings)
@@ -208,7 +201,7 @@ class ShardedWrapper(nn.Module):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         self._only_on_root("load_state_dict")
-        if for_torch_helpers():
+        if called_by_torch_helpers():
             return self._load_rows_state_dict(state_dict, strict)
         if self._state_dict_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             return self._load_sharded_state_dict(state_dict, strict)
@@ -219,19 +212,13 @@ class ShardedWrapper(nn.Module):
         return hidden_child_names(self._modules[WRAPPED], WRAPPED)
 
     def _rows_state_dict(self) -> dict:
-        from fsdp_bridge.checkpoint import model_state
-
         return model_state.get_model_state_dict(self)
 
     def _load_rows_state_dict(self, state_dict: dict, strict: bool):
-        from fsdp_bridge.checkpoint import model_state
-
         return model_state.set_model_state_dict(self, state_dict, strict=strict)
 
     def _sharded_state_dict(self, settings: StateDictSettings) -> dict:
         """SHARDED_STATE_DICT's values (see [Note: SHARDED_STATE_DICT is what DCP can save])."""
-        from fsdp_bridge.checkpoint import model_state
-
         return model_state.get_model_state_dict(
             self, cpu_offload=getattr(settings.state_dict_config, "offload_to_cpu", False))
 
@@ -329,12 +316,12 @@ class ShardedWrapper(nn.Module):
     def named_parameters(self, *args, **kwargs):
         """Inside `summon_full_params`, names without the wrapper prefix (as FSDP1); torch's
         state-dict helpers name native FSDP1's parameters that way too."""
-        clean = self.__dict__.get("_summoning", 0) > 0 or for_torch_helpers()
+        clean = self.__dict__.get("_summoning", 0) > 0 or called_by_torch_helpers()
         for name, param in super().named_parameters(*args, **kwargs):
             yield (name.replace(WRAPPED + ".", "") if clean else name), param
 
     def named_buffers(self, *args, **kwargs):
-        clean = self.__dict__.get("_summoning", 0) > 0 or for_torch_helpers()
+        clean = self.__dict__.get("_summoning", 0) > 0 or called_by_torch_helpers()
         for name, buffer in super().named_buffers(*args, **kwargs):
             yield (name.replace(WRAPPED + ".", "") if clean else name), buffer
 
@@ -356,8 +343,6 @@ class ShardedWrapper(nn.Module):
         root = ShardedWrapper._root(model)
         settings = root._state_dict_settings
         if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
-            from fsdp_bridge.checkpoint import optim_state
-
             return optim_state.get_optimizer_state_dict(
                 root, [optim],
                 cpu_offload=getattr(settings.optim_state_dict_config, "offload_to_cpu", False))
@@ -372,8 +357,6 @@ class ShardedWrapper(nn.Module):
         if root._state_dict_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             # Name-keyed DTensors of any world size: load them, and return the optimizer's own
             # state dict, which is what `optim.load_state_dict` then expects.
-            from fsdp_bridge.checkpoint import optim_state
-
             optim_state.set_optimizer_state_dict(root, [optim], optim_state_dict)
             result = optim.state_dict()
         else:

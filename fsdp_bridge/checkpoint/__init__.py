@@ -7,7 +7,7 @@
   out as native FSDP2's, so `dcp.save` / `dcp.load` reshard between any world sizes and
   interoperate with native FSDP2 and FSDP1. FSDP2 models of ours hold such DTensors; models of
   the flat-layout front-ends describe themselves in that form when those functions ask (see
-  `torch_helpers`). They are re-exported here, unchanged.
+  `fsdp_bridge.state_dicts.torch_helpers`). They are re-exported here, unchanged.
 - `save` / `load`: DCP, atomic (a crash never leaves a partial checkpoint) and checked before
   reading (truncated files, checksums, missing / unexpected keys, wrong shapes:
   `CheckpointError`). `save` replaces only its own checkpoints (see `manifest`) unless

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_bridge.checkpoint import atomic, manifest, save_checks, validate
-from fsdp_bridge.checkpoint.parts import world_rank
+from fsdp_bridge.state_dicts.parts import world_rank
 
 
 def _distributed() -> bool:

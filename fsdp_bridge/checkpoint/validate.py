@@ -51,7 +51,7 @@ def flat_shapes(state_dict: dict) -> dict[str, Any]:
     """DCP's flat keys of `state_dict` -> global shape (None for non-tensors)."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    from fsdp_bridge.checkpoint.model_state import global_shape
+    from fsdp_bridge.state_dicts.model_state import global_shape
 
     flat, _ = flatten_state_dict(state_dict)
     return {key: global_shape(value) for key, value in flat.items()}

@@ -14,6 +14,7 @@ from torch import nn
 
 from fsdp_bridge.engine.comm import Comm, CollectiveStats
 from fsdp_bridge.engine.full_params import (
+    ATTRIBUTE,
     clip_grads_,
     expose_unit,
     full_optim_state_dict,
@@ -61,9 +62,6 @@ __all__ = [
     "tag_parameters",
     "unshard_unit",
 ]
-
-ATTRIBUTE = "_fsdp_bridge"
-
 
 def default_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
     """The compute device implied by the process group's backend: CUDA for NCCL, else CPU."""

@@ -24,6 +24,7 @@ from fsdp_bridge.engine.row_group import RowGroup
 from fsdp_bridge.engine.runtime import ShardedModel, _grad_norm
 
 OWNER_ATTRIBUTE = "_fsdp_bridge_owner"  # on each local parameter: weakref to its ShardedModel
+ATTRIBUTE = "_fsdp_bridge"  # on each sharded module: its ShardedModel
 
 
 def tag_parameters(sharded: ShardedModel) -> None:
@@ -42,8 +43,6 @@ def release(sharded: ShardedModel) -> None:
     """Undo `shard_model`: every parameter becomes an ordinary full `nn.Parameter` again (the
     original objects, refilled), buffers get back their dtypes, hooks are removed. A collective:
     every rank must call it."""
-    from fsdp_bridge.engine import ATTRIBUTE
-
     for handle in sharded.hook_handles:
         handle.remove()
     with torch.no_grad():

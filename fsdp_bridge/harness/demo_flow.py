@@ -10,6 +10,7 @@ Returns the compare-scripts exit code: 0 when both rewrites match the original.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import tempfile
@@ -22,12 +23,14 @@ TARGETS = ("bridge", "fsdp2")
 
 def migrate_copy(example: str, target: str, out_dir: str) -> str:
     """A copy of `example` rewritten by `fsdp-bridge migrate --to target --write`."""
-    from fsdp_bridge.cli import main
+    from fsdp_bridge.migrate import cli as migrate_cli
 
     stem = os.path.splitext(os.path.basename(example))[0]
     path = os.path.join(out_dir, f"{stem}_to_{target}.py")
     shutil.copyfile(example, path)
-    code = main(["migrate", path, "--to", target, "--write"])
+    parser = argparse.ArgumentParser(prog="fsdp-bridge migrate")
+    migrate_cli.add_arguments(parser)
+    code = int(migrate_cli.run(parser.parse_args([path, "--to", target, "--write"])) or 0)
     if code not in (0, 1):  # 1: migrated with sites to review, still a runnable file
         raise RuntimeError(f"fsdp-bridge migrate --to {target} {path} failed with exit {code}")
     return path

@@ -13,8 +13,9 @@ from fsdp_bridge import engine
 from fsdp_bridge.plan import ShardingMode
 from fsdp_bridge.torchacc._translate import FRONTEND, build_plan, sizes
 from fsdp_bridge.torchacc.config import Config
+from fsdp_bridge.state_dicts.torch_helpers import called_by_torch_helpers
 from fsdp_bridge.translation import bad_argument
-from fsdp_bridge.wrapper import ShardedWrapper, for_torch_helpers, shard_flat
+from fsdp_bridge.wrapper import ShardedWrapper, shard_flat
 from torch.distributed.fsdp import StateDictSettings, StateDictType, ShardedStateDictConfig
 from torch.distributed.fsdp import ShardedOptimStateDictConfig
 
@@ -59,7 +60,7 @@ class AcceleratedModel(ShardedWrapper):
         return nn.modules.module._IncompatibleKeys([], [])
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        if for_torch_helpers():
+        if called_by_torch_helpers():
             return super().load_state_dict(state_dict, strict=strict)
         shapes = self.get_shard_metadata()["shard_shapes"]
         full = all(tuple(state_dict[k].shape) == shape for k, shape in shapes.items()

@@ -19,8 +19,10 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_bridge import devices, engine
+from fsdp_bridge.state_dicts import model_state
+from fsdp_bridge.state_dicts.torch_helpers import called_by_torch_helpers
 from fsdp_bridge.translation import bad_argument
-from fsdp_bridge.wrapper import for_torch_helpers, hidden_child_names, shard_flat
+from fsdp_bridge.wrapper import hidden_child_names, shard_flat
 from fsdp_bridge.ya_fsdp._translate import FRONTEND, build_plan, ignored_notes
 
 
@@ -165,9 +167,7 @@ class YaFSDP(nn.Module):
 
     def state_dict(self, *args, rank0_only: bool = False, destination=None, prefix: str = "",
                    **kwargs):
-        if for_torch_helpers():  # see [Note: answering torch's state-dict helpers]
-            from fsdp_bridge.checkpoint import model_state
-
+        if called_by_torch_helpers():  # see [Note: answering torch's state-dict helpers]
             result = model_state.get_model_state_dict(self)
         else:
             result = engine.full_state_dict(self._sharded, rank0_only=rank0_only)
@@ -177,9 +177,7 @@ class YaFSDP(nn.Module):
         return destination
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        if for_torch_helpers():
-            from fsdp_bridge.checkpoint import model_state
-
+        if called_by_torch_helpers():
             return model_state.set_model_state_dict(self, state_dict, strict=strict)
         engine.load_full_state_dict(self._sharded, state_dict, strict=strict)
         return nn.modules.module._IncompatibleKeys([], [])

@@ -114,7 +114,7 @@ def train_steps(model, optimizer, steps, start=0, seed=1234):
 
 
 def _sharded_of(model):
-    from fsdp_bridge.checkpoint.parts import find_parts
+    from fsdp_bridge.state_dicts.parts import find_parts
     parts = find_parts(model)
     assert len(parts) == 1 and parts[0].prefix == "", parts
     return parts[0].sharded
@@ -124,7 +124,7 @@ def truth(model, optimizer):
     """Full parameters and full optimizer state, gathered by the engine's own code (native
     models: torch's own full state dicts)."""
     from fsdp_bridge import engine
-    from fsdp_bridge.checkpoint.parts import has_flat_shards
+    from fsdp_bridge.state_dicts.parts import has_flat_shards
     if not has_flat_shards(model):
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_bridge.checkpoint.model_state import global_shape, to_dtensor, to_full
-from fsdp_bridge.checkpoint.parts import (
+from fsdp_bridge.state_dicts.model_state import global_shape, to_dtensor, to_full
+from fsdp_bridge.state_dicts.parts import (
     entries,
     find_parts,
     flat_piece_entries,

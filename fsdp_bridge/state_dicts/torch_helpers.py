@@ -34,7 +34,7 @@ import weakref
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fsdp_bridge.checkpoint import optim_state
+from fsdp_bridge.state_dicts import optim_state
 
 TORCH_HELPERS_MODULE = "torch.distributed.checkpoint.state_dict"
 

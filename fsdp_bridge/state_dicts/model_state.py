@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_bridge.checkpoint.parts import Entry, entries, find_parts, mesh_of, world_rank
+from fsdp_bridge.state_dicts.parts import Entry, entries, find_parts, mesh_of, world_rank
 
 
 def _dtensor_types():
