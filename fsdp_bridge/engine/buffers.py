@@ -19,6 +19,8 @@ move): between steps a rank holds only shards, as with FSDP2.
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import torch
 
 
@@ -28,7 +30,7 @@ class GatherBuffer:
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device):
         self.tensor = torch.empty(numel, dtype=dtype, device=device)
         self.nbytes = self.tensor.untyped_storage().nbytes()
-        self.owner = None  # the FlatGroup whose parameters are in the buffer
+        self.owner: Optional[Any] = None  # the FlatGroup whose parameters are in the buffer
 
     @property
     def holds_memory(self) -> bool:

@@ -14,6 +14,7 @@ runs, the full parameters are views of its gathered buffer, installed in the own
 
 from __future__ import annotations
 
+import enum
 import weakref
 from typing import Optional
 
@@ -23,6 +24,15 @@ from torch import nn
 from fsdp_bridge.engine.buffers import GatherBuffer
 from fsdp_bridge.engine.comm import Comm
 from fsdp_bridge.engine.layout import GroupLayout
+
+
+class GradCycle(enum.Enum):
+    """Where a group is in its gradient accumulation cycle (the reductions of the micro-steps
+    of one optimizer step). CLOSED -> OPEN when the cycle's first reduction lands; OPEN ->
+    CLOSED when `finalize_grads` exposes the result as `.grad`."""
+
+    CLOSED = "closed"  # no reduced gradient held; `.grad` (if any) is the user's
+    OPEN = "open"  # reductions are being summed into the accumulator
 
 
 class FlatGroup:
@@ -57,7 +67,7 @@ class FlatGroup:
         self.grad_shard_ref: Optional[weakref.ref] = None  # after it (see _begin_cycle)
         self.accumulator: Optional[torch.Tensor] = None
         self.accumulating_into_user_grads = False
-        self.reduced_this_cycle = False
+        self.grad_cycle = GradCycle.CLOSED
         self.unsynced_grad: Optional[torch.Tensor] = None  # local sum of no_sync gradients
         self.gate = torch.empty(0, device=device, requires_grad=True)
 
@@ -91,7 +101,7 @@ class FlatGroup:
         if not moved:
             return False
         self._check_castable(moved)
-        if self.reduced_this_cycle or self.unsynced_grad is not None:
+        if self.grad_cycle is GradCycle.OPEN or self.unsynced_grad is not None:
             raise ValueError(
                 f"fsdp_bridge: parameter {self.slots[moved[0]].fqn!r} was cast in the middle "
                 "of a gradient accumulation cycle (gradients of earlier micro-steps are held "
@@ -170,7 +180,7 @@ class FlatGroup:
             self._point_at_master(index)
             # How many ranks hold this same piece (replicas of a shard), so layout-independent
             # digests (the equivalence harness) count it once.
-            slot.param._fsdp_bridge_replicas = self.comm.replicate_size
+            setattr(slot.param, "_fsdp_bridge_replicas", self.comm.replicate_size)
             for module, attr in slot.owners:
                 module._parameters[attr] = slot.param
         return [slot.param for slot in self.slots]
@@ -188,6 +198,7 @@ class FlatGroup:
         return self.buffer is not None and self.buffer.owner is self
 
     def gathered_flat(self) -> torch.Tensor:
+        assert self.buffer is not None
         return self.buffer.view_for(self.padded_numel)
 
     def start_gather(self) -> None:
@@ -282,9 +293,9 @@ class FlatGroup:
         this runs on the process group's thread as the reduction lands (see [Note: reductions
         land early]): it touches only this group's gradient state, which the main thread reads
         again only after waiting on that reduction."""
-        if not self.reduced_this_cycle:
+        if self.grad_cycle is GradCycle.CLOSED:
             self._begin_cycle()
-            self.reduced_this_cycle = True
+        assert self.accumulator is not None
         self.accumulator.add_(reduced)
 
     def _begin_cycle(self) -> None:
@@ -293,6 +304,8 @@ class FlatGroup:
         # `zero_grad()` (set_to_none) frees it on the spot, as torch frees a plain `.grad`.
         # Torch semantics: gradients add into existing .grad until the user zeroes or drops
         # them. If the user kept some, accumulate aside and add at the end.
+        assert self.grad_cycle is GradCycle.CLOSED, "a gradient cycle opened twice"
+        self.grad_cycle = GradCycle.OPEN
         kept = self._kept_grad_shard()
         self.accumulating_into_user_grads = kept is not None
         if kept is None:
@@ -314,8 +327,9 @@ class FlatGroup:
 
     def finalize_grads(self, divisor: float) -> None:
         """Divide once, expose the result as `.grad` views, and end the cycle."""
-        if not self.reduced_this_cycle:
+        if self.grad_cycle is GradCycle.CLOSED:
             return
+        assert self.grad_shard is not None and self.accumulator is not None
         if self.accumulating_into_user_grads:
             self.grad_shard.add_(self.accumulator, alpha=1.0 / divisor)
         else:
@@ -324,10 +338,11 @@ class FlatGroup:
             param.grad = self._grad_of(index)
         self.grad_shard_ref = weakref.ref(self.grad_shard)
         self.grad_shard = self.accumulator = None
-        self.reduced_this_cycle = False
+        self.grad_cycle = GradCycle.CLOSED
 
     def _grad_of(self, index: int) -> torch.Tensor:
         """Parameter `index`'s gradient as the user sees it: a view of the gradient shard."""
+        assert self.grad_shard is not None
         return self._piece(self.grad_shard, index)
 
     def _piece(self, shard: torch.Tensor, index: int) -> torch.Tensor:

@@ -67,7 +67,9 @@ def release(sharded: ShardedModel) -> None:
     for name, dtype in sharded.buffer_dtypes.items():
         owner, _, attr = name.rpartition(".")
         module = sharded.module.get_submodule(owner)
-        module._buffers[attr] = module._buffers[attr].to(dtype)
+        buffer = module._buffers[attr]
+        assert buffer is not None
+        module._buffers[attr] = buffer.to(dtype)
     object.__delattr__(sharded.module, ATTRIBUTE)
 
 

@@ -98,8 +98,8 @@ def check_ranks_agree(plan: Plan, layout_text: str, comm: Comm) -> None:
     diff = "\n".join(
         list(
             difflib.unified_diff(
-                descriptions[0].splitlines(),
-                descriptions[first_other].splitlines(),
+                str(descriptions[0]).splitlines(),
+                str(descriptions[first_other]).splitlines(),
                 "rank 0",
                 f"rank {first_other}",
                 lineterm="",

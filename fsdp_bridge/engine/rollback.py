@@ -95,10 +95,10 @@ def restored_on_failure(model: nn.Module, buffer_values: bool = False):
     try:
         yield
     except BaseException:
-        for state in modules:
-            _restore_module(state)
-        for state in params.values():
-            _restore_param(state)
+        for module_state in modules:
+            _restore_module(module_state)
+        for param_state in params.values():
+            _restore_param(param_state)
         with torch.no_grad():
             for buffer, value in buffers:
                 if buffer.shape == value.shape:

@@ -28,6 +28,8 @@ Parameter objects the user holds stay the same.
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import torch
 
 from fsdp_bridge.engine.flat_group import FlatGroup
@@ -65,7 +67,7 @@ class RowGroup(FlatGroup):
         self.padded_numel = self.shard_numel * ranks
         # In a full (parameter after parameter) buffer, parameter i takes `ranks` chunks.
         self.offsets = [offset * ranks for offset in self.chunk_offsets]
-        self._scratch = None  # a gather in flight lands here, rank after rank
+        self._scratch: Optional[torch.Tensor] = None  # a gather in flight lands here
         self.exposed = False  # the owner modules hold the gathered parameters (unshard())
 
     def _build_master(self, device: torch.device, sync_module_states: bool) -> torch.Tensor:
@@ -98,7 +100,8 @@ class RowGroup(FlatGroup):
 
     def _point_at_master(self, index: int) -> None:
         slot = self.slots[index]
-        slot.param._local_tensor = self._master_view(index)
+        param: Any = slot.param  # a DTensor
+        param._local_tensor = self._master_view(index)
         for module, attr in slot.owners:
             module._parameters[attr] = slot.param
 
@@ -125,7 +128,7 @@ class RowGroup(FlatGroup):
             if (current is slot.param and local is not None
                     and local.untyped_storage().data_ptr() == master_ptr):
                 continue
-            slot.param = current
+            slot.param = current  # type: ignore[assignment]  # checked just below
             local = self._checked_local(index)
             if (local.dtype, local.device) != (self.master.dtype, self.master.device):
                 raise ValueError(
@@ -135,7 +138,7 @@ class RowGroup(FlatGroup):
                     "(compute dtypes come from MixedPrecisionPolicy).")
             with torch.no_grad():
                 self._master_view(index).copy_(local)
-            self.local_params[index] = current
+            self.local_params[index] = current  # type: ignore[assignment]
             self._point_at_master(index)
             self.invalidate()
         return False  # a change of dtype is refused above
@@ -161,7 +164,8 @@ class RowGroup(FlatGroup):
     def detach_params(self) -> None:
         """Give every parameter a local tensor of its own (the group is being dropped)."""
         for slot in self.slots:
-            slot.param._local_tensor = slot.param._local_tensor.clone()
+            param: Any = slot.param  # a DTensor
+            param._local_tensor = param._local_tensor.clone()
 
     # -- gathering ----------------------------------------------------------------------------
 
@@ -220,7 +224,8 @@ class RowGroup(FlatGroup):
     def _grad_of(self, index: int) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
-        param = self.local_params[index]
+        param: Any = self.local_params[index]  # a DTensor
+        assert self.grad_shard is not None
         local = self._piece(self.grad_shard, index)
         return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())

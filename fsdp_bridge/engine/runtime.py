@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, Optional
+import enum
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,11 +37,22 @@ from fsdp_bridge.engine.row_group import RowGroup
 from fsdp_bridge.plan import ParamLayout, Plan, UnitSpec
 
 
+class StepPhase(enum.Enum):
+    """Where the model is in a training step, as the engine's hooks see it."""
+
+    # From the end of one backward to the first backward hook of the next: forward, the
+    # optimizer step, evaluation.
+    FORWARD = "forward"
+    # From the first backward hook (which queues the end-of-backward callback) to that
+    # callback. A forward run in this phase is an activation-checkpoint recomputation.
+    BACKWARD = "backward"
+
+
 @dataclasses.dataclass
 class PendingReduce:
     group: FlatGroup
-    work: object  # a c10d work handle, or None when nothing was communicated
-    output: torch.Tensor
+    work: Any  # a c10d work handle or its future, or None when nothing was communicated
+    output: Optional[torch.Tensor]
     full: Optional[torch.Tensor]  # the full gradient being reduced (freed once done)
     landed: bool = False  # added to the gradient shard by the collective's thread
 
@@ -87,7 +99,7 @@ class ShardedModel:
         self.forward_order: list[Unit] = []
         self.last_forward_order: list[Unit] = []
         self.pending_reduces: list[PendingReduce] = []
-        self.callback_queued = False
+        self.phase = StepPhase.FORWARD
 
         engine_init.warn_unhonoured_offload(plan, device)
         engine_init.materialize(module, device, param_init_fn)
@@ -169,7 +181,7 @@ class ShardedModel:
 
     def _make_pre_forward(self, unit: Unit):
         def pre_forward(module, args, kwargs):
-            recomputing = self.callback_queued  # a forward run inside backward
+            recomputing = self.phase is StepPhase.BACKWARD
             if unit.is_root and not recomputing:
                 self._begin_forward()
             unit.in_use = True
@@ -191,7 +203,7 @@ class ShardedModel:
             # gathers them again, and none sit under the activations of the turn to backward.
             # (A forward run inside backward, an activation-checkpoint recomputation, keeps
             # its weights for the backward that follows it.)
-            if unit.reshard_after_forward and not self.callback_queued:
+            if unit.reshard_after_forward and self.phase is StepPhase.FORWARD:
                 self._release_buffers_of(unit)
             if torch.is_grad_enabled():
                 tensors = [
@@ -228,11 +240,12 @@ class ShardedModel:
     def _release_all_buffers(self) -> None:
         for unit in self.units:
             for group in unit.groups:
-                group.buffer.release()
+                if group.buffer is not None:
+                    group.buffer.release()
 
     def _release_buffers_of(self, unit: Unit) -> None:
         for group in unit.groups:
-            if not group.dedicated:
+            if not group.dedicated and group.buffer is not None:
                 group.buffer.release()
 
     def _install_views(self, unit: Unit, counted: bool = True) -> None:
@@ -382,6 +395,7 @@ class ShardedModel:
 
     @staticmethod
     def _land(pending: PendingReduce) -> None:
+        assert pending.output is not None
         pending.group.accumulate(pending.output)
         pending.landed = True
         pending.output = pending.full = None
@@ -395,6 +409,7 @@ class ShardedModel:
         if pending.work is not None:
             pending.work.wait()
         if not pending.landed:
+            assert pending.output is not None
             if self.comm.shard_size > 1:  # hybrid: shards are summed across replicas too
                 self.comm.all_reduce_replicas(pending.output, async_op=False)
             pending.group.accumulate(pending.output)
@@ -403,11 +418,12 @@ class ShardedModel:
         pending.work = pending.output = pending.full = None
 
     def _queue_end_of_backward(self) -> None:
-        if not self.callback_queued:
-            self.callback_queued = True
+        if self.phase is StepPhase.FORWARD:
+            self.phase = StepPhase.BACKWARD
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self) -> None:
+        assert self.phase is StepPhase.BACKWARD, "end of backward outside a backward"
         if self.requires_sync:
             # Groups that accumulated inside no_sync but took no part in this backward.
             for unit in self.units:
@@ -436,7 +452,7 @@ class ShardedModel:
         # The next forward gathers every unit again (the masters move): no gathered weights
         # are worth holding through the optimizer step.
         self._release_all_buffers()
-        self.callback_queued = False
+        self.phase = StepPhase.FORWARD
 
     # -- public operations --------------------------------------------------------------------
 
