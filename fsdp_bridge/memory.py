@@ -162,7 +162,7 @@ def _backward_peak(sharded, held: int, layers, resident_units) -> int:
 
 def estimate_step_memory(sharded, optimizer=None) -> StepMemory:
     """Predict the bytes one rank of `sharded` (a ShardedModel) needs for a training step."""
-    groups = [g for unit in sharded.units for g in unit.groups]
+    groups = sharded.flat_groups()
     ignored = sum(p.numel() * p.element_size() for p in sharded.ignored_params)
     params = sum(_nbytes(g.shard_numel, g.master.dtype) for g in groups) + ignored
     grads = sum(_grad_shard_bytes(u) for u in sharded.units) + sum(

@@ -112,7 +112,7 @@ class FlatGroup:
         grads = torch.zeros_like(master) if any(
             slot.param.grad is not None for slot in self.slots) else None
         for index, slot in enumerate(self.slots):
-            lo, hi = self._local_range(index)
+            lo, hi = self.local_range(index)
             master[lo:hi] = slot.param.detach()
             if grads is not None and slot.param.grad is not None:
                 grads[lo:hi] = slot.param.grad
@@ -135,7 +135,7 @@ class FlatGroup:
         dtypes = {self.slots[i].param.dtype for i in range(len(self.slots))}
         for index in moved:
             slot = self.slots[index]
-            lo, hi = self._local_range(index)
+            lo, hi = self.local_range(index)
             problem = None
             if slot.param.device != self.master.device:
                 problem = (f"moved to {slot.param.device} (sharded on {self.master.device})",
@@ -163,7 +163,7 @@ class FlatGroup:
         parts.append(torch.zeros(padding, dtype=dtype, device=device))
         return torch.cat(parts)
 
-    def _local_range(self, index: int) -> tuple[int, int]:
+    def local_range(self, index: int) -> tuple[int, int]:
         """The part of parameter `index` that lies in this rank's shard, as shard offsets."""
         start = max(self.offsets[index], self.shard_start)
         end = min(self.offsets[index] + self.numels[index], self.shard_start + self.shard_numel)
@@ -186,7 +186,7 @@ class FlatGroup:
         return [slot.param for slot in self.slots]
 
     def _point_at_master(self, index: int) -> None:
-        lo, hi = self._local_range(index)
+        lo, hi = self.local_range(index)
         param = self.slots[index].param
         param.grad = None  # a full-shaped gradient would not fit the shard
         param.data = self.master[lo:hi]
@@ -347,7 +347,7 @@ class FlatGroup:
 
     def _piece(self, shard: torch.Tensor, index: int) -> torch.Tensor:
         """Parameter `index`'s part of a tensor laid out as this rank's shard."""
-        lo, hi = self._local_range(index)
+        lo, hi = self.local_range(index)
         return shard[lo:hi]
 
     def local_grads(self) -> list[torch.Tensor]:

@@ -99,7 +99,7 @@ def summon_full_params(
             ):
                 local = torch.zeros_like(group.master)
                 for index, param in enumerate(group.local_params):
-                    lo, hi = group._local_range(index)
+                    lo, hi = group.local_range(index)
                     if param.grad is not None:
                         local[lo:hi] = param.grad
                 grads = group.gather_full(local)
@@ -200,7 +200,7 @@ def full_optim_state_dict(sharded: ShardedModel, optimizer, rank0_only: bool = F
             for key in keys:
                 local = torch.zeros_like(group.master, dtype=first[key].dtype)
                 for index, param in enumerate(group.local_params):
-                    lo, hi = group._local_range(index)
+                    lo, hi = group.local_range(index)
                     value = optimizer.state.get(param, {}).get(key)
                     if value is not None:
                         local[lo:hi] = value
@@ -253,7 +253,7 @@ def optim_state_dict_to_load(sharded: ShardedModel, optimizer, full_osd: dict) -
                 fqn = group.slots[index].fqn
                 saved = full_osd["state"].get(fqn)
                 if saved is not None:
-                    lo, hi = group._local_range(index)
+                    lo, hi = group.local_range(index)
                     start = group.shard_start + lo - group.offsets[index]
                     state[position] = {
                         k: (v.reshape(-1)[start : start + (hi - lo)].clone()

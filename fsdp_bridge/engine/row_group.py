@@ -230,7 +230,7 @@ class RowGroup(FlatGroup):
         return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())
 
-    def _local_range(self, index: int) -> tuple[int, int]:
+    def local_range(self, index: int) -> tuple[int, int]:
         raise NotImplementedError(
             f"fsdp_bridge: {self.slots[index].fqn!r} is a row-sharded DTensor parameter "
             "(fully_shard); this operation handles FSDP1-style flat shards only. Use the "

@@ -471,8 +471,13 @@ class ShardedModel:
         finally:
             self.set_requires_gradient_sync(previous)
 
+    def flat_groups(self) -> list[FlatGroup]:
+        """Every flat group, unit by unit in the Plan's order: what callers outside the engine
+        walk (state dicts, memory estimates) instead of reaching through the units."""
+        return [group for unit in self.units for group in unit.groups]
+
     def managed_parameters(self) -> list[nn.Parameter]:
-        return [p for unit in self.units for g in unit.groups for p in g.local_params]
+        return [p for group in self.flat_groups() for p in group.local_params]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of every parameter by their true global norm; return the norm."""

@@ -100,13 +100,12 @@ def get_model_state_dict(model: nn.Module, *, full_state_dict: bool = False,
     values: dict[int, torch.Tensor] = {}
     for part in parts:
         mesh = None if full_state_dict else mesh_of(part.sharded)
-        for unit in part.sharded.units:
-            for group in unit.groups:
-                flat = group.gather_full_master()
-                for index, (_, value) in enumerate(group.split(flat)):
-                    value = value.clone() if mesh is None else to_dtensor(value, mesh)
-                    values[id(group.local_params[index])] = value
-                del flat
+        for group in part.sharded.flat_groups():
+            flat = group.gather_full_master()
+            for index, (_, value) in enumerate(group.split(flat)):
+                value = value.clone() if mesh is None else to_dtensor(value, mesh)
+                values[id(group.local_params[index])] = value
+            del flat
     if full_state_dict and cpu_offload and world_rank() != 0:
         return {}
     result = {}
@@ -195,24 +194,23 @@ def _load_groups(parts, present, source, broadcast: bool = False) -> None:
     """Lay each group's values, read with `source(key)`, into a full flat buffer and keep this
     rank's range. With `broadcast`, only rank 0 reads `source` and sends the buffer."""
     for part in parts:
-        for unit in part.sharded.units:
-            for group in unit.groups:
-                names = [next((k for k in keys if k in present), None)
-                         for keys in _group_keys(part, group)]
-                if all(name is None for name in names):
-                    continue
-                if all(name is not None for name in names):
-                    flat = torch.zeros(group.padded_numel, dtype=group.master.dtype,
-                                       device=group.master.device)
-                else:  # keep the current values of what the state dict lacks
-                    flat = group.gather_full_master()
-                if not broadcast or world_rank() == 0:
-                    for name, (_, view) in zip(names, group.split(flat)):
-                        if name is not None:
-                            view.copy_(source(name).reshape(view.shape))
-                if broadcast:
-                    dist.broadcast(flat, src=0)
-                group.load_full_master(flat)
+        for group in part.sharded.flat_groups():
+            names = [next((k for k in keys if k in present), None)
+                     for keys in _group_keys(part, group)]
+            if all(name is None for name in names):
+                continue
+            if all(name is not None for name in names):
+                flat = torch.zeros(group.padded_numel, dtype=group.master.dtype,
+                                   device=group.master.device)
+            else:  # keep the current values of what the state dict lacks
+                flat = group.gather_full_master()
+            if not broadcast or world_rank() == 0:
+                for name, (_, view) in zip(names, group.split(flat)):
+                    if name is not None:
+                        view.copy_(source(name).reshape(view.shape))
+            if broadcast:
+                dist.broadcast(flat, src=0)
+            group.load_full_master(flat)
 
 
 def _load_broadcast(parts, ents, state_dict, strict):

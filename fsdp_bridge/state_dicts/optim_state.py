@@ -94,12 +94,11 @@ def get_optimizer_state_dict(model: nn.Module, optimizers: Iterable, *,
         done = set()
         for part in parts:
             mesh = None if full_state_dict else mesh_of(part.sharded)
-            for unit in part.sharded.units:
-                for group in unit.groups:
-                    mine = [p for p in group.local_params if id(p) in in_optim]
-                    if mine:
-                        _group_state(optim, group, named, mesh, result[STATE])
-                        done.update(id(p) for p in mine)
+            for group in part.sharded.flat_groups():
+                mine = [p for p in group.local_params if id(p) in in_optim]
+                if mine:
+                    _group_state(optim, group, named, mesh, result[STATE])
+                    done.update(id(p) for p in mine)
         for param in params:  # parameters the engine does not manage: plain values
             if id(param) in done or param not in optim.state:
                 continue
@@ -129,7 +128,7 @@ def _group_state(optim, group, named, mesh, out: dict) -> None:
         for index, param in enumerate(params):
             value = optim.state.get(param, {}).get(key)
             if value is not None:
-                lo, hi = group._local_range(index)
+                lo, hi = group.local_range(index)
                 local[lo:hi] = value
         full = group.gather_full(local)
         for (_, value), param in zip(group.split(full), params):
@@ -248,7 +247,7 @@ def _local_state(param, named_entry, saved: dict) -> dict:
             out[key] = value.detach().clone()
             continue
         group, index = entry.group, entry.index
-        lo, hi = group._local_range(index)
+        lo, hi = group.local_range(index)
         start = group.shard_start + lo - group.offsets[index]
         full = to_full(value)
         out[key] = full.reshape(-1)[start: start + (hi - lo)].clone()

@@ -105,10 +105,9 @@ def flat_piece_entries(params) -> dict[int, Entry]:
             owners.append(sharded)
     for sharded in owners:
         part = Part("", sharded)
-        for unit in sharded.units:
-            for group in unit.groups:
-                for index, param in enumerate(group.local_params):
-                    found[id(param)] = Entry("", param, False, part, group, index)
+        for group in sharded.flat_groups():
+            for index, param in enumerate(group.local_params):
+                found[id(param)] = Entry("", param, False, part, group, index)
     wanted = {id(p) for p in params}
     return {key: entry for key, entry in found.items() if key in wanted}
 
@@ -118,10 +117,9 @@ def entries(model: nn.Module, parts: list[Part]) -> list[Entry]:
     (tied parameters under each of their names)."""
     where = {}
     for part in parts:
-        for unit in part.sharded.units:
-            for group in unit.groups:
-                for index, param in enumerate(group.local_params):
-                    where[id(param)] = (part, group, index)
+        for group in part.sharded.flat_groups():
+            for index, param in enumerate(group.local_params):
+                where[id(param)] = (part, group, index)
     buffer_dtypes = {}
     for part in parts:
         for name, dtype in part.sharded.buffer_dtypes.items():

@@ -37,11 +37,10 @@ class AcceleratedModel(ShardedWrapper):
     def get_shard_metadata(self) -> dict:
         sharded = self._sharded
         shapes = {}
-        for unit in sharded.units:
-            for group in unit.groups:
-                for slot in group.slots:
-                    for fqn in slot.owner_fqns:
-                        shapes[fqn] = tuple(slot.shape)
+        for group in sharded.flat_groups():
+            for slot in group.slots:
+                for fqn in slot.owner_fqns:
+                    shapes[fqn] = tuple(slot.shape)
         rank = dist.get_rank(sharded.comm.shard_group) if sharded.comm.shard_group else 0
         return {"shard_shapes": shapes, "shard_rank": rank,
                 "shard_world_size": sharded.comm.shard_size,
