@@ -1,5 +1,10 @@
 """The sharding engine: flat units, reused buffers, collectives, hooks and state dicts.
 
+Its public verbs, one module each, are re-exported here: `shard_model` / `get_sharded`,
+`ownership` (owner_of, release), `summon` (summon_full_params), `grad_norm` (grad_norm,
+clip_grads_), `state_dict` (full and per-rank state dicts), `optim_state` (FSDP1's full
+optimizer state dicts), `unit_verbs` (FSDP2's per-unit unshard / reshard / divide factor).
+
 It applies a `fsdp_bridge.plan.Plan` and knows nothing of FSDP dialects; front-ends build the
 Plan. Entry point: `shard_model(module, plan, ...)`.
 """
@@ -12,29 +17,30 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_bridge.engine.comm import Comm, CollectiveStats
-from fsdp_bridge.engine.full_params import (
-    ATTRIBUTE,
-    clip_grads_,
-    expose_unit,
+from fsdp_bridge.engine.comm import CollectiveStats, Comm
+from fsdp_bridge.engine.grad_norm import clip_grads_, grad_norm
+from fsdp_bridge.engine.optim_state import (
     full_optim_state_dict,
-    grad_norm,
-    load_sharded_state_dict,
     optim_state_dict_to_load,
-    owner_of,
-    release,
+)
+from fsdp_bridge.engine.ownership import ATTRIBUTE, owner_of, release, tag_parameters
+from fsdp_bridge.engine.rollback import restored_on_failure
+from fsdp_bridge.engine.runtime import ShardedModel
+from fsdp_bridge.engine.state_dict import (
+    full_state_dict,
+    load_full_state_dict,
+    load_sharded_state_dict,
+    sharded_state_dict,
+)
+from fsdp_bridge.engine.summon import summon_full_params
+from fsdp_bridge.engine.unit_verbs import (
+    expose_unit,
     reshard_unit,
     run_as_forward,
     run_pre_forward,
     set_gradient_divide_factor,
-    sharded_state_dict,
-    summon_full_params,
-    tag_parameters,
     unshard_unit,
 )
-from fsdp_bridge.engine.rollback import restored_on_failure
-from fsdp_bridge.engine.runtime import ShardedModel
-from fsdp_bridge.engine.state_dict import full_state_dict, load_full_state_dict
 from fsdp_bridge.plan import Plan, ShardingMode
 
 __all__ = [

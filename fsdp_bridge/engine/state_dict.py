@@ -90,3 +90,52 @@ def _load_group(group, state_dict, strict: bool) -> None:
         _check_shape(key, value, slot.shape)
         view.copy_(value)
     group.load_full_master(current)
+
+
+# -- sharded (local) state dicts --------------------------------------------------------------------
+
+
+def sharded_state_dict(sharded: ShardedModel) -> dict[str, torch.Tensor]:
+    """This rank's shards under the original names (1-D local slices of each parameter's flat
+    range; buffers and ignored parameters whole). No collectives; reload it with
+    `load_sharded_state_dict` at the same world size and layout."""
+    local = {}
+    for unit in sharded.units:
+        for group in unit.groups:
+            for slot, param in zip(group.slots, group.local_params):
+                for fqn in slot.owner_fqns:
+                    local[fqn] = param.detach().clone()
+    result = {}
+    for key, value in nn.Module.state_dict(sharded.module, keep_vars=True).items():
+        value = local.get(key, value.detach().clone())
+        if key in sharded.buffer_dtypes:
+            value = value.to(sharded.buffer_dtypes[key])
+        result[key] = value
+    return result
+
+
+def load_sharded_state_dict(sharded: ShardedModel, state_dict: dict, strict: bool = True) -> None:
+    entries = nn.Module.state_dict(sharded.module, keep_vars=True)
+    missing = [k for k in entries if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in entries]
+    if strict and (missing or unexpected):
+        raise ValueError(
+            f"load_sharded_state_dict: missing keys {missing[:10]}, unexpected keys "
+            f"{unexpected[:10]}. Load a sharded state dict saved by the same model."
+        )
+    with torch.no_grad():
+        for key, current in entries.items():
+            if key not in state_dict:
+                continue
+            value = state_dict[key]
+            if tuple(value.shape) != tuple(current.shape):
+                raise ValueError(
+                    f"load_sharded_state_dict: {key!r} has shape {tuple(value.shape)} but this "
+                    f"rank's shard has {tuple(current.shape)}: a sharded state dict loads only "
+                    "at the world size and wrapping it was saved with; use a full state dict "
+                    "to change either."
+                )
+            current.copy_(value)
+    for unit in sharded.units:
+        for group in unit.groups:
+            group.invalidate()

@@ -1,0 +1,68 @@
+"""Which model a parameter or module belongs to, and giving a model back.
+
+[Note: releasing]
+FSDP1 lets users nest wrappers by hand (`FSDP(layer)` first, `FSDP(model)` later) and FSDP2
+applies `fully_shard` bottom-up. The engine shards a whole model with one Plan, so a front-end
+that meets an already-sharded submodule *releases* it (gathers its full parameters back into the
+original `nn.Parameter` objects and removes its hooks) and shards the enclosing model with the
+submodule as a unit. Releasing costs one gather per flat group, once, at construction.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+
+from fsdp_bridge.engine.row_group import RowGroup
+from fsdp_bridge.engine.runtime import ShardedModel
+
+OWNER_ATTRIBUTE = "_fsdp_bridge_owner"  # on each local parameter: weakref to its ShardedModel
+ATTRIBUTE = "_fsdp_bridge"  # on each sharded module: its ShardedModel
+
+
+def tag_parameters(sharded: ShardedModel) -> None:
+    """Mark every local shard so that `owner_of(param)` finds its model (global norms)."""
+    ref = weakref.ref(sharded)
+    for param in sharded.managed_parameters():
+        setattr(param, OWNER_ATTRIBUTE, ref)
+
+
+def owner_of(param: torch.Tensor) -> Optional[ShardedModel]:
+    ref = getattr(param, OWNER_ATTRIBUTE, None)
+    return ref() if ref is not None else None
+
+
+def release(sharded: ShardedModel) -> None:
+    """Undo `shard_model`: every parameter becomes an ordinary full `nn.Parameter` again (the
+    original objects, refilled), buffers get back their dtypes, hooks are removed. A collective:
+    every rank must call it."""
+    for handle in sharded.hook_handles:
+        handle.remove()
+    with torch.no_grad():
+        for unit in sharded.units:
+            for group in unit.groups:
+                group.invalidate()
+                if isinstance(group, RowGroup):  # DTensor parameters stay sharded
+                    group.detach_params()
+                    continue
+                flat = group.gather_full_master()
+                for slot, value in group.split(flat):
+                    slot.param.grad = None
+                    slot.param.data = value.clone()
+                    slot.param.requires_grad_(group.requires_grad)
+                    # An ordinary parameter again: no owner to combine norms over, no
+                    # replicas to count (the objects are the user's, they outlive us).
+                    slot.param.__dict__.pop(OWNER_ATTRIBUTE, None)
+                    slot.param.__dict__.pop("_fsdp_bridge_replicas", None)
+                    for owner, attr in slot.owners:
+                        owner.__dict__.pop(attr, None)
+                        owner._parameters[attr] = slot.param
+    for name, dtype in sharded.buffer_dtypes.items():
+        owner, _, attr = name.rpartition(".")
+        module = sharded.module.get_submodule(owner)
+        buffer = module._buffers[attr]
+        assert buffer is not None
+        module._buffers[attr] = buffer.to(dtype)
+    object.__delattr__(sharded.module, ATTRIBUTE)

@@ -1,0 +1,74 @@
+"""FSDP2's per-module verbs on one unit: unshard, reshard, expose the full parameters, run
+a method as a forward, and the gradient divide factor."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from fsdp_bridge.engine.row_group import RowGroup
+from fsdp_bridge.engine.runtime import ShardedModel
+
+
+def _unit(sharded: ShardedModel, name: str):
+    """Unit `name`, or for a module inside a unit (e.g. a module of an FSDP2 list call) the
+    innermost unit that encloses it."""
+    best = None
+    for unit in sharded.units:
+        if unit.name == name:
+            return unit
+        if unit.name == "" or name.startswith(unit.name + "."):
+            if best is None or len(unit.name) > len(best.name):
+                best = unit
+    return best if best is not None else sharded.units[-1]
+
+
+def set_gradient_divide_factor(sharded: ShardedModel, name: str, factor: Optional[float]) -> None:
+    """Divide the reduced gradients of unit `name` (or of the unit enclosing module `name`) by
+    `factor` instead of the data-parallel size (FSDP2's per-module divide factor)."""
+    _unit(sharded, name).gradient_divide_factor = None if factor is None else float(factor)
+
+
+def unshard_unit(sharded: ShardedModel, name: str) -> list:
+    """Start gathering unit `name` (FSDP2's `unshard`): the next forward finds it gathered.
+    Returns the groups whose gathers are in flight (wait with `group.wait_gather()`)."""
+    unit = _unit(sharded, name)
+    started = []
+    for group in unit.groups:
+        if not group.is_gathered:
+            group.start_gather()
+            started.append(group)
+    return started
+
+
+def expose_unit(sharded: ShardedModel, name: str) -> None:
+    """After `unshard_unit` finished: unit `name`'s modules hold its full parameters until
+    it is resharded (FSDP2's unsharded state; DTensor parameters only)."""
+    for group in _unit(sharded, name).groups:
+        if isinstance(group, RowGroup):
+            group.expose_full()
+
+
+def reshard_unit(sharded: ShardedModel, name: str) -> None:
+    """Drop unit `name`'s gathered copy (FSDP2's `reshard`), unless it is running."""
+    unit = _unit(sharded, name)
+    if not unit.in_use:
+        for group in unit.groups:
+            group.invalidate()
+
+
+def run_pre_forward(sharded: ShardedModel, name: str, args, kwargs):
+    """Run the engine's pre-forward hook of unit `name` by hand (for a hook registered while
+    the module's own hooks were already being called)."""
+    unit = _unit(sharded, name)
+    return sharded._make_pre_forward(unit)(unit.module, args, kwargs)
+
+
+def run_as_forward(sharded: ShardedModel, name: str, method, args, kwargs):
+    """Call `method` with unit `name` gathered as for its forward (FSDP2's
+    `register_fsdp_forward_method`)."""
+    unit = _unit(sharded, name)
+    if unit.in_use:
+        return method(*args, **kwargs)
+    args, kwargs = sharded._make_pre_forward(unit)(unit.module, args, kwargs)
+    output = method(*args, **kwargs)
+    return sharded._make_post_forward(unit)(unit.module, args, output)
