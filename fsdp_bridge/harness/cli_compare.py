@@ -79,7 +79,7 @@ def checked_arguments(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from fsdp_bridge.harness.compare import EXIT_ERROR
     from fsdp_bridge.harness.equivalence import check_equivalence
-    from fsdp_bridge.harness.report import render_table, save_plot, write_json
+    from fsdp_bridge.harness.report import show
 
     try:
         recipe, backends = checked_arguments(args)
@@ -96,12 +96,6 @@ def run(args: argparse.Namespace) -> int:
         print("fsdp-bridge compare: interrupted; every rank it started was stopped.",
               file=sys.stderr)
         return 130
-    print(render_table(report))
-    for error in report.errors:
-        print(f"error in {error}", file=sys.stderr)
-    if args.json:
-        write_json(report, args.json)
-    if args.plot:
-        save_plot(report, args.plot)
+    show(report, args.json, args.plot, error_prefix="error in ")
     print(f"({report.seconds:.1f} s)")
     return report.exit_code

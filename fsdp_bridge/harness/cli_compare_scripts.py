@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fsdp_bridge.harness.compare import tolerance_for
-    from fsdp_bridge.harness.report import render_table, save_plot, write_json
+    from fsdp_bridge.harness.report import show
     from fsdp_bridge.harness.scripts import DEFAULT_LOSS_PATTERN, compare_scripts
 
     from fsdp_bridge.harness import arguments
@@ -78,11 +78,5 @@ def run(args: argparse.Namespace) -> int:
         print("fsdp-bridge compare-scripts: interrupted; torchrun and every rank it started "
               "were stopped.", file=sys.stderr)
         return 130
-    print(render_table(report))
-    for error in report.errors:
-        print(f"error: {error}", file=sys.stderr)
-    if args.json:
-        write_json(report, args.json)
-    if args.plot:
-        save_plot(report, args.plot)
+    show(report, args.json, args.plot, error_prefix="error: ")
     return report.exit_code

@@ -33,6 +33,21 @@ def exit_code_for(errors: Sequence[str], comparisons: Sequence[Comparison]) -> i
     return EXIT_AGREE if all(c.ok for c in comparisons) else EXIT_DISAGREE
 
 
+class Verdict:
+    """What a report concludes from its `errors` and `comparisons` (the report defines both)."""
+
+    errors: Sequence[str]
+    comparisons: Sequence[Comparison]
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == EXIT_AGREE
+
+    @property
+    def exit_code(self) -> int:
+        return exit_code_for(self.errors, self.comparisons)
+
+
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
     dtype: str

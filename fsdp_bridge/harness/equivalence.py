@@ -8,11 +8,10 @@ from typing import Optional, Sequence, Union
 
 from fsdp_bridge.harness.backends import Backend
 from fsdp_bridge.harness.compare import (
-    EXIT_AGREE,
     Comparison,
     Tolerance,
+    Verdict,
     compare_runs,
-    exit_code_for,
     first_nan_step,
     tolerance_for,
 )
@@ -22,7 +21,7 @@ from fsdp_bridge.harness.runner import RunRecord
 
 
 @dataclasses.dataclass
-class Report:
+class Report(Verdict):
     """Everything a comparison found; rendered by report.py."""
 
     title: str
@@ -51,13 +50,6 @@ class Report:
     def errors(self) -> list[str]:
         return [f"{run.backend}: {run.error}" for run in self.runs if run.error]
 
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == EXIT_AGREE
-
-    @property
-    def exit_code(self) -> int:
-        return exit_code_for(self.errors, self.comparisons)
 
 
 def recipe_settings(recipe: Recipe, nproc: int) -> dict:

@@ -136,3 +136,17 @@ def save_plot(report, path: str) -> None:
     with atomic_path(path) as tmp:
         figure.savefig(tmp, dpi=100)
     plt.close(figure)
+
+
+def show(report, json_path: Optional[str], plot_path: Optional[str], error_prefix: str) -> None:
+    """What the compare commands print and write once a report is in: the table, each error
+    (on stderr, after `error_prefix`), and the --json / --plot files asked for."""
+    import sys
+
+    print(render_table(report))
+    for error in report.errors:
+        print(f"{error_prefix}{error}", file=sys.stderr)
+    if json_path:
+        write_json(report, json_path)
+    if plot_path:
+        save_plot(report, plot_path)

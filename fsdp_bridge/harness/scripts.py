@@ -30,11 +30,10 @@ from typing import Optional, Sequence
 
 from fsdp_bridge.harness import arguments, step_hook
 from fsdp_bridge.harness.compare import (
-    EXIT_AGREE,
     Comparison,
     Tolerance,
+    Verdict,
     compare_steps,
-    exit_code_for,
     first_nan_step,
 )
 from fsdp_bridge.harness.digest import Digest
@@ -155,7 +154,7 @@ def compare_script_runs(baseline: ScriptRun, candidate: ScriptRun,
 
 
 @dataclasses.dataclass
-class ScriptReport:
+class ScriptReport(Verdict):
     title: str
     settings: dict
     tolerance: Tolerance
@@ -164,13 +163,6 @@ class ScriptReport:
     notes: list[str]
     errors: list[str]
 
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == EXIT_AGREE
-
-    @property
-    def exit_code(self) -> int:
-        return exit_code_for(self.errors, self.comparisons)
 
     def curves(self) -> dict[str, list]:
         return {run.label: sorted(run.losses.items()) for run in self.runs}
