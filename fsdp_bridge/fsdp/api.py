@@ -1,35 +1,7 @@
-"""Drop-in for `torch.distributed.fsdp.api`: torch's own enums and config dataclasses."""
+"""Drop-in for `torch.distributed.fsdp.api`: torch's own enums and config dataclasses, the very
+objects (user code mixes them with ours), under every public name torch's module has."""
 
-from torch.distributed.fsdp.api import (  # noqa: F401
-    BackwardPrefetch,
-    CPUOffload,
-    FullOptimStateDictConfig,
-    FullStateDictConfig,
-    LocalOptimStateDictConfig,
-    LocalStateDictConfig,
-    MixedPrecision,
-    OptimStateDictConfig,
-    ShardedOptimStateDictConfig,
-    ShardedStateDictConfig,
-    ShardingStrategy,
-    StateDictConfig,
-    StateDictSettings,
-    StateDictType,
-)
+import torch.distributed.fsdp.api as _torch_api
+from torch.distributed.fsdp.api import *  # noqa: F401,F403  (torch's own objects)
 
-__all__ = [
-    "ShardingStrategy",
-    "BackwardPrefetch",
-    "MixedPrecision",
-    "CPUOffload",
-    "StateDictType",
-    "StateDictConfig",
-    "FullStateDictConfig",
-    "LocalStateDictConfig",
-    "ShardedStateDictConfig",
-    "OptimStateDictConfig",
-    "FullOptimStateDictConfig",
-    "LocalOptimStateDictConfig",
-    "ShardedOptimStateDictConfig",
-    "StateDictSettings",
-]
+__all__ = list(_torch_api.__all__)

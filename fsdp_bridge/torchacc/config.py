@@ -28,8 +28,12 @@ class DPConfig:
 
 
 @dataclasses.dataclass
-class TPConfig:
+class _SizeOnly:
     size: int = 1
+
+
+class TPConfig(_SizeOnly):
+    """TorchAcc's tensor-parallel settings: only a size."""
 
 
 @dataclasses.dataclass
@@ -51,9 +55,8 @@ class FSDPConfig:
     shard_output_callable: Optional[Callable] = None
 
 
-@dataclasses.dataclass
-class SPConfig:
-    size: int = 1
+class SPConfig(_SizeOnly):
+    """TorchAcc's sequence-parallel settings: only a size."""
 
 
 @dataclasses.dataclass
