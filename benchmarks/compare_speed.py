@@ -1,6 +1,6 @@
 """Speed of `fsdp-bridge compare` against the same trainings run back to back by hand.
 
-Issue 5's target: comparing 3 backends for 5 steps on the tiny Llama at world 2 takes at most
+The target: comparing 3 backends for 5 steps on the tiny Llama at world 2 takes at most
 1.3x the time of the three trainings run one after the other by hand. "By hand" is what a user
 would type: `python train.py` for the single-process reference, then `torchrun --nproc_per_node 2`
 for FSDP1 and for FSDP2, each a plain training loop (this file, `--hand BACKEND`) with no

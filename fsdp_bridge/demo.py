@@ -3,7 +3,7 @@
 1. Migrate and prove it: the realistic FSDP1 script `examples/fsdp1_train_llama.py` is rewritten
    by `fsdp-bridge migrate --to bridge` and `--to fsdp2` into a temporary directory, and each
    rewrite is compared with the original step by step by `compare-scripts` (tables and a PNG).
-2. Drop-in engine: the migration guide's YaFSDP example (`examples/yafsdp_llama.py`) trains
+2. Drop-in engine: YaFSDP's Llama example (`examples/yafsdp_llama.py`) trains
    unmodified on our engine under torchrun, beside a single process trained on the same global
    batches (it reuses the example's model and data factories), both loss columns printed.
 """

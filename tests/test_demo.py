@@ -1,4 +1,4 @@
-"""The seed-000 YaFSDP example runs with only the import changed, on 2 CPU ranks under
+"""The YaFSDP Llama example runs with only the import changed, on 2 CPU ranks under
 torchrun, and trains to the same losses as a single process (this is also `make demo`)."""
 
 import subprocess

@@ -1,5 +1,5 @@
 """The equivalence harness: prove that a change of FSDP dialect or implementation changed
-nothing numerically (DESIGN §7).
+nothing numerically, within stated tolerances.
 
 - `recipes`      what to train (model, data, optimizer, schedule); built-in tiny Llama, GPT-2, MLP
 - `backends`     how to shard it: reference, torch-fsdp1/2, bridge-fsdp1/2, bridge-yafsdp

@@ -155,7 +155,7 @@ def _cast_floating(value, dtype):
 
 
 class ReferenceBackend(Backend):
-    """One process on the global batch: mathematically DDP (DESIGN §7)."""
+    """One process on the global batch: mathematically what DDP computes."""
 
     name = "reference"
     distributed = False
@@ -205,7 +205,7 @@ class FSDP1Backend(Backend):
                                           _STRATEGY_FSDP1[recipe.strategy]),
                 auto_wrap_policy=policy,
                 mixed_precision=mixed,
-                device_id=env.device,  # required on CPU (torch_fsdp.md §4.2)
+                device_id=env.device,  # FSDP1 requires it on CPU
             )
 
     def no_sync(self, model):

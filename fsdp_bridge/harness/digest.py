@@ -1,4 +1,4 @@
-"""A layout-independent parameter digest and the global gradient norm (DESIGN §7).
+"""A layout-independent parameter digest and the global gradient norm.
 
 Every rank sums its *local* pieces of the parameters (and squares, and squared gradients) in
 float64; the sums over ranks give numbers that do not depend on how the model is sharded, so two

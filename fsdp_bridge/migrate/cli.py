@@ -12,6 +12,7 @@ import os
 import sys
 import time
 
+from fsdp_bridge.codemods import rules
 from fsdp_bridge.migrate import report
 from fsdp_bridge.migrate.driver import TARGETS, FileResult, Writer, run_all, settle_type_checks, write_problem
 from fsdp_bridge.migrate.files import walk
@@ -65,7 +66,8 @@ def _diff(result: FileResult) -> str:
 
 
 # Sites of a constructor the rewrite turns into the new dialect.
-CONSTRUCTOR_RULES = {"FB100", "FB101", "FB300", "FB301"}
+CONSTRUCTOR_RULES = {rules.CONSTRUCTOR_IN_PLACE, rules.CONSTRUCTOR_AT_RUN_TIME, rules.YAFSDP_IN_PLACE,
+                     rules.YAFSDP_AT_RUN_TIME}
 
 
 def _write(results: list[FileResult], target: str, jobs: int) -> list[FileResult]:
@@ -118,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         elif result.changed and args.mode == "check":
             print(f"would rewrite {result.path}")
         for site in result.sites:
-            if site["rule"] == "FB402":
+            if site["rule"] == rules.NOTEBOOK:
                 print(f"note: {result.path}: {site['what']}; {site['reason']}", file=sys.stderr)
     if args.report:
         report.write(args.report, results, args.target)

@@ -7,7 +7,7 @@ checks. So every file is first rewritten as if the rest of the tree kept no FSDP
 each result noting where its own file keeps them and whether it narrowed a type check; then, if
 anything is kept anywhere (or a file that mentions FSDP could not be read, parsed or written),
 the files that narrowed a check are rewritten again, told where, so that their checks accept
-both classes. Nothing is written before this is settled (see codemods/_common.py, [Note: what
+both classes. Nothing is written before this is settled (see fsdp_bridge/codemods/base.py, [Note: what
 the tree keeps of FSDP1]).
 
 [Note: nothing half-done survives a kill]
@@ -32,6 +32,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, Iterable, Iterator
 
+from fsdp_bridge.codemods import rules
 from fsdp_bridge.migrate.files import NOTEBOOK_SUFFIXES, PREFILTER, YAML_FSDP, YAML_SUFFIXES, may_use_fsdp
 
 TARGETS = ("bridge", "fsdp2", "yafsdp")
@@ -56,9 +57,9 @@ class FileResult:
 
 def _command(target: str):
     # Imported lazily: a run where the prefilter rejects everything never loads libcst.
-    from codemods.to_bridge import ToBridgeCommand
-    from codemods.to_fsdp2 import ToFsdp2Command
-    from codemods.to_yafsdp import ToYafsdpCommand
+    from fsdp_bridge.codemods.to_bridge import ToBridgeCommand
+    from fsdp_bridge.codemods.to_fsdp2 import ToFsdp2Command
+    from fsdp_bridge.codemods.to_yafsdp import ToYafsdpCommand
 
     return {"bridge": ToBridgeCommand, "fsdp2": ToFsdp2Command, "yafsdp": ToYafsdpCommand}[target]
 
@@ -79,7 +80,7 @@ def transform_with_facts(source: str, target: str, path: str = "<string>",
     import libcst as cst
     from libcst.codemod import CodemodContext
 
-    from codemods._common import FILE_FACTS_KEY, SITES_KEY, TREE_KEY
+    from fsdp_bridge.codemods.base import FILE_FACTS_KEY, SITES_KEY, TREE_KEY
 
     def run(kept: tuple[str, ...]):
         context = CodemodContext(filename=path, scratch={TREE_KEY: kept})
@@ -100,7 +101,7 @@ def _yaml_sites(data: bytes) -> list[dict]:
     sites = []
     for match in YAML_FSDP.finditer(data):
         sites.append({
-            "rule": "FB401", "status": "report only", "line": data.count(b"\n", 0, match.start()) + 1,
+            "rule": rules.ACCELERATE_YAML, "status": "report only", "line": data.count(b"\n", 0, match.start()) + 1,
             "what": "accelerate config enables FSDP",
             "reason": "FSDP is configured in accelerate YAML: set fsdp_version: 2 (and check "
                       "fsdp_reshard_after_forward; `accelerate to-fsdp2` maps HYBRID_SHARD to plain sharding)",
@@ -112,7 +113,7 @@ def _yaml_sites(data: bytes) -> list[dict]:
 def _notebook_sites(data: bytes, target: str) -> list[dict]:
     if PREFILTER[target].search(data) is None:
         return []
-    return [{"rule": "FB402", "status": "report only", "line": 1, "what": "notebook mentions FSDP",
+    return [{"rule": rules.NOTEBOOK, "status": "report only", "line": 1, "what": "notebook mentions FSDP",
              "reason": "notebooks are not rewritten: convert it to a script (jupytext --to py), "
                        "migrate that, and convert back"}]
 
@@ -160,7 +161,7 @@ def _process_star(args: tuple) -> FileResult:
 
 
 # Sites that show a file builds FSDP1 modules without a constructor this run rewrites.
-_FSDP1_BUILDERS = {"FB401": "accelerate config", "FB402": "notebook, not migrated"}
+_FSDP1_BUILDERS = {rules.ACCELERATE_YAML: "accelerate config", rules.NOTEBOOK: "notebook, not migrated"}
 
 
 def fsdp1_kept(results: Iterable[FileResult]) -> list[str]:

@@ -149,7 +149,7 @@ def _device_type(device_id: Any) -> str:
 
 
 def _mesh(strategy, process_group, device_mesh, device_type: str) -> DeviceMesh:
-    """FSDP2's mesh for FSDP1's process_group / device_mesh / strategy (torch_fsdp.md §6.2)."""
+    """FSDP2's mesh for FSDP1's process_group / device_mesh / strategy."""
     names = ("replicate", "shard")
     hybrid = strategy in HYBRID
     if device_mesh is not None and process_group is not None:
@@ -237,7 +237,7 @@ def _offload_policy(cpu_offload: Any) -> OffloadPolicy:
     if isinstance(cpu_offload, CPUOffload):
         if not cpu_offload.offload_params:
             return OffloadPolicy()
-        # Pinned memory needs an accelerator (torch_fsdp.md §6.5).
+        # Pinning host memory needs an accelerator.
         return CPUOffloadPolicy(pin_memory=torch.accelerator.is_available())
     raise TypeError(f"cpu_offload={cpu_offload!r} is not a CPUOffload; pass CPUOffload(offload_params=True) or None.")
 
@@ -378,7 +378,7 @@ def _cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:
 
 
 def _materialize(module: nn.Module, param_init_fn, device_type: str) -> None:
-    """FSDP2's meta-device recipe: shard first, then allocate and initialize (torch_fsdp.md §2.5)."""
+    """FSDP2's meta-device recipe: shard first, then allocate and initialize."""
     device = torch.device(device_type, torch.accelerator.current_device_index()) if device_type != "cpu" else torch.device("cpu")
     if param_init_fn is not None:  # FSDP1 calls it on each module that holds meta tensors
         for sub in module.modules():
@@ -429,7 +429,7 @@ def fsdp1_state_dict_options(
     *,
     for_optimizer: bool = False,
 ) -> StateDictOptions:
-    """`StateDictOptions` equivalent to an FSDP1 `state_dict_type(...)` setting (torch_fsdp.md §6.7)."""
+    """`StateDictOptions` equivalent to an FSDP1 `state_dict_type(...)` setting."""
     if state_dict_type == StateDictType.LOCAL_STATE_DICT:
         raise ValueError(
             "state_dict_type=LOCAL_STATE_DICT has no FSDP2 form (there is no flat parameter); "

@@ -2,10 +2,10 @@
 
 from libcst.codemod import CodemodContext, CodemodTest
 
-from codemods._common import TREE_KEY
-from codemods.to_bridge import ToBridgeCommand
-from codemods.to_fsdp2 import ToFsdp2Command
-from codemods.to_yafsdp import ToYafsdpCommand
+from fsdp_bridge.codemods.base import TREE_KEY
+from fsdp_bridge.codemods.to_bridge import ToBridgeCommand
+from fsdp_bridge.codemods.to_fsdp2 import ToFsdp2Command
+from fsdp_bridge.codemods.to_yafsdp import ToYafsdpCommand
 
 
 class TestToFsdp2(CodemodTest):

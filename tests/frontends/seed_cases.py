@@ -1,11 +1,12 @@
-"""The seeds' examples with only the import changed, on 2 CPU ranks (one spawned world).
+"""Upstream FSDP1, Zeta and TorchAcc examples with only the import changed, on 2 CPU ranks
+(one spawned world).
 
-- seed 000: the FSDP1 snippet (lambda policy over embed / layers / lm_head, MixedPrecision,
+- FSDP1: the training snippet (lambda policy over embed / layers / lm_head, MixedPrecision,
   sync_module_states, BACKWARD_PRE, forward_prefetch, use_orig_params) on a tiny Llama;
-- seed 001: Zeta's three examples. The seed's `TransformerBlock` never calls
+- Zeta: its three examples. Their `TransformerBlock` never calls
   `super().__init__()` and has no `forward`, so it cannot run under any FSDP; the block here is
   the smallest fix (a residual Linear);
-- seed 003: TorchAcc's GPT-2 example (tiny GPT2Config, synthetic data) and its checkpoint
+- TorchAcc: its GPT-2 example (tiny GPT2Config, synthetic data) and its checkpoint
   save / consolidate / load sequence.
 
 Each example also trains a single-process reference on the global batch where the run is fp32.
@@ -30,7 +31,7 @@ def _global_mean(value):
     return M.global_mean(value)
 
 
-# -- seed 000: FSDP1 snippet ---------------------------------------------------------------------
+# -- FSDP1 snippet ------------------------------------------------------------------------------
 
 
 def seed000_fsdp1(rank, world):
@@ -78,7 +79,7 @@ def seed000_fsdp1(rank, world):
     return {"losses": losses, "state": state, "units": model.plan.unit_names}
 
 
-# -- seed 001: Zeta ----------------------------------------------------------------------------
+# -- Zeta -------------------------------------------------------------------------------------
 
 
 class TransformerBlock(nn.Module):
@@ -136,7 +137,7 @@ def seed001_zeta(rank, world):
     return out
 
 
-# -- seed 003: TorchAcc ------------------------------------------------------------------------
+# -- TorchAcc ---------------------------------------------------------------------------------
 
 
 def seed003_torchacc(rank, world, tmp_dir):
@@ -144,7 +145,7 @@ def seed003_torchacc(rank, world, tmp_dir):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     os.chdir(tmp_dir)
-    # Model and synthetic data (the seed downloads gpt2 + wikitext; same shapes, tiny)
+    # Model and synthetic data (the original downloads gpt2 + wikitext; same shapes, tiny)
     torch.manual_seed(0)
     model_config = GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=32)
     model = GPT2LMHeadModel(model_config)
@@ -174,7 +175,7 @@ def seed003_torchacc(rank, world, tmp_dir):
             lr_scheduler.step()
             losses.append(_global_mean(loss.item()))
 
-    # Checkpoint save (seed 003, with CKPT_DIR the run directory)
+    # Checkpoint save (as in the TorchAcc example, with CKPT_DIR the run directory)
     CKPT_DIR, OPTIMIZER_DIR, LR_SCHEDULER_DIR = ".", f"optim-rank{rank}.pth", "lr.pth"
     torchacc.dist.rendezvous("saving_model")
     torchacc.dist.mark_step()

@@ -1,5 +1,5 @@
-"""The seeds' examples run with only the import changed, on 2 CPU ranks, and train
-(seed_cases.py; one spawned world)."""
+"""Upstream FSDP1, Zeta and TorchAcc examples run with only the import changed, on 2 CPU ranks,
+and train (seed_cases.py; one spawned world)."""
 
 from __future__ import annotations
 

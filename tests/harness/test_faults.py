@@ -107,7 +107,7 @@ def test_native_fsdp1_and_fsdp2_match_the_reference(verdicts):
 
 
 def test_fp32_agreement_is_far_inside_the_tolerance(verdicts):
-    # DESIGN §7: equivalent fp32 runs agree to ~1e-7; near the tolerance would be a bug.
+    # Equivalent fp32 runs agree to ~1e-7; near the tolerance would be a bug.
     for candidate in ("torch-fsdp1", "torch-fsdp2"):
         comparison = verdicts["mlp"][candidate]
         worst = max([c.ratio for c in comparison.steps] + [p.ratio for p in comparison.params])

@@ -1,6 +1,6 @@
 """`--to bridge`: point FSDP/YaFSDP/Zeta/TorchAcc imports at the mirrored fsdp_bridge modules.
 
-The drop-in contract (DESIGN §2) is that our module paths mirror the originals name for name, so
+The drop-in contract is that our module paths mirror the originals name for name, so
 this target only rewrites module paths, in imports and in dotted uses such as
 `torch.distributed.fsdp.FullyShardedDataParallel(...)` after a plain `import torch.distributed.fsdp`.
 Nothing else changes. Private modules and names of torch's FSDP (`torch.distributed.fsdp._runtime_utils`,
@@ -17,7 +17,10 @@ import libcst.matchers as m
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.helpers import get_full_name_for_node
 
-from codemods._common import IN_PLACE, PRIVATE_ATTRIBUTES, FsdpCodemod, is_private_fsdp1, parse_expr
+from fsdp_bridge.codemods import rules
+from fsdp_bridge.codemods.base import IN_PLACE, FsdpCodemod
+from fsdp_bridge.codemods.helpers import code, parse_expr
+from fsdp_bridge.codemods.names import PRIVATE_ATTRIBUTES, is_private_fsdp1
 
 # original module -> ours. Longest match wins (`torch.distributed.fsdp.wrap` before `...fsdp`).
 MODULE_MAP = {
@@ -38,10 +41,6 @@ PARENT_MAP = {
     ("torch.distributed._composable", "fsdp"): ("fsdp_bridge", "fsdp"),
     ("zeta", "training"): ("fsdp_bridge", "zeta"),
 }
-
-
-def code_of(node: cst.CSTNode) -> str:
-    return cst.Module([]).code_for_node(node)
 
 
 def mirrored(module: str) -> str | None:
@@ -77,7 +76,7 @@ class ToBridgeCommand(FsdpCodemod):
         )
 
     def _private(self, node: cst.CSTNode, what: str) -> None:
-        self.todo("FB002", node, what, "a private module or name of torch's FSDP: fsdp_bridge does not "
+        self.todo(rules.PRIVATE_MODULE, node, what, "a private module or name of torch's FSDP: fsdp_bridge does not "
                   "mirror it, so it is left pointing at torch's (which knows nothing of our modules)")
 
     # -- imports -------------------------------------------------------------------------
@@ -96,7 +95,7 @@ class ToBridgeCommand(FsdpCodemod):
                     self._private(original, f"import {old}")
                 names.append(alias)
                 continue
-            self.site("FB001", IN_PLACE, original, f"import {old}", f"now imports {new}")
+            self.site(rules.IMPORT_MIRRORED, IN_PLACE, original, f"import {old}", f"now imports {new}")
             if alias.asname is not None:  # `import ya_fsdp as y` -> `import fsdp_bridge.ya_fsdp as y`
                 names.append(alias.with_changes(name=_module_node(new)))
             elif "." not in old:  # `import torchacc` -> `import fsdp_bridge.torchacc as torchacc`
@@ -126,10 +125,10 @@ class ToBridgeCommand(FsdpCodemod):
         private = not isinstance(updated.names, cst.ImportStar) and any(
             (get_full_name_for_node(a.name) or "").startswith("_") for a in updated.names)
         if new is not None and private:
-            self._private(original, f"from {old} import {', '.join(code_of(a.name) for a in updated.names)}")
+            self._private(original, f"from {old} import {', '.join(code(a.name) for a in updated.names)}")
             return updated
         if new is not None:
-            self.site("FB001", IN_PLACE, original, f"from {old} import ...", f"now from {new}")
+            self.site(rules.IMPORT_MIRRORED, IN_PLACE, original, f"from {old} import ...", f"now from {new}")
             return updated.with_changes(module=_module_node(new))
         if isinstance(updated.names, cst.ImportStar):
             return updated
@@ -137,7 +136,7 @@ class ToBridgeCommand(FsdpCodemod):
         targets = {PARENT_MAP.get((old, get_full_name_for_node(a.name) or "")) for a in updated.names}
         if len(targets) == 1 and None not in targets:
             parent, child = targets.pop()
-            self.site("FB001", IN_PLACE, original, f"from {old} import ...", f"now from {parent}")
+            self.site(rules.IMPORT_MIRRORED, IN_PLACE, original, f"from {old} import ...", f"now from {parent}")
             names = [
                 a.with_changes(
                     name=cst.Name(child),
@@ -160,8 +159,9 @@ class ToBridgeCommand(FsdpCodemod):
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
         if (self._imports_fsdp1 and not self._in_import and original.attr.value in PRIVATE_ATTRIBUTES
                 and not (get_full_name_for_node(original.value) or "").startswith(("torch.", "fsdp_bridge."))):
-            self.todo("FB003", original, f".{original.attr.value}", "a private attribute of torch's FSDP1 "
-                      "wrapper: fsdp_bridge's FullyShardedDataParallel has its own internals, not these")
+            self.todo(rules.PRIVATE_WRAPPER_ATTRIBUTE, original, f".{original.attr.value}",
+                      "a private attribute of torch's FSDP1 wrapper: fsdp_bridge's FullyShardedDataParallel "
+                      "has its own internals, not these")
         if self._in_import or not self._plain_dotted or id(original) in self._keep:
             return updated
         for name in self.qualified(original):

@@ -1,5 +1,6 @@
 """Reading FSDP1 call sites: which arguments were passed, and which of them are literals we can
-translate at migration time (the rest goes to the runtime helper, see DESIGN §6)."""
+translate at migration time (the rest goes to the runtime helpers of `fsdp_bridge.migrate.runtime`,
+which do the same translation when the script runs)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from typing import Callable
 
 import libcst as cst
 
-from codemods._common import call_arguments, dotted, is_literal
+from fsdp_bridge.codemods.helpers import call_arguments, code, dotted, is_literal
+from fsdp_bridge.codemods.names import PARTIAL
 
-# FSDP1's constructor, in positional order (torch 2.13, torch_fsdp.md §1.1).
+# FSDP1's constructor, in positional order (as in torch 2.13).
 FSDP1_PARAMS = (
     "module",
     "process_group",
@@ -29,27 +31,12 @@ FSDP1_PARAMS = (
     "ignored_states",
     "device_mesh",
 )
-MIXED_PRECISION_PARAMS = (
-    "param_dtype",
-    "reduce_dtype",
-    "buffer_dtype",
-    "keep_low_precision_grads",
-    "cast_forward_inputs",
-    "cast_root_forward_inputs",
-    "_module_classes_to_ignore",
-)
 STATE_DICT_TYPE_PARAMS = ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config")
 
 # `resolve(node)` gives the short FSDP name a node refers to ("ShardingStrategy.FULL_SHARD"),
 # `qualified(node)` all its qualified names; both come from the codemod's metadata.
 Resolve = Callable[[cst.CSTNode], "str | None"]
 Qualified = Callable[[cst.CSTNode], "set[str]"]
-
-PARTIAL = "functools.partial"
-
-
-def code(node: cst.CSTNode) -> str:
-    return cst.Module([]).code_for_node(node)
 
 
 def strategy(node: cst.BaseExpression | None, resolve: Resolve) -> str | None:
@@ -100,59 +87,13 @@ def policy(node: cst.BaseExpression | None, resolve: Resolve, qualified: Qualifi
     return "runtime"
 
 
-@dataclasses.dataclass(frozen=True)
-class MixedPrecisionLiteral:
-    """A literal `MixedPrecision(...)` we can express as FSDP2 `MixedPrecisionPolicy`s."""
-
-    param_dtype: str | None
-    reduce_dtype: str | None
-    cast_forward_inputs: bool  # FSDP1: non-root units cast their inputs (default False)
-    cast_root_forward_inputs: bool  # FSDP1: the root casts its inputs (default True)
-
-    def policy(self, root: bool) -> str:
-        fields = []
-        if self.param_dtype is not None:
-            fields.append(f"param_dtype={self.param_dtype}")
-        if self.reduce_dtype is not None:
-            fields.append(f"reduce_dtype={self.reduce_dtype}")
-        # FSDP2 casts inputs in every module by default; FSDP1 only at the root by default.
-        cast = (self.cast_root_forward_inputs or self.cast_forward_inputs) if root else self.cast_forward_inputs
-        if not cast:
-            fields.append("cast_forward_inputs=False")
-        return f"MixedPrecisionPolicy({', '.join(fields)})"
-
-
-def _bool(node: cst.BaseExpression | None, default: bool) -> bool | None:
+def literal_bool(node: cst.BaseExpression | None, default: bool) -> bool | None:
+    """The value of a literal True/False (`default` when absent), None for anything else."""
     if node is None:
         return default
     if is_literal(node, "True", "False"):
         return node.value == "True"  # type: ignore[union-attr]
     return None
-
-
-def mixed_precision(node: cst.BaseExpression, resolve: Resolve) -> MixedPrecisionLiteral | str:
-    """A `MixedPrecisionLiteral`, or the reason the value needs the runtime helper."""
-    if not (isinstance(node, cst.Call) and resolve(node.func) == "MixedPrecision"):
-        return "mixed_precision is not a literal MixedPrecision(...) call"
-    args = call_arguments(node, MIXED_PRECISION_PARAMS)
-    if args is None:
-        return "MixedPrecision(...) uses **kwargs"
-    values = {name: arg.value for name, arg in args.items()}
-    for name in ("buffer_dtype", "_module_classes_to_ignore"):
-        if name in values and not is_literal(values[name], "None"):
-            return f"MixedPrecision({name}=...) has no FSDP2 field"
-    if _bool(values.get("keep_low_precision_grads"), False) is not False:
-        return "MixedPrecision(keep_low_precision_grads=...) has no FSDP2 field"
-    cast = _bool(values.get("cast_forward_inputs"), False)
-    cast_root = _bool(values.get("cast_root_forward_inputs"), True)
-    if cast is None or cast_root is None:
-        return "MixedPrecision cast flags are not literal booleans"
-
-    def dtype(name: str) -> str | None:
-        value = values.get(name)
-        return None if value is None or is_literal(value, "None") else code(value)
-
-    return MixedPrecisionLiteral(dtype("param_dtype"), dtype("reduce_dtype"), cast, cast_root)
 
 
 def cpu_offload(node: cst.BaseExpression, resolve: Resolve) -> bool | None:
@@ -163,7 +104,7 @@ def cpu_offload(node: cst.BaseExpression, resolve: Resolve) -> bool | None:
         args = call_arguments(node, ("offload_params",))
         if args is None:
             return None
-        return _bool(args["offload_params"].value if args else None, False)
+        return literal_bool(args["offload_params"].value if args else None, False)
     return None
 
 
@@ -183,8 +124,8 @@ def state_dict_config(
     args = call_arguments(node, ("offload_to_cpu", "rank0_only"))
     if args is None:
         return None
-    offload = _bool(args["offload_to_cpu"].value if "offload_to_cpu" in args else None, defaults[0])
-    rank0 = _bool(args["rank0_only"].value if "rank0_only" in args else None, False)
+    offload = literal_bool(args["offload_to_cpu"].value if "offload_to_cpu" in args else None, defaults[0])
+    rank0 = literal_bool(args["rank0_only"].value if "rank0_only" in args else None, False)
     if offload is None or rank0 is None:
         return None
     return offload, rank0

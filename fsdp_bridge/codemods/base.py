@@ -1,7 +1,7 @@
-"""Shared pieces of the fsdp-bridge codemods: name resolution, report sites, TODO comments.
+"""The base class of every fsdp-bridge codemod: name resolution, report sites, TODO comments.
 
 Every codemod in this package matches torch/YaFSDP/Zeta/TorchAcc names by *qualified name*
-(libcst's QualifiedNameProvider), never by text: `FSDP`, `x.FullyShardedDataParallel` after
+(libcst's QualifiedNameProvider, see `names.py`), never by text: `FSDP`, `x.FullyShardedDataParallel` after
 `import torch.distributed.fsdp as x`, and imports inside functions all resolve to the same
 canonical name, while a local class that happens to be called `FullyShardedDataParallel` does not.
 
@@ -17,17 +17,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
-import tokenize
-from typing import Iterable, Sequence
 
 import libcst as cst
 from libcst.codemod import CodemodContext, VisitorBasedCodemodCommand
-from libcst.codemod.visitors import AddImportsVisitor
+from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
+from libcst.codemod.visitors._remove_imports import RemovedNodeVisitor
 from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider, QualifiedNameSource
 
-# Where the runtime helpers live (the rewritten code imports them from here).
-RUNTIME_MODULE = "fsdp_bridge.migrate.runtime"
+from fsdp_bridge.codemods.helpers import (
+    drops_a_comment,
+    has_todo,
+    is_import_line,
+    names_bound_by_imports,
+    todo_comment,
+    with_leading_comments,
+)
+from fsdp_bridge.codemods.names import BUILTINS_WE_MATCH, fsdp_name
 
 # Key under which every codemod appends its `Site`s to `context.scratch`.
 SITES_KEY = "fsdp_bridge.sites"
@@ -48,26 +53,6 @@ SITES_KEY = "fsdp_bridge.sites"
 TREE_KEY = "fsdp_bridge.tree_keeps_fsdp1"
 FILE_FACTS_KEY = "fsdp_bridge.file_facts"
 
-# Tag that marks our comments; a second run finds it and adds nothing.
-TODO_TAG = "TODO(fsdp-bridge"
-
-# The modules whose public names are FSDP1's (and FSDP2's, which live next to them).
-FSDP_MODULES = (
-    "torch.distributed.fsdp.fully_sharded_data_parallel",
-    "torch.distributed.fsdp.api",
-    "torch.distributed.fsdp.wrap",
-    "torch.distributed.fsdp",
-    "torch.distributed._composable.fsdp",
-)
-
-# Private FSDP1 internals: there is no translation, only a TODO.
-PRIVATE_FSDP_PREFIX = "torch.distributed.fsdp._"
-# torch's own FSDP2 implementation lives under a private name too; it is not FSDP1's internals.
-FSDP2_PRIVATE_PREFIX = "torch.distributed.fsdp._fully_shard"
-PRIVATE_ATTRIBUTES = frozenset(
-    {"_fsdp_wrapped_module", "_flat_param", "_handle", "_handles", "_all_handles", "_lazy_init", "_fsdp_state"}
-)
-
 # Report status values.
 IN_PLACE = "translated in place"
 RUNTIME = "translated via runtime helper"
@@ -87,141 +72,6 @@ class Site:
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def is_private_fsdp1(qualified: str) -> bool:
-    """`torch.distributed.fsdp._runtime_utils...` (FSDP1 internals), not `..._fully_shard` (FSDP2)."""
-    name = qualified + "."
-    return name.startswith(PRIVATE_FSDP_PREFIX) and not name.startswith(FSDP2_PRIVATE_PREFIX + ".")
-
-
-def fsdp_module(module: str) -> bool:
-    """True for an FSDP module path (`torch.distributed.fsdp`, `...fsdp.wrap`, ...)."""
-    return module in FSDP_MODULES
-
-
-def fsdp_name(qualified: str) -> str | None:
-    """`torch.distributed.fsdp.wrap.ModuleWrapPolicy` -> `ModuleWrapPolicy` (None if not FSDP's)."""
-    for module in FSDP_MODULES:
-        if qualified.startswith(module + ".") and not qualified.startswith(PRIVATE_FSDP_PREFIX):
-            return qualified[len(module) + 1 :]
-    return None
-
-
-def comments_in(code: str) -> list[str]:
-    """Every `# comment` in a snippet of code (used to carry comments out of removed code)."""
-    found = []
-    try:
-        for token in tokenize.generate_tokens(io.StringIO(code).readline):
-            if token.type == tokenize.COMMENT:
-                found.append(token.string)
-    except (tokenize.TokenError, IndentationError):  # a fragment: keep what was read
-        pass
-    return found
-
-
-def _lost_comments(before: str, after: str) -> bool:
-    """True if a comment of `before` is in no comment of `after` (moved into a TODO counts)."""
-    from collections import Counter
-
-    kept = comments_in(after)
-    missing = Counter(comments_in(before)) - Counter(kept)
-    return any(not any(comment in other for other in kept) for comment in missing)
-
-
-def todo_comment(rule: str, text: str) -> str:
-    """The one stable TODO line for a rule: `# TODO(fsdp-bridge FB101): text`.
-
-    `text` may quote multi-line code (an argument spanning lines, with its own comments): a
-    comment is one line, so every run of whitespace becomes one space.
-    """
-    return f"# {TODO_TAG} {rule}): {' '.join(text.split())}"
-
-
-def has_todo(lines: Sequence[cst.EmptyLine], rule: str) -> bool:
-    marker = f"{TODO_TAG} {rule})"
-    return any(line.comment is not None and marker in line.comment.value for line in lines)
-
-
-def with_leading_comments(
-    statement: cst.BaseStatement, comments: Iterable[str]
-) -> cst.BaseStatement:
-    """Add comment lines just above `statement` (after its existing leading lines)."""
-    new_lines = [cst.EmptyLine(comment=cst.Comment(text)) for text in comments]
-    if not new_lines:
-        return statement
-    return statement.with_changes(leading_lines=[*statement.leading_lines, *new_lines])
-
-
-def dotted(node: cst.BaseExpression) -> str | None:
-    """`self.model` -> "self.model"; None for anything that is not a name or attribute chain."""
-    if isinstance(node, cst.Name):
-        return node.value
-    if isinstance(node, cst.Attribute):
-        base = dotted(node.value)
-        return None if base is None else f"{base}.{node.attr.value}"
-    return None
-
-
-def parse_expr(code: str) -> cst.BaseExpression:
-    return cst.parse_expression(code)
-
-
-def parse_stmt(code: str) -> cst.BaseStatement:
-    return cst.parse_statement(code)
-
-
-def call_arguments(call: cst.Call, names: Sequence[str]) -> dict[str, cst.Arg] | None:
-    """Map a call's arguments onto a signature's parameter names.
-
-    Returns None when the call uses `*args` / `**kwargs` or a name outside `names` (the caller
-    then falls back to the runtime helper, which receives the arguments untouched).
-    """
-    bound: dict[str, cst.Arg] = {}
-    for index, arg in enumerate(call.args):
-        if arg.star:
-            return None
-        if arg.keyword is None:
-            if index >= len(names):
-                return None
-            bound[names[index]] = arg
-        elif arg.keyword.value in names:
-            bound[arg.keyword.value] = arg
-        else:
-            return None
-    return bound
-
-
-def is_literal(node: cst.BaseExpression, *values: str) -> bool:
-    """True if `node` is one of the literal constants `None`, `True`, `False` given."""
-    return isinstance(node, cst.Name) and node.value in values
-
-
-BUILTINS_WE_MATCH = frozenset({"isinstance", "issubclass", "type"})
-
-
-def _names_bound_by_imports(module: cst.Module) -> set[str] | None:
-    """Every name an import binds anywhere in the file (None after a star import: unknown)."""
-    import libcst.matchers as m
-
-    names: set[str] = set()
-    for node in m.findall(module, m.Import() | m.ImportFrom()):
-        if isinstance(node.names, cst.ImportStar):
-            return None
-        for alias in node.names:
-            if alias.asname is not None:
-                names.add(alias.asname.name.value)
-            elif isinstance(node, cst.Import):
-                names.add(cst.Module([]).code_for_node(alias.name).split(".")[0])
-            else:
-                names.add(alias.name.value)
-    return names
-
-
-def _is_import_line(statement: cst.BaseStatement) -> bool:
-    return isinstance(statement, cst.SimpleStatementLine) and any(
-        isinstance(small, (cst.Import, cst.ImportFrom)) for small in statement.body
-    )
 
 
 @contextlib.contextmanager
@@ -255,6 +105,7 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
     def __init__(self, context: CodemodContext) -> None:
         super().__init__(context)
         self._pending: list[_Pending] = []
+        self._removed_nodes: RemovedNodeVisitor | None = None
         self.context.scratch.setdefault(SITES_KEY, [])
         self.context.scratch.setdefault(FILE_FACTS_KEY, {"kept": [], "narrowed": False})
 
@@ -266,10 +117,11 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
         """Transform; if libcst's import clean-up took a comment with it, redo without clean-up.
 
         RemoveImportsVisitor drops an unused import statement together with the comment lines
-        above it. An unused import is harmless; a lost comment is not (DESIGN §6).
+        above it. An unused import is harmless; a lost comment is not: nothing a user wrote is
+        ever dropped.
         """
         result = super().transform_module(tree)
-        if not self.remove_unused_imports or not _lost_comments(tree.code, result.code):
+        if not self.remove_unused_imports or not drops_a_comment(tree.code, result.code):
             return result
         for key in (SITES_KEY, "AddImportsVisitor", "RemoveImportsVisitor"):
             self.context.scratch.pop(key, None)
@@ -282,7 +134,8 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
     # -- names ---------------------------------------------------------------------------
 
     def visit_Module(self, node: cst.Module) -> None:
-        self._bound_by_import = _names_bound_by_imports(node)
+        self._bound_by_import = names_bound_by_imports(node)
+        self._removed_nodes = None  # see drop_import_of
 
     def _may_be_imported(self, node: cst.CSTNode) -> bool:
         """Cheap pre-check: only names bound by an import can resolve to torch's (or builtins).
@@ -330,7 +183,7 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
     def refers_to(self, node: cst.CSTNode, *qualified: str) -> bool:
         return bool(self.qualified(node) & set(qualified))
 
-    # -- report --------------------------------------------------------------------------
+    # -- positions, and libcst's passes without copies ------------------------------------
 
     def line_of(self, node: cst.CSTNode) -> int:
         positions = self.context.wrapper.resolve(PositionProvider) if self.context.wrapper else {}
@@ -363,9 +216,29 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
         # AddImportsVisitor reads and edits only the imports at the top of the file; running it
         # on the statements up to the last top-level import gives the same result, in a
         # fraction of the time on large files.
-        last = max((i for i, statement in enumerate(tree.body) if _is_import_line(statement)), default=0)
+        last = max((i for i, statement in enumerate(tree.body) if is_import_line(statement)), default=0)
         head = instance.transform_module(tree.with_changes(body=tree.body[: last + 1]))
         return tree.with_changes(body=[*head.body, *tree.body[last + 1 :]], header=head.header)
+
+    # -- imports of the rewritten file ---------------------------------------------------
+
+    def need(self, module: str, obj: str | None = None) -> None:
+        AddImportsVisitor.add_needed_import(self.context, module, obj)
+
+    def drop_import_of(self, node: cst.CSTNode) -> None:
+        """Let libcst remove the import behind `node` if nothing else uses it any more."""
+        if not self.remove_unused_imports:
+            return
+        if isinstance(node, (cst.Import, cst.ImportFrom)):
+            RemoveImportsVisitor.remove_unused_import_by_node(self.context, node)
+            return
+        # What remove_unused_import_by_node does, with one visitor per file: building a libcst
+        # matcher visitor costs more than the visit itself.
+        if self._removed_nodes is None:
+            self._removed_nodes = RemovedNodeVisitor(self.context)
+        node.visit(self._removed_nodes)
+
+    # -- report --------------------------------------------------------------------------
 
     def site(self, rule: str, status: str, node: cst.CSTNode, what: str, reason: str) -> None:
         self.context.scratch[SITES_KEY].append(Site(rule, status, self.line_of(node), what, reason))

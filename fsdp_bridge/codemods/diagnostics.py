@@ -1,0 +1,204 @@
+"""Diagnostics: FSDP1 uses no rule translates, left as they were under a TODO or reported.
+
+The FB2xx codes (and FB400/FB410) of `--to fsdp2` and `--to yafsdp`: private internals, star
+imports, subclasses, partials, `enable_wrap`, exact-class tests, strategy reads, names bound by
+a conditional import, library configuration, and functions that already handle both dialects.
+
+A reference to the FSDP1 class that some rule handles is *claimed* when its call, `isinstance`
+or class statement is entered; any reference left unclaimed when its name is left gets FB299,
+so no use of FSDP1 goes by unreported.
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+import libcst.matchers as m
+
+from fsdp_bridge.codemods import rules
+from fsdp_bridge.codemods.base import INFO
+from fsdp_bridge.codemods.facts import FileFacts
+from fsdp_bridge.codemods.helpers import code
+from fsdp_bridge.codemods.names import (
+    ACCELERATE_PLUGIN,
+    FSDP1,
+    FSDP2_MARKERS,
+    FSDP2_NAMES,
+    HF_CONFIG_CALLS,
+    PARTIAL,
+    PRIVATE_ATTRIBUTES,
+    TYPE_CHECKS,
+    fsdp_module,
+    fsdp_name,
+    is_private_fsdp1,
+)
+
+WRAP_FUNCTIONS = ("enable_wrap", "wrap")
+PRIVATE_REASON = "private FSDP1 internals have no FSDP2 form"
+
+
+class DiagnosticsRules:
+    """TODOs and report-only sites; expects the facts of `FactsMixin`."""
+
+    # Why a read of `.sharding_strategy` no longer means what it did (FB213); set by each command.
+    STRATEGY_READ_REASON = ""
+
+    def __init__(self, context) -> None:
+        super().__init__(context)
+        self.claimed: set[int] = set()  # ids of FSDP1-class references a handler takes care of
+
+    # -- imports -------------------------------------------------------------------------
+
+    def check_import(self, node: cst.Import | cst.ImportFrom) -> None:
+        if isinstance(node, cst.ImportFrom):
+            self._check_import_from(node)
+            return
+        for alias in node.names:
+            if is_private_fsdp1(code(alias.name)):
+                self.todo(rules.PRIVATE_INTERNALS, node, f"import {code(alias.name)}", PRIVATE_REASON)
+
+    def _check_import_from(self, node: cst.ImportFrom) -> None:
+        module = code(node.module) if node.module else ""
+        if is_private_fsdp1(module) and not node.relative:
+            self.todo(rules.PRIVATE_INTERNALS, node, f"from {module} import ...", PRIVATE_REASON)
+        elif isinstance(node.names, cst.ImportStar) and not node.relative and fsdp_module(module):
+            self.todo(rules.STAR_IMPORT, node, f"from {module} import *", "names from a star import cannot be "
+                      "resolved, so nothing in this file is translated: import the names you use "
+                      "explicitly and run the migration again")
+            self.keeps_fsdp1(rules.STAR_IMPORT, node)
+
+    # -- claims: references a rule handles -------------------------------------------------
+
+    def claim(self, node: cst.CSTNode) -> None:
+        self.claimed.add(id(node))
+        if isinstance(node, cst.Attribute):
+            self.claimed.add(id(node.value))
+
+    def claim_call(self, node: cst.Call, name: str, qualified: set[str]) -> None:
+        """Claim the FSDP1 references a call's own rule deals with (`name`: its FSDP name)."""
+        if name == FSDP1 or name.startswith(FSDP1 + "."):
+            self.claim(node.func)
+        if qualified & TYPE_CHECKS and len(node.args) == 2:
+            classes = node.args[1].value
+            for item in [e.value for e in classes.elements] if isinstance(classes, cst.Tuple) else [classes]:
+                if self.fsdp(item) == FSDP1:
+                    self.claim(item)
+        if PARTIAL in qualified and node.args and self.fsdp(node.args[0].value) == FSDP1:
+            self.claim(node.args[0].value)
+        if name in WRAP_FUNCTIONS:
+            for arg in node.args:
+                self.claim(arg.value)
+
+    def claim_bases(self, node: cst.ClassDef) -> None:
+        for base in node.bases:
+            if self.fsdp(base.value) == FSDP1:
+                self.claim(base.value)
+
+    # -- references left unclaimed --------------------------------------------------------
+
+    def check_reference(self, node: cst.CSTNode) -> None:
+        if self.in_import or id(node) in self.claimed:
+            return
+        if isinstance(node, cst.Name) and self.ambiguous(node):
+            self.todo(rules.AMBIGUOUS_NAME, node, node.value, "this name is FSDP's or another object depending on "
+                      "which import ran (conditional or fallback import): left as it was")
+            if FSDP1 in {fsdp_name(q) for q in self.qualified(node)}:
+                self.keeps_fsdp1(rules.AMBIGUOUS_NAME, node)
+            return
+        if self.fsdp(node) == FSDP1:
+            self.todo(rules.OTHER_FSDP1_USE, node, code(node), "FullyShardedDataParallel is used in a way "
+                      "the codemod does not translate; FSDP2 has no wrapper class (see FSDPModule)")
+            self.keeps_fsdp1(rules.OTHER_FSDP1_USE, node)  # e.g. passed on as a class to build wrappers with
+            return
+        for name in self.qualified(node):
+            if is_private_fsdp1(name):
+                self.todo(rules.PRIVATE_INTERNALS, node, code(node), PRIVATE_REASON)
+                return
+
+    def check_attribute(self, original: cst.Attribute) -> None:
+        """An attribute read: an unclaimed reference, a strategy read, or private internals."""
+        self.check_reference(original)
+        if (original.attr.value == "sharding_strategy" and self.fsdp_file and not self.in_import
+                and not self.in_constructor and id(original) not in self.store_targets):
+            # In FSDP(..., sharding_strategy=cfg.sharding_strategy) the constructor's translation
+            # takes the value; anywhere else the read may no longer mean the same.
+            self.todo(rules.STRATEGY_READ, original, f"{code(original)} (a read of an FSDP1 sharding strategy)",
+                      self.STRATEGY_READ_REASON)
+        if original.attr.value in PRIVATE_ATTRIBUTES and self.uses_fsdp1 and not self.in_import:
+            self.todo(rules.PRIVATE_INTERNALS, original, f".{original.attr.value}",
+                      "FSDP1's wrapper internals do not exist in FSDP2 (no wrapper, no flat parameter)")
+
+    # -- constructs with no translation ---------------------------------------------------
+
+    def flag_subclass(self, original: cst.ClassDef) -> None:
+        for base in original.bases:
+            if self.fsdp(base.value) == FSDP1:
+                self.todo(rules.SUBCLASS, original, f"class {original.name.value}(FullyShardedDataParallel)",
+                          "FSDP2 is not a wrapper class to subclass; move the overrides onto the "
+                          "model and call fully_shard on it")
+                self.keeps_fsdp1(rules.SUBCLASS, original)
+
+    def flag_wrap_call(self, original: cst.Call, name: str) -> None:
+        self.todo(rules.ENABLE_WRAP, original, f"{name}(...)", "call fully_shard on each module after "
+                  "construction, bottom-up, instead of wrap() inside enable_wrap()")
+        self.keeps_fsdp1(rules.ENABLE_WRAP, original)
+
+    def is_partial_of_fsdp1(self, original: cst.Call, qualified: set[str]) -> bool:
+        return PARTIAL in qualified and bool(original.args) and self.fsdp(original.args[0].value) == FSDP1
+
+    def flag_partial(self, original: cst.Call) -> None:
+        self.todo(rules.PARTIAL, original, "partial(FullyShardedDataParallel, ...)", "FSDP2's fully_shard "
+                  "works in place; call it where the partial is applied")
+        self.keeps_fsdp1(rules.PARTIAL, original)
+
+    def check_exact_class_test(self, node: cst.Comparison) -> None:
+        """`type(x) is FSDP`: FSDP2 gives each sharded module a class of its own, so no exact-class
+        test has a translation; flag it (and do not count it as code that builds FSDP1 modules)."""
+        operands = [node.left, *(target.comparator for target in node.comparisons)]
+        classes = [op for op in operands if self.fsdp(op) == FSDP1]
+        exact = any(isinstance(op, cst.Call) and "builtins.type" in self.qualified(op.func)
+                    or isinstance(op, cst.Attribute) and op.attr.value == "__class__" for op in operands)
+        if not classes or not exact:
+            return
+        for op in classes:
+            self.claim(op)
+        _, class_name, _, _ = self.WRAPPED_CLASS
+        self.todo(rules.EXACT_CLASS_TEST, node, f"{code(node)} (an exact-class test)", "the migrated model's class is "
+                  f"not FullyShardedDataParallel: test isinstance(x, {class_name}) instead (with "
+                  "FullyShardedDataParallel in the tuple while FSDP1 constructors remain)")
+
+    # -- report only ----------------------------------------------------------------------
+
+    def report_library_config(self, node: cst.Call, qualified: set[str]) -> None:
+        """Hugging Face Trainer or accelerate configured to wrap the model in FSDP (FB400)."""
+        keywords = {a.keyword.value for a in node.args if a.keyword}
+        if qualified & ACCELERATE_PLUGIN or keywords & {"fsdp", "fsdp_config"}:
+            self.keeps_fsdp1(rules.LIBRARY_CONFIG, node)  # the library wraps the model, with FSDP1 by default
+        if qualified & ACCELERATE_PLUGIN:
+            self.site(rules.LIBRARY_CONFIG, INFO, node, "FullyShardedDataParallelPlugin(...)",
+                      "FSDP is configured through accelerate: set fsdp_version=2 there "
+                      "(`accelerate to-fsdp2` maps HYBRID_SHARD to plain sharding: check the mesh)")
+        elif keywords & {"fsdp", "fsdp_config"}:
+            self.site(rules.LIBRARY_CONFIG, INFO, node, "TrainingArguments(fsdp=...)",
+                      "FSDP is configured through Hugging Face Trainer flags: set "
+                      "fsdp_config={'version': 2, ...}; there is no FSDP code to rewrite here")
+
+    def is_library_config(self, qualified: set[str]) -> bool:
+        return bool(qualified & (HF_CONFIG_CALLS | ACCELERATE_PLUGIN))
+
+    def handles_both_dialects(self, node: cst.FunctionDef) -> bool:
+        """True (and reported, FB410) if the function already names both FSDP1 and FSDP2."""
+        if not (self.has_fsdp2 and self.uses_fsdp1):
+            return False
+        facts = FileFacts()
+        node.visit(facts)
+        names = facts.names
+        fsdp1 = any((self.fsdp(n) or "").split(".")[0] == FSDP1 for n in names)
+        fsdp2 = any(self.fsdp(n) in FSDP2_NAMES or (isinstance(n, cst.Name) and n.value in FSDP2_MARKERS)
+                    for n in names)
+        if not (fsdp1 and fsdp2):
+            return False
+        self.site(rules.DUAL_DIALECT, INFO, node, f"def {node.name.value}(...)", "already handles FSDP1 and "
+                  "FSDP2 (both are named here): left as it was")
+        if any(self.fsdp(call.func) == FSDP1 for call in m.findall(node, m.Call())):
+            self.keeps_fsdp1(rules.DUAL_DIALECT, node)
+        return True

@@ -1,0 +1,201 @@
+"""The first pass over a file: what the codemod must know before it rewrites anything.
+
+One plain visit (`FileFacts`) collects names, assignments, `with` blocks and calls; `FactsMixin`
+reads them into the answers the rule families ask: does the file use FSDP1 (and FSDP2), which
+names hold an `FSDP(...)` result, which `state_dict_type` calls are `with` items.
+
+[Note: which receivers are FSDP modules]
+`model.state_dict()` means something else on an FSDP1 module than on an FSDP2 one, so the rewrite
+depends on what `model` is. A receiver is *proven* when scope analysis (libcst's ScopeProvider)
+shows every assignment that can reach it is `FSDP(...)`, or one top-level `model = FSDP(...)` in
+the same function follows all other assignments and precedes the use. `self.x` is proven when
+every `self.x = ...` in the class assigns `FSDP(...)` (or None). A receiver whose *name* is
+assigned from `FSDP(...)` somewhere else in the file is *maybe* one: its calls go through runtime
+helpers that check `isinstance` when the script runs. Other receivers are not touched.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import libcst as cst
+from libcst.metadata import ScopeProvider
+
+from fsdp_bridge.codemods.helpers import dotted, is_literal
+from fsdp_bridge.codemods.names import FSDP1, FSDP2_MARKERS, FSDP2_NAMES, STATE_DICT_TYPE
+
+PROVEN, MAYBE = "proven", "maybe"
+
+
+class FileFacts(cst.CSTVisitor):
+    """What the codemod needs to know about a file before rewriting it, gathered in one pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[cst.BaseExpression] = []  # every Name and Attribute
+        self.assigns: list[tuple[cst.BaseSmallStatement, cst.ClassDef | None]] = []  # and the class it is in
+        self.function_bodies: list[Sequence[cst.BaseStatement]] = []
+        self.withs: list[cst.With] = []
+        self.attribute_calls: list[cst.Call] = []
+        self.branch_imports = False  # an import inside an `if`/`try` (conditional or fallback)
+        self._classes: list[cst.ClassDef] = []
+        self._branches = 0
+
+    def visit_Name(self, node) -> None:
+        self.names.append(node)
+
+    def visit_Attribute(self, node) -> None:
+        self.names.append(node)
+
+    def visit_Assign(self, node) -> None:
+        self.assigns.append((node, self._classes[-1] if self._classes else None))
+
+    visit_AnnAssign = visit_Assign
+
+    def visit_ClassDef(self, node) -> None:
+        self._classes.append(node)
+
+    def leave_ClassDef(self, node) -> None:
+        self._classes.pop()
+
+    def visit_FunctionDef(self, node) -> None:
+        if isinstance(node.body, cst.IndentedBlock):
+            self.function_bodies.append(node.body.body)
+
+    def visit_With(self, node) -> None:
+        self.withs.append(node)
+
+    def visit_Call(self, node) -> None:
+        if isinstance(node.func, cst.Attribute):
+            self.attribute_calls.append(node)
+
+    def _enter(self, node) -> None:
+        self._branches += 1
+
+    def _exit(self, node) -> None:
+        self._branches -= 1
+
+    visit_If = visit_Try = visit_TryStar = _enter
+    leave_If = leave_Try = leave_TryStar = _exit
+
+    def visit_Import(self, node) -> None:
+        self.branch_imports = self.branch_imports or self._branches > 0
+
+    visit_ImportFrom = visit_Import
+
+
+class FactsMixin:
+    """The file-level facts of an FSDP1 codemod, and the receivers they prove (see the Note)."""
+
+    def __init__(self, context) -> None:
+        super().__init__(context)
+        self.wrapped_names: set[str] = set()  # "model", "self.model": assigned from FSDP(...) somewhere in this file
+        self.fsdp_targets: set[int] = set()  # ids of the Name targets of `x = FSDP(...)`
+        self.top_level_targets: set[int] = set()  # ... of those that are a top-level statement of their scope
+        self.class_attributes: dict = {}  # id(ClassDef) -> `self.x` names only ever assigned FSDP(...)
+        self.classes: list[cst.ClassDef] = []  # the classes being visited, innermost last
+        self.store_targets: set[int] = set()  # ids of attributes that are assigned to
+        self.state_dict_type_items: set[int] = set()  # FSDP.state_dict_type calls written as a `with` item
+        self.runtime_state_dict_type = False  # some state_dict_type is a value: state-dict calls ask the helper
+        self.has_fsdp2 = False
+        self.uses_fsdp1 = False
+        self.names_in_file: set[str] = set()
+        self.fsdp_file = False  # the file names FSDP1 or ShardingStrategy (FB213 applies)
+
+    def read_file_facts(self, node: cst.Module) -> None:
+        facts = FileFacts()
+        node.visit(facts)  # one plain pass: libcst's matchers.findall costs several times more per pass
+        heads = {(self.fsdp(n) or "").split(".")[0] for n in facts.names}
+        self.uses_fsdp1 = FSDP1 in heads
+        self.fsdp_file = self.uses_fsdp1 or "ShardingStrategy" in heads
+        self.names_in_file = {n.value for n in facts.names if isinstance(n, cst.Name)}
+        if not self.uses_fsdp1:
+            return
+        self.has_fsdp2 = any(self.fsdp(n) in FSDP2_NAMES for n in facts.names) or bool(self.names_in_file & FSDP2_MARKERS)
+        self._note_assignments(node, facts)
+        self._note_state_dict_types(facts)
+        if facts.branch_imports:
+            self.remove_unused_imports = False  # an import in a branch: removing it may empty the branch
+
+    def _note_assignments(self, node: cst.Module, facts: FileFacts) -> None:
+        """Which names and `self.x` attributes hold an `FSDP(...)` result, and where."""
+        for assign, cls in facts.assigns:
+            targets = [t.target for t in assign.targets] if isinstance(assign, cst.Assign) else [assign.target]
+            self.store_targets.update(id(t) for t in targets)
+            is_fsdp = isinstance(assign.value, cst.Call) and self.fsdp(assign.value.func) == FSDP1
+            if is_fsdp:
+                self.wrapped_names.update(d for d in map(dotted, targets) if d)
+                self.fsdp_targets.update(id(t) for t in targets if isinstance(t, cst.Name))
+            if cls is not None and isinstance(assign, cst.Assign):
+                self._note_self_attributes(cls, assign, is_fsdp)
+        self.class_attributes = {key: {name for name, ok in verdict.items() if ok}
+                                 for key, verdict in self.class_attributes.items()}
+        self.top_level_targets = {
+            id(t.target) for body in [node.body, *facts.function_bodies] for line in body
+            if isinstance(line, cst.SimpleStatementLine) for small in line.body if isinstance(small, cst.Assign)
+            for t in small.targets if id(t.target) in self.fsdp_targets
+        }
+
+    def _note_state_dict_types(self, facts: FileFacts) -> None:
+        """`state_dict_type` calls that are `with` items, and whether any is used as a value."""
+        for with_node in facts.withs:
+            self.state_dict_type_items.update(id(item.item) for item in with_node.items
+                                              if isinstance(item.item, cst.Call)
+                                              and self.fsdp(item.item.func) == STATE_DICT_TYPE)
+        self.runtime_state_dict_type = any(
+            self.fsdp(call.func) == STATE_DICT_TYPE and id(call) not in self.state_dict_type_items
+            for call in facts.attribute_calls)
+
+    def _note_self_attributes(self, cls: cst.ClassDef, assign: cst.Assign, is_fsdp: bool) -> None:
+        """Track `self.x` only ever assigned `FSDP(...)` (or None) in this class."""
+        verdict = self.class_attributes.setdefault(id(cls), {})
+        for target in assign.targets:
+            if isinstance(target.target, cst.Attribute) and dotted(target.target.value) == "self":
+                name = target.target.attr.value
+                if is_fsdp:
+                    verdict.setdefault(name, True)
+                elif not is_literal(assign.value, "None"):
+                    verdict[name] = False
+
+    # -- receivers (see [Note: which receivers are FSDP modules]) --------------------------
+
+    def receiver(self, node: cst.BaseExpression) -> str | None:
+        """PROVEN, MAYBE or None for the receiver of a method call such as `model.state_dict()`."""
+        name = dotted(node)
+        if name is None:
+            return None
+        if isinstance(node, cst.Name) and self._proven_name(node):
+            return PROVEN
+        if (isinstance(node, cst.Attribute) and dotted(node.value) == "self" and self.classes
+                and node.attr.value in self.class_attributes.get(id(self.classes[-1]), ())):
+            return PROVEN
+        return MAYBE if name in self.wrapped_names else None
+
+    def _proven_name(self, node: cst.Name) -> bool:
+        if not self.fsdp_targets:
+            return False
+        scope = self.get_metadata(ScopeProvider, node, None)
+        if scope is None:
+            return False
+        referents = {r for access in scope.accesses[node.value] if access.node is node for r in access.referents}
+        fsdp = [r for r in referents if id(getattr(r, "node", None)) in self.fsdp_targets]
+        if not fsdp:
+            return False
+        if len(fsdp) == len(referents):
+            return True
+        # One top-level `x = FSDP(...)` after every other assignment and before this use.
+        if len(fsdp) != 1 or id(fsdp[0].node) not in self.top_level_targets:
+            return False
+        line = self.line_of(fsdp[0].node)
+        others = referents - set(fsdp)
+        return self.line_of(node) > line and all(
+            isinstance(getattr(r, "node", None), cst.CSTNode) and 0 < self.line_of(r.node) < line for r in others
+        )
+
+    def fresh(self, base: str) -> str:
+        """A name not yet used in the file, for a loop variable the rewrite introduces."""
+        name, index = base, 1
+        while name in self.names_in_file:
+            name, index = f"{base}_{index}", index + 1
+        self.names_in_file.add(name)
+        return name

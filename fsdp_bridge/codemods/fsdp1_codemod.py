@@ -1,0 +1,155 @@
+"""The walk shared by the codemods that rewrite FSDP1 code (`--to fsdp2`, `--to yafsdp`).
+
+`Fsdp1Codemod` owns every libcst `visit_`/`leave_` method: it keeps the bookkeeping (are we in
+an import, in an `FSDP(...)` call, which calls are a whole statement) and hands each node to the
+rule family that deals with it. The shared families are mixed in here: the first pass
+(`facts.py`), diagnostics, type checks and `.module`. A command adds its own translations by
+defining the hooks below (`translate_constructor`, `translate_static_method`, `translate_method`,
+`translate_no_sync_reference`) and, for `with` blocks, `visit_With`/`leave_With`.
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+from libcst.metadata import ScopeProvider
+
+from fsdp_bridge.codemods.base import FsdpCodemod
+from fsdp_bridge.codemods.diagnostics import WRAP_FUNCTIONS, DiagnosticsRules
+from fsdp_bridge.codemods.facts import FactsMixin
+from fsdp_bridge.codemods.names import FSDP1, RUNTIME_CONSTRUCTORS, TYPE_CHECKS
+from fsdp_bridge.codemods.type_checks import TypeCheckRules
+from fsdp_bridge.codemods.unwrap import UnwrapRule
+
+
+class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, FsdpCodemod):
+    """Base of the codemods that read FSDP1 code; see the module docstring for the hooks."""
+
+    METADATA_DEPENDENCIES = (*FsdpCodemod.METADATA_DEPENDENCIES, ScopeProvider)
+
+    def __init__(self, context) -> None:
+        super().__init__(context)
+        self.called: set[int] = set()  # ids of expressions that are a call's function
+        self.statement_calls: set[int] = set()  # calls that are a whole statement's value
+        self.in_import = 0
+        self.in_constructor = 0  # inside the arguments of an FSDP(...) call (or its rewrite)
+        self.constructor_calls: set[int] = set()
+
+    # -- hooks: what a command translates ---------------------------------------------------
+
+    def translate_constructor(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        raise NotImplementedError(f"{type(self).__name__} must translate FullyShardedDataParallel(...)")
+
+    def translate_static_method(self, original: cst.Call, updated: cst.Call, method: str) -> cst.BaseExpression:
+        raise NotImplementedError(f"{type(self).__name__} must translate FullyShardedDataParallel.{method}(...)")
+
+    def translate_method(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        """`x.method(...)` on a local object of a file that uses FSDP1 (default: unchanged)."""
+        return updated
+
+    def translate_no_sync_reference(self, original: cst.Attribute, updated: cst.Attribute):
+        """`model.no_sync` used as a value, not called (default: unchanged)."""
+        return updated
+
+    # -- module, imports, statements ------------------------------------------------------
+
+    def visit_Module(self, node: cst.Module) -> None:
+        super().visit_Module(node)
+        self.read_file_facts(node)
+
+    def visit_Import(self, node: cst.Import | cst.ImportFrom) -> None:
+        self.in_import += 1
+        self.check_import(node)
+
+    def leave_Import(self, original, updated):
+        self.in_import -= 1
+        return updated
+
+    visit_ImportFrom, leave_ImportFrom = visit_Import, leave_Import
+
+    def visit_SimpleStatementLine(self, node: cst.SimpleStatementLine) -> None:
+        for small in node.body:
+            value = getattr(small, "value", None)
+            if isinstance(small, (cst.Assign, cst.AnnAssign, cst.Return, cst.Expr)) and isinstance(value, cst.Call):
+                self.statement_calls.add(id(value))
+
+    # -- definitions ------------------------------------------------------------------------
+
+    def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        return not self.handles_both_dialects(node)  # such a function is left as it is
+
+    def visit_ClassDef(self, node: cst.ClassDef) -> None:
+        self.classes.append(node)
+        self.claim_bases(node)
+
+    def leave_ClassDef(self, original: cst.ClassDef, updated: cst.ClassDef) -> cst.ClassDef:
+        self.classes.pop()
+        self.flag_subclass(original)
+        return updated
+
+    def visit_Annotation(self, node: cst.Annotation) -> None:
+        self.claim_annotation(node)
+
+    def leave_Annotation(self, original: cst.Annotation, updated: cst.Annotation) -> cst.Annotation:
+        return self.translate_annotation(original, updated)
+
+    # -- names and attributes ---------------------------------------------------------------
+
+    def leave_Name(self, original: cst.Name, updated: cst.Name) -> cst.Name:
+        self.check_reference(original)
+        return updated
+
+    def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
+        self.check_attribute(original)
+        if not self.uses_fsdp1 or id(original) in self.store_targets:
+            return updated
+        if original.attr.value == "module":
+            return self.unwrap_module_attribute(original, updated)
+        if original.attr.value == "no_sync" and id(original) not in self.called:
+            return self.translate_no_sync_reference(original, updated)
+        return updated
+
+    def visit_Comparison(self, node: cst.Comparison) -> None:
+        self.check_exact_class_test(node)
+
+    # -- calls --------------------------------------------------------------------------------
+
+    def visit_Call(self, node: cst.Call) -> None:
+        self.called.add(id(node.func))
+        name = self.fsdp(node.func) or ""
+        if name == FSDP1 or self.qualified(node.func) & RUNTIME_CONSTRUCTORS:
+            self.in_constructor += 1
+            self.constructor_calls.add(id(node))
+        qualified = self.qualified(node.func)
+        self.claim_call(node, name, qualified)
+        if self.is_library_config(qualified):
+            self.report_library_config(node, qualified)
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        name = self.fsdp(original.func) or ""
+        qualified = self.qualified(original.func)
+        if id(original) in self.constructor_calls:
+            self.in_constructor -= 1
+        if name == FSDP1:
+            return self.translate_constructor(original, updated)
+        if name.startswith(FSDP1 + "."):
+            return self.translate_static_method(original, updated, name.split(".", 1)[1])
+        if name in WRAP_FUNCTIONS:
+            self.flag_wrap_call(original, name)
+            return updated
+        if self.is_partial_of_fsdp1(original, qualified):
+            self.flag_partial(original)
+            return updated
+        if qualified & TYPE_CHECKS:
+            return self.translate_type_check(original, updated)
+        if isinstance(original.func, cst.Attribute) and self.uses_fsdp1 and not self.imported(original.func):
+            return self.translate_method(original, updated)
+        return updated
+
+    # -- shared by the constructor translations ------------------------------------------------
+
+    def drop_policy_imports(self, node: cst.BaseExpression) -> None:
+        """Let the imports of a dropped wrap policy (`partial(transformer_auto_wrap_policy, ...)`) go."""
+        if isinstance(node, cst.Call):
+            self.drop_import_of(node.func)
+            for arg in node.args:
+                self.drop_import_of(arg.value)

@@ -1,0 +1,162 @@
+"""The registry of rule codes: every `FBxxx` a migration can report, in one table.
+
+A code appears in the report and in the `# TODO(fsdp-bridge FBxxx): ...` comments a codemod
+leaves, so it must stay stable and mean one thing. Each entry says what the code is about (a
+short title), what the migration does there (the doc text) and which codemods or passes emit it.
+Emitters use the constants defined here, never a literal code; `tests/codemods/test_rules.py`
+checks that the codes are distinct, documented, and that no source emits an unregistered one.
+
+This module is plain data: reading it imports neither libcst nor torch.
+
+Families: FB0xx `--to bridge`; FB1xx translated for FSDP2; FB2xx left with a TODO (shared by
+`--to fsdp2` and `--to yafsdp`); FB3xx translated for YaFSDP; FB4xx report only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+# Who emits a code: the three codemods, and the migration driver (files it does not parse).
+BRIDGE, FSDP2, YAFSDP, DRIVER = "to_bridge", "to_fsdp2", "to_yafsdp", "migrate.driver"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    code: str  # "FB101"
+    title: str  # a few words, as a heading
+    emitted_by: tuple[str, ...]  # BRIDGE, FSDP2, YAFSDP, DRIVER
+    doc: str  # what the migration does at such a site, and why
+
+
+TABLE: list[Rule] = []
+
+
+def _rule(code: str, title: str, emitted_by: tuple[str, ...], doc: str) -> str:
+    """Add one row to TABLE and give back its code, for the emitters' constant."""
+    TABLE.append(Rule(code, title, emitted_by, " ".join(doc.split())))
+    return code
+
+
+# -- FB0xx: `--to bridge` ------------------------------------------------------------------
+
+IMPORT_MIRRORED = _rule("FB001", "import of a mirrored module", (BRIDGE,), """
+    An import (or a dotted use after a plain `import torch.distributed.fsdp`) of torch FSDP,
+    ya_fsdp, zeta.training or torchacc now names the fsdp_bridge module that mirrors it name for
+    name; nothing else in the file changes.""")
+PRIVATE_MODULE = _rule("FB002", "private torch FSDP module or name", (BRIDGE,), """
+    `torch.distributed.fsdp._runtime_utils` and other private modules or names are not mirrored:
+    the import is left pointing at torch's, under a TODO.""")
+PRIVATE_WRAPPER_ATTRIBUTE = _rule("FB003", "private FSDP1 wrapper attribute", (BRIDGE,), """
+    A read of `_handle`, `_flat_param`, `_lazy_init` and the like: fsdp_bridge's
+    FullyShardedDataParallel has internals of its own, so the read is flagged with a TODO.""")
+
+# -- FB1xx: translated for native torch FSDP2 ------------------------------------------------
+
+CONSTRUCTOR_IN_PLACE = _rule("FB100", "FSDP(...) with literal arguments", (FSDP2,), """
+    `FSDP(model, ...)` becomes bottom-up `fully_shard` calls, root last; a literal wrap policy
+    becomes a loop over the matching submodules.""")
+CONSTRUCTOR_AT_RUN_TIME = _rule("FB101", "FSDP(...) with values known at run time", (FSDP2,), """
+    `FSDP(model, ...)` with non-literal values becomes `fsdp1_fully_shard(model, ...)` with the
+    same arguments; the runtime helper translates them when the script runs.""")
+NO_SYNC = _rule("FB102", "no_sync()", (FSDP2,), """
+    `with model.no_sync():` becomes `set_requires_gradient_sync(False)` before a `try` whose
+    `finally` sets it back to True; other calls of `no_sync()` go through `fsdp1_no_sync`.""")
+CLIP_GRAD_NORM = _rule("FB103", "clip_grad_norm_()", (FSDP2,), """
+    `model.clip_grad_norm_(...)` becomes `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`
+    where the receiver is proven to be the wrapped model, `fsdp1_clip_grad_norm_` elsewhere.""")
+STATE_DICT = _rule("FB104", "state dicts", (FSDP2,), """
+    `with FSDP.state_dict_type(...)` blocks, `model.state_dict()` / `load_state_dict()` and
+    `FSDP.optim_state_dict*` become `torch.distributed.checkpoint.state_dict` calls with
+    `StateDictOptions` (through runtime helpers where the options are known only at run time).""")
+FSDP2_TYPE_CHECK = _rule("FB105", "isinstance and annotations, FSDP2", (FSDP2,), """
+    `isinstance(x, FSDP)` becomes `isinstance(x, FSDPModule)`, or `isinstance(x, (FSDPModule,
+    FSDP))` while the migrated tree keeps FSDP1 constructors; annotations become `FSDPModule`.""")
+MODULE_ATTRIBUTE = _rule("FB106", "model.module", (FSDP2, YAFSDP), """
+    `model.module` becomes `model` where `model` is proven to hold the wrapper (neither fully_shard
+    nor YaFSDP leaves a `.module`), `fsdp1_unwrap(model)` where it may.""")
+RUNTIME_HELPER = _rule("FB107", "FSDP1 API served by a runtime helper", (FSDP2,), """
+    `FSDP.fsdp_modules`, `FSDP.scatter_full_optim_state_dict` and `model.no_sync` used as a value
+    become calls of the runtime helpers that give the same result for FSDP2 modules.""")
+DROPPED_COMMENT = _rule("FB110", "comment on a dropped argument", (FSDP2, YAFSDP), """
+    An FSDP1 argument the new call does not take carried a comment: the comment moves into a
+    TODO above the statement, so nothing the user wrote is lost.""")
+
+# -- FB2xx: left as it was, under a TODO ------------------------------------------------------
+
+SUBCLASS = _rule("FB201", "subclass of FSDP", (FSDP2, YAFSDP), """
+    `class X(FullyShardedDataParallel)`: neither target is a wrapper class to subclass; move the
+    overrides onto the model.""")
+PARTIAL = _rule("FB202", "partial(FSDP, ...)", (FSDP2, YAFSDP), """
+    A partial of the FSDP1 class builds wrappers elsewhere; shard the model where the partial is
+    applied.""")
+PRIVATE_INTERNALS = _rule("FB203", "private FSDP1 internals", (FSDP2, YAFSDP), """
+    Imports from `torch.distributed.fsdp._*` and reads of the wrapper's private attributes
+    (`_fsdp_wrapped_module`, `_flat_param`, ...) have no counterpart.""")
+LOCAL_STATE_DICT = _rule("FB204", "LOCAL_STATE_DICT", (FSDP2,), """
+    FSDP2 has no local (flat-parameter) state dict; use the sharded DTensor state dict.""")
+SUMMON_FULL_PARAMS = _rule("FB205", "summon_full_params", (FSDP2,), """
+    FSDP2 has no exact equivalent (unshard()/reshard() or DTensor.full_tensor(); writeback
+    differs), so the call stays.""")
+ENABLE_WRAP = _rule("FB206", "enable_wrap / wrap", (FSDP2, YAFSDP), """
+    Wrapping inside `enable_wrap()` has no counterpart; shard each module after construction,
+    bottom-up.""")
+SET_STATE_DICT_TYPE = _rule("FB207", "set_state_dict_type", (FSDP2,), """
+    FSDP2 keeps no state-dict mode on the model; pass StateDictOptions where the state dict is
+    taken.""")
+STATE_DICT_TYPE_VALUE = _rule("FB208", "state_dict_type used as a value", (FSDP2,), """
+    `FSDP.state_dict_type(...)` held in a variable or returned by a helper becomes
+    `fsdp1_state_dict_type(...)`; the file's state-dict calls then ask the runtime helper for
+    their options.""")
+STATE_DICT_TYPE_ELSEWHERE = _rule("FB209", "state_dict_type configuring other calls", (FSDP2, YAFSDP), """
+    A `with FSDP.state_dict_type(...)` block that configures calls made elsewhere (a library's
+    `save_model()`, a method of the model's owner) or whose arguments cannot be read is kept.""")
+AMBIGUOUS_NAME = _rule("FB210", "name bound by a conditional import", (FSDP2, YAFSDP), """
+    A name that is FSDP's or another object depending on which import ran (a branch or an
+    `except ImportError` fallback) is left as it was.""")
+STAR_IMPORT = _rule("FB211", "import * of an FSDP module", (FSDP2, YAFSDP), """
+    Names from a star import cannot be resolved, so nothing in the file is translated; import
+    the names explicitly and migrate again.""")
+EXACT_CLASS_TEST = _rule("FB212", "type(x) is FSDP", (FSDP2, YAFSDP), """
+    An exact-class test has no translation (the migrated model's class is not the FSDP1 class);
+    test isinstance against the new class instead.""")
+STRATEGY_READ = _rule("FB213", "read of .sharding_strategy", (FSDP2, YAFSDP), """
+    Outside the constructor, a read of an FSDP1 sharding strategy may no longer describe how the
+    migrated model is sharded (the attribute is gone, or names something else).""")
+OTHER_FSDP1_USE = _rule("FB299", "any other FSDP1 API use", (FSDP2, YAFSDP), """
+    An FSDP1 name used in a way no rule translates (passed on as a class, an unknown static
+    method, arguments outside the translated forms).""")
+
+# -- FB3xx: translated for fsdp_bridge.ya_fsdp.YaFSDP ---------------------------------------
+
+YAFSDP_IN_PLACE = _rule("FB300", "FSDP(...) to YaFSDP(...)", (YAFSDP,), """
+    `FSDP(model, ...)` with literal arguments becomes `YaFSDP(model, zero_stage=...,
+    modules_to_wrap_with_names=[...], param_dtype=..., gradient_accumulation_steps=1, ...)`.""")
+YAFSDP_AT_RUN_TIME = _rule("FB301", "FSDP(...) to fsdp1_to_yafsdp(...)", (YAFSDP,), """
+    `FSDP(model, ...)` with non-literal values becomes `fsdp1_to_yafsdp(model, ...)`, which
+    translates them when the script runs.""")
+YAFSDP_UNSUPPORTED = _rule("FB302", "setting YaFSDP cannot express", (YAFSDP,), """
+    Hybrid or NO_SHARD strategies, CPU offload, ignored modules or a device mesh: the call is left
+    as it was, with a TODO.""")
+YAFSDP_TYPE_CHECK = _rule("FB303", "isinstance and annotations, YaFSDP", (YAFSDP,), """
+    `isinstance(x, FSDP)` becomes `isinstance(x, (YaFSDP, FSDP))`: constructors this run could not
+    translate still build FSDP1 modules; annotations become `YaFSDP`.""")
+YAFSDP_STATE_DICT_TYPE = _rule("FB304", "state_dict_type under YaFSDP", (YAFSDP,), """
+    YaFSDP's `state_dict()` is full, so a `with FSDP.state_dict_type(model, FULL_STATE_DICT)`
+    block keeps its body and loses the `with`; other types, or the context used as a value, get
+    a TODO.""")
+
+# -- FB4xx: report only -----------------------------------------------------------------------
+
+LIBRARY_CONFIG = _rule("FB400", "FSDP configured through a library", (FSDP2, YAFSDP), """
+    Hugging Face Trainer arguments or an accelerate plugin enable FSDP: there is no FSDP code to
+    rewrite, the report says which setting selects FSDP2.""")
+ACCELERATE_YAML = _rule("FB401", "accelerate YAML enables FSDP", (DRIVER,), """
+    An accelerate config file enables FSDP: set `fsdp_version: 2` there (and check
+    `fsdp_reshard_after_forward`); the file is not rewritten.""")
+NOTEBOOK = _rule("FB402", "notebook mentions FSDP", (DRIVER,), """
+    Notebooks are not rewritten: convert one to a script, migrate that, and convert back.""")
+DUAL_DIALECT = _rule("FB410", "code that handles FSDP1 and FSDP2", (FSDP2, YAFSDP), """
+    A function that names both FSDP1 and FSDP2 already chooses between them: it is left as it
+    was.""")
+
+BY_CODE: dict[str, Rule] = {rule.code: rule for rule in TABLE}

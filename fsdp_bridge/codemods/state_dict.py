@@ -1,0 +1,328 @@
+"""State dicts and FSDP1's static methods, for FSDP2 (FB104, FB107, FB204, FB205, FB207-FB209).
+
+`with FSDP.state_dict_type(model, ...)` blocks go, and the state-dict calls they configure take
+`StateDictOptions` instead (`torch.distributed.checkpoint.state_dict`); `FSDP.optim_state_dict`
+and friends become DCP calls through runtime helpers that keep FSDP1's return values. A block
+that configures calls made elsewhere is kept (FB209): dropping it would change what they save.
+Where the options are known only when the script runs, the runtime helpers take them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import libcst as cst
+import libcst.matchers as m
+
+from fsdp_bridge.codemods import rules
+from fsdp_bridge.codemods.base import IN_PLACE, RUNTIME
+from fsdp_bridge.codemods.facts import MAYBE, PROVEN
+from fsdp_bridge.codemods.fsdp1 import STATE_DICT_TYPE_PARAMS, Resolve, state_dict_config
+from fsdp_bridge.codemods.helpers import (
+    call_arguments,
+    code,
+    dotted,
+    keyword_arg,
+    leftmost,
+    space_comma,
+    unwrap_with,
+)
+from fsdp_bridge.codemods.names import DCP, FSDP1, RUNTIME_MODULE, STATE_DICT_METHODS, STATE_DICT_TYPE
+
+# Static methods of the FSDP1 class we leave alone, with the reason.
+UNTRANSLATED_STATICS = {
+    "summon_full_params": (rules.SUMMON_FULL_PARAMS, "FSDP2 has no exact equivalent: use unshard()/reshard() "
+                           "on each FSDPModule or DTensor.full_tensor(); writeback semantics differ"),
+    "set_state_dict_type": (rules.SET_STATE_DICT_TYPE, "FSDP2 has no persistent state-dict mode: pass "
+                            "StateDictOptions to get_/set_model_state_dict where the state dict is taken"),
+}
+
+# FSDP1 static signatures we translate (arguments past these make the site a TODO).
+OPTIM_SIGNATURES = {
+    "optim_state_dict": ("model", "optim", "optim_state_dict", "group"),
+    "full_optim_state_dict": ("model", "optim", "optim_input", "rank0_only", "group"),
+    "optim_state_dict_to_load": ("model", "optim", "optim_state_dict", "is_named_optimizer", "load_directly", "group"),
+    "scatter_full_optim_state_dict": ("full_optim_state_dict", "model", "optim_input", "optim", "group"),
+    "fsdp_modules": ("module", "root_only"),
+}
+
+# Receivers whose state dict is not a model's (only to keep the report short: routing them would be
+# harmless, the helpers leave anything without FSDP2 units alone).
+NOT_A_MODEL = re.compile(r"optim|sched|scaler|sampler|loader|tokenizer|generator|^opt$|^lr", re.IGNORECASE)
+KEPT = "kept"  # a state_dict_type block left as it was (FB204/FB209)
+
+
+def _options(full: bool, offload_to_cpu: bool, rank0_only: bool) -> str:
+    """StateDictOptions code for an FSDP1 state-dict config (full or sharded, offload, rank 0 only)."""
+    if not full:
+        return "StateDictOptions(full_state_dict=False)"
+    # DCP's cpu_offload with a full state dict means "on rank 0 only, on CPU".
+    if rank0_only:
+        return "StateDictOptions(full_state_dict=True, cpu_offload=True)"
+    return "StateDictOptions(full_state_dict=True)"
+
+
+def configures_elsewhere(node: cst.With, model: str | None, resolve: Resolve) -> bool:
+    """True unless the block's only business with the model is its own state-dict calls.
+
+    `with FSDP.state_dict_type(trainer.model, ...): trainer.save_model()` configures a call
+    made elsewhere (inside the library); dropping the context would change what it saves.
+    So does a method called on the model or its owner, or either passed to a function.
+    """
+    if model is None:
+        return True
+    base, handled = model.split(".")[0], False
+    for call in m.findall(node.body, m.Call()):
+        func, name = call.func, resolve(call.func) or ""
+        if isinstance(func, cst.Attribute) and func.attr.value in STATE_DICT_METHODS and dotted(func.value) == model:
+            handled = True
+            continue
+        if name.startswith(FSDP1 + ".") and name != STATE_DICT_TYPE:
+            handled = True  # FSDP.optim_state_dict(model, optim) and friends
+            continue
+        root = leftmost(func) if isinstance(func, cst.Attribute) else None
+        if isinstance(root, cst.Name) and root.value == base:
+            return True
+        for arg in call.args:
+            passed = dotted(arg.value)
+            if passed is not None and (passed == model or model.startswith(passed + ".")
+                                       or passed.startswith(model + ".")):
+                return True
+    return not handled
+
+
+class StateDictRules:
+    """FSDP2 state-dict translations; mixed into `Fsdp1Codemod`."""
+
+    def __init__(self, context) -> None:
+        super().__init__(context)
+        # One entry per enclosing `with`: None, KEPT, or (model, model options, optimizer options).
+        self.state_dict_blocks: list = []
+
+    # -- FSDP.<static method>(...) -------------------------------------------------------
+
+    def translate_static_method(self, original: cst.Call, updated: cst.Call, method: str) -> cst.BaseExpression:
+        if method in UNTRANSLATED_STATICS:
+            rule, reason = UNTRANSLATED_STATICS[method]
+            self.todo(rule, original, f"FullyShardedDataParallel.{method}(...)", reason)
+            return updated
+        if method == "state_dict_type":
+            if id(original) in self.state_dict_type_items:
+                return updated  # handled as a `with` block, see leave_With
+            return self._runtime_call(original, updated, rules.STATE_DICT_TYPE_VALUE, "fsdp1_state_dict_type",
+                                      list(updated.args),
+                                      "a state_dict_type context used as a value: the helper's context "
+                                      "tells this file's state-dict calls (also routed) which options to use")
+        args = self._static_args(original, updated, method)
+        if args is None:
+            self.todo(rules.OTHER_FSDP1_USE, original, f"FullyShardedDataParallel.{method}(...)",
+                      "no automatic FSDP2 translation for this FSDP1 API (or for these arguments)")
+            return updated
+        if method == "fsdp_modules":
+            return self._runtime_call(original, updated, rules.RUNTIME_HELPER, "fsdp1_fsdp_modules", args,
+                                      "the FSDP2 modules (FSDPModule instances) under the module")
+        if method == "scatter_full_optim_state_dict":
+            return self._runtime_call(original, updated, rules.RUNTIME_HELPER,
+                                      "fsdp1_scatter_full_optim_state_dict", args,
+                                      "set_optimizer_state_dict with broadcast_from_rank0; returns the "
+                                      "loaded optimizer state")
+        runtime_options = self.runtime_state_dict_type and self.current_state_dict_block() is None
+        if method in ("optim_state_dict", "full_optim_state_dict"):
+            # get_optimizer_state_dict shares some tensors with the optimizer (Adam's step); FSDP1
+            # returned copies, so the helper copies those.
+            why = "get_optimizer_state_dict, with the entries it shares with the optimizer copied"
+            if method == "full_optim_state_dict":
+                # FSDP1's default is rank0_only=True: with cpu_offload, DCP gives the full dict on rank 0.
+                options = "StateDictOptions(full_state_dict=True, cpu_offload=True)"
+            elif runtime_options:
+                options, why = None, why + "; options from the active fsdp1_state_dict_type context"
+            else:
+                options = self._optim_options()
+            if options is not None:
+                args = [*args, keyword_arg("options", options)]
+                self.need(DCP, "StateDictOptions")
+            return self._runtime_call(original, updated, rules.STATE_DICT, "fsdp1_optim_state_dict", args, why)
+        # optim_state_dict_to_load
+        if not runtime_options:
+            args = [*args, keyword_arg("options", self._optim_options())]
+            self.need(DCP, "StateDictOptions")
+        return self._runtime_call(original, updated, rules.STATE_DICT, "fsdp1_optim_state_dict_to_load", args,
+                                  "loads the state through set_optimizer_state_dict and returns the "
+                                  "loaded optimizer state")
+
+    def _static_args(self, original: cst.Call, updated: cst.Call, method: str) -> list[cst.Arg] | None:
+        """The call's arguments in FSDP1's positional order, or None if it passes any we do not map."""
+        signature = OPTIM_SIGNATURES.get(method)
+        bound = call_arguments(original, signature) if signature else None
+        if bound is None:
+            return None
+        required = {"fsdp_modules": 1, "scatter_full_optim_state_dict": 2}.get(method, 3 if method.endswith("_load") else 2)
+        wanted = [*signature[:required]] + (["optim"] if method == "scatter_full_optim_state_dict" else [])
+        defaults = {"root_only": "False", "optim_state_dict": "None", "group": "None", "optim_input": "None",
+                    "is_named_optimizer": "False", "load_directly": "False", "rank0_only": "True"}
+        if method == "optim_state_dict":
+            defaults.pop("optim_state_dict")  # the no-argument form only
+        for name, arg in bound.items():
+            if name not in wanted and not (name in defaults and code(arg.value) == defaults[name]):
+                return None
+        if any(name not in bound for name in wanted):
+            return None
+        new_by_old = {id(old): new for old, new in zip(original.args, updated.args)}
+        values = [new_by_old[id(bound[name])].value for name in wanted]
+        space = space_comma()
+        return [cst.Arg(value, comma=space if i < len(values) - 1 else cst.MaybeSentinel.DEFAULT)
+                for i, value in enumerate(values)]
+
+    def _runtime_call(self, original, updated, rule: str, helper: str, args: list[cst.Arg], reason: str) -> cst.Call:
+        self.site(rule, RUNTIME, original, code(original.func) + "(...)", reason)
+        self.need(RUNTIME_MODULE, helper)
+        if isinstance(original.func, cst.Attribute):
+            self.drop_import_of(original.func)
+        args = list(args)
+        if args and len(args) > 1:
+            args = [a.with_changes(comma=space_comma()) for a in args[:-1]] + [
+                args[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)]
+        return cst.Call(func=cst.Name(helper), args=args)
+
+    def _optim_options(self) -> str:
+        current = self.current_state_dict_block()
+        if current is not None:
+            return current[2]
+        self.need(DCP, "StateDictOptions")
+        return "StateDictOptions(full_state_dict=True)"  # FSDP1's default state-dict type is FULL
+
+    def _dcp_call(self, original, updated, function: str, args: list[cst.Arg], options: str) -> cst.Call:
+        self.site(rules.STATE_DICT, IN_PLACE, original, code(original.func) + "(...)",
+                  f"{function} from torch.distributed.checkpoint.state_dict")
+        self.need(DCP, function)
+        self.need(DCP, "StateDictOptions")
+        self.drop_import_of(original.func)
+        last = args[-1].with_changes(comma=space_comma()) if args else None
+        return cst.Call(func=cst.Name(function), args=[*args[:-1], last, keyword_arg("options", options)] if last else
+                        [keyword_arg("options", options)])
+
+    # -- model.state_dict() / load_state_dict() -------------------------------------------
+
+    def route_model_state_dict(self, original: cst.Call, updated: cst.Call, receiver, method: str, kind):
+        """`x.state_dict()` / `x.load_state_dict(sd)` in a file that uses FSDP1 (`kind`: the receiver's)."""
+        if self.in_kept_state_dict_block():
+            return updated  # the FSDP1 context stays, and with it the calls it configures
+        current = self.current_state_dict_block()
+        in_block = current is not None and receiver == current[0]
+        if kind is None and receiver is not None and not NOT_A_MODEL.search(receiver.split(".")[-1]):
+            # Any module may hold FSDP units in a file that uses FSDP1; the helper only changes
+            # what a module holding FSDP2 units returns, so routing it is always safe.
+            kind = MAYBE
+        if not in_block and kind is None:
+            return updated
+        return self.model_state_dict(original, updated, receiver, method, kind, current if in_block else None)
+
+    def model_state_dict(self, original, updated, receiver: str, method: str, kind, block) -> cst.BaseExpression:
+        if method == "state_dict" and original.args:
+            return updated
+        if method == "load_state_dict" and (len(original.args) != 1 or original.args[0].keyword or original.args[0].star):
+            self.todo(rules.OTHER_FSDP1_USE, original, f"{receiver}.load_state_dict(...)",
+                      "only the one-argument form is translated")
+            return updated
+        # The receiver as rewritten (`m.module` may have become `fsdp1_unwrap(m)`).
+        model_arg = cst.Arg(updated.func.value, comma=space_comma())
+        args = [model_arg.with_changes(comma=cst.MaybeSentinel.DEFAULT)] if method == "state_dict" else [
+            model_arg, updated.args[0].with_changes(comma=cst.MaybeSentinel.DEFAULT)]
+        if kind == PROVEN and (block is not None or not self.runtime_state_dict_type):
+            # Outside a state_dict_type block FSDP1 gives a full state dict; FSDP2 would give DTensors.
+            options = block[1] if block is not None else "StateDictOptions(full_state_dict=True)"
+            function = "get_model_state_dict" if method == "state_dict" else "set_model_state_dict"
+            return self._dcp_call(original, updated, function, args, options)
+        helper = "fsdp1_state_dict" if method == "state_dict" else "fsdp1_load_state_dict"
+        if block is not None:
+            args[-1] = args[-1].with_changes(comma=space_comma())
+            args.append(keyword_arg("options", block[1]))
+            self.need(DCP, "StateDictOptions")
+            why = "the block's options, applied if the receiver turns out to hold FSDP2 modules"
+        else:
+            why = "the options of an active fsdp1_state_dict_type context, FSDP1's FULL default otherwise"
+        reason = (f"{receiver} is not proven to be the wrapped model here: " if kind != PROVEN else "") + \
+            f"{helper}() checks for FSDP2 modules at run time ({why})"
+        self.site(rules.STATE_DICT, RUNTIME, original, f"{receiver}.{method}(...)", reason)
+        self.need(RUNTIME_MODULE, helper)
+        return cst.Call(func=cst.Name(helper), args=args)
+
+    # -- with FSDP.state_dict_type(...) blocks -----------------------------------------------
+
+    def current_state_dict_block(self):
+        """The innermost enclosing translated state_dict_type block: (model, model opts, optim opts)."""
+        return next((ctx for ctx in reversed(self.state_dict_blocks) if ctx not in (None, KEPT)), None)
+
+    def in_kept_state_dict_block(self) -> bool:
+        return KEPT in self.state_dict_blocks
+
+    def enter_state_dict_block(self, node: cst.With) -> None:
+        """Push what a `with` block's state_dict_type item (if any) asks of its state-dict calls."""
+        self.state_dict_blocks.append(None)
+        for item in node.items:
+            call = item.item
+            if not isinstance(call, cst.Call) or not isinstance(call.func, cst.Attribute):
+                continue
+            if self.fsdp(call.func) == STATE_DICT_TYPE:
+                context = self._state_dict_context(call)
+                if context is None or item.asname is not None or configures_elsewhere(node, context[0], self.fsdp):
+                    context = KEPT
+                self.state_dict_blocks[-1] = context
+
+    def leave_state_dict_block(self):
+        return self.state_dict_blocks.pop()
+
+    def _state_dict_context(self, call: cst.Call):
+        """(model name, model options code, optimizer options code) for a state_dict_type call."""
+        args = call_arguments(call, STATE_DICT_TYPE_PARAMS)
+        if args is None or "state_dict_type" not in args or "module" not in args:
+            return None
+        kind = self.fsdp(args["state_dict_type"].value) or ""
+        if kind == "StateDictType.LOCAL_STATE_DICT":
+            return None
+        model = dotted(args["module"].value)
+        if model is None:
+            return None
+        if kind in ("StateDictType.FULL_STATE_DICT", "StateDictType.SHARDED_STATE_DICT"):
+            full = kind == "StateDictType.FULL_STATE_DICT"
+            model_cfg = state_dict_config(args.get("state_dict_config") and args["state_dict_config"].value, self.fsdp, False)
+            optim_cfg = state_dict_config(args.get("optim_state_dict_config") and args["optim_state_dict_config"].value, self.fsdp, True)
+            if model_cfg is not None and optim_cfg is not None:
+                return model, _options(full, *model_cfg), _options(full, *optim_cfg)
+        # Non-literal type or configs: translate when the script runs.
+        passed = ", ".join(f"{a.keyword.value}={code(a.value)}" if a.keyword else code(a.value)
+                           for a in call.args if a is not args["module"])
+        return (model, f"fsdp1_state_dict_options({passed})",
+                f"fsdp1_state_dict_options({passed}, for_optimizer=True)")
+
+    def translate_state_dict_block(self, original: cst.With, updated: cst.With, context):
+        """The `with` block left, given what `enter_state_dict_block` pushed for it."""
+        index = next((i for i, item in enumerate(original.items) if isinstance(item.item, cst.Call)
+                      and self.fsdp(item.item.func) == STATE_DICT_TYPE), None)
+        if index is None:
+            return updated
+        call = original.items[index].item
+        if context is KEPT:
+            kind = self.fsdp(call.args[1].value) if len(call.args) > 1 else None
+            if kind == "StateDictType.LOCAL_STATE_DICT":
+                self.todo(rules.LOCAL_STATE_DICT, original, "state_dict_type(LOCAL_STATE_DICT)", "FSDP2 has no local "
+                          "(flat-parameter) state dict; use the sharded DTensor state dict")
+            else:
+                self.todo(rules.STATE_DICT_TYPE_ELSEWHERE, original, "with FSDP.state_dict_type(...)",
+                          "the block does more than take this model's state dict (calls made elsewhere "
+                          "read the setting, or its arguments cannot be read): pass StateDictOptions to "
+                          "get_/set_model_state_dict where the state dict is taken, then remove the block")
+            return updated
+        status = RUNTIME if "fsdp1_state_dict_options" in context[1] else IN_PLACE
+        self.site(rules.STATE_DICT, status, original, "with FSDP.state_dict_type(...)",
+                  "the block's state-dict calls take StateDictOptions instead")
+        if status == RUNTIME:
+            self.need(RUNTIME_MODULE, "fsdp1_state_dict_options")
+        self.drop_import_of(call.func)
+        for arg in call.args[1:]:
+            self.drop_import_of(arg.value)
+        if len(original.items) > 1:
+            items = [it for i, it in enumerate(updated.items) if i != index]
+            items[-1] = items[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
+            return updated.with_changes(items=items)
+        return unwrap_with(updated)

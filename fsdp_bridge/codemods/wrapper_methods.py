@@ -1,0 +1,103 @@
+"""Methods of the wrapped model, for FSDP2: `no_sync` (FB102), `clip_grad_norm_` (FB103),
+`summon_full_params` (FB205), `no_sync` used as a value (FB107); `state_dict`/`load_state_dict`
+are handed to `state_dict.py`.
+
+FSDP2 modules have no `no_sync()` context: a `with model.no_sync():` on a proven receiver
+becomes `set_requires_gradient_sync(False)` before a `try` whose `finally` restores it; any
+other use goes through `fsdp1_no_sync`, which does the same on FSDP2 modules and calls
+`no_sync()` on anything else.
+"""
+
+from __future__ import annotations
+
+import libcst as cst
+
+from fsdp_bridge.codemods import rules
+from fsdp_bridge.codemods.base import IN_PLACE, RUNTIME
+from fsdp_bridge.codemods.facts import PROVEN
+from fsdp_bridge.codemods.helpers import code, dotted, parse_expr, parse_stmt, space_comma
+from fsdp_bridge.codemods.names import RUNTIME_MODULE, STATE_DICT_METHODS
+from fsdp_bridge.codemods.state_dict import UNTRANSLATED_STATICS
+
+
+class WrapperMethodRules:
+    """FSDP2 translations of the wrapper's methods; mixed into `Fsdp1Codemod`."""
+
+    def __init__(self, context) -> None:
+        super().__init__(context)
+        self.no_sync_blocks: set[int] = set()  # ids of `model.no_sync()` calls whose block is expanded
+
+    def translate_method(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        method = original.func.attr.value
+        receiver = dotted(original.func.value)
+        if method == "no_sync" and not original.args:
+            if id(original) in self.no_sync_blocks:
+                return updated
+            self.site(rules.NO_SYNC, RUNTIME, original, f"{code(original.func)}()",
+                      "fsdp1_no_sync() toggles set_requires_gradient_sync on FSDP2 modules and "
+                      "calls no_sync() on anything else")
+            self.need(RUNTIME_MODULE, "fsdp1_no_sync")
+            return cst.Call(func=cst.Name("fsdp1_no_sync"), args=[cst.Arg(updated.func.value)])
+        if method not in ("clip_grad_norm_", "summon_full_params", *STATE_DICT_METHODS):
+            return updated
+        kind = self.receiver(original.func.value)
+        if method == "clip_grad_norm_":
+            if kind == PROVEN:
+                self.site(rules.CLIP_GRAD_NORM, IN_PLACE, original, f"{receiver}.clip_grad_norm_(...)",
+                          "torch.nn.utils.clip_grad_norm_ over the parameters (returns a DTensor)")
+                self.need("torch")
+                params = cst.Arg(parse_expr(f"{receiver}.parameters()"), comma=space_comma())
+                return updated.with_changes(func=parse_expr("torch.nn.utils.clip_grad_norm_"),
+                                            args=[params, *updated.args])
+            self.site(rules.CLIP_GRAD_NORM, RUNTIME, original, f"{code(original.func)}(...)",
+                      f"{code(original.func.value)} is not proven to be assigned from FSDP(...) here; "
+                      "fsdp1_clip_grad_norm_ dispatches at run time")
+            self.need(RUNTIME_MODULE, "fsdp1_clip_grad_norm_")
+            return updated.with_changes(func=cst.Name("fsdp1_clip_grad_norm_"),
+                                        args=[cst.Arg(updated.func.value, comma=space_comma()), *updated.args])
+        if method == "summon_full_params":
+            if kind is not None:
+                rule, reason = UNTRANSLATED_STATICS[method]
+                self.todo(rule, original, f"{receiver}.summon_full_params(...)", reason)
+            return updated
+        return self.route_model_state_dict(original, updated, receiver, method, kind)
+
+    def translate_no_sync_reference(self, original: cst.Attribute, updated: cst.Attribute):
+        """`model.no_sync` as a value -> `functools.partial(fsdp1_no_sync, model)`."""
+        self.site(rules.RUNTIME_HELPER, RUNTIME, original, f"{code(original)} (not called)", "a method reference: "
+                  "functools.partial(fsdp1_no_sync, ...) gives the same context manager")
+        self.need(RUNTIME_MODULE, "fsdp1_no_sync")
+        self.need("functools")
+        return cst.Call(func=parse_expr("functools.partial"), args=[
+            cst.Arg(cst.Name("fsdp1_no_sync"), comma=space_comma()),
+            cst.Arg(updated.value)])
+
+    def note_no_sync_block(self, node: cst.With) -> None:
+        """Mark `with model.no_sync():` for expansion where `model` is proven to be the wrapper."""
+        for item in node.items:
+            call = item.item
+            if not isinstance(call, cst.Call) or not isinstance(call.func, cst.Attribute):
+                continue
+            if (call.func.attr.value == "no_sync" and not call.args and len(node.items) == 1
+                    and self.receiver(call.func.value) == PROVEN and node.asynchronous is None):
+                self.no_sync_blocks.add(id(call))
+
+    def no_sync_block_call(self, original: cst.With) -> cst.Call | None:
+        """The `model.no_sync()` of a block marked by `note_no_sync_block` (None: not one)."""
+        for item in original.items:
+            call = item.item
+            if isinstance(call, cst.Call) and id(call) in self.no_sync_blocks:
+                return call
+        return None
+
+    def expand_no_sync_block(self, original: cst.With, updated: cst.With, call: cst.Call):
+        receiver = dotted(call.func.value)
+        self.site(rules.NO_SYNC, IN_PLACE, original, f"with {receiver}.no_sync():",
+                  "set_requires_gradient_sync(False), restored to True in a finally block")
+        disable = parse_stmt(f"{receiver}.set_requires_gradient_sync(False)\n")
+        restore = parse_stmt(f"{receiver}.set_requires_gradient_sync(True)\n")
+        block = cst.Try(
+            body=updated.body,
+            finalbody=cst.Finally(body=cst.IndentedBlock(body=[restore])),
+        )
+        return cst.FlattenSentinel([disable.with_changes(leading_lines=updated.leading_lines), block])
