@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-HELP = "show the front-ends' argument tables, or the plan a tiny demo model gets"
 
 
 def add_arguments(parser) -> None:
