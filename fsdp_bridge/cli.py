@@ -1,9 +1,10 @@
 """The `fsdp-bridge` command line.
 
-Each subcommand lives in its own module, imported only when it runs (so `fsdp-bridge migrate`
-never imports the engine, and `--help` stays fast). A subcommand module exposes:
+Each subcommand lives in its own module, imported only when that subcommand runs: `fsdp-bridge
+--help` imports none of them (so no torch), and `fsdp-bridge migrate` imports only the migrate
+command. The table below gives each subcommand's one-line help, so that the overview needs no
+import. A subcommand module exposes:
 
-    HELP: str                           one line for `fsdp-bridge --help`
     add_arguments(parser) -> None       declares its arguments
     run(args) -> int                    does the work; the return value is the exit code
 """
@@ -12,55 +13,66 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
-# name -> module implementing it. Add a line here to add a subcommand.
-SUBCOMMANDS: dict[str, str] = {
-    "demo": "fsdp_bridge.demo",
-    "bench": "fsdp_bridge.bench",
-    "explain": "fsdp_bridge.explain_cli",
-    "migrate": "fsdp_bridge.migrate.cli",
-    "compare": "fsdp_bridge.harness.cli_compare",
-    "compare-scripts": "fsdp_bridge.harness.cli_compare_scripts",
-    "convert-checkpoint": "fsdp_bridge.checkpoint.cli",
+# name -> (module implementing it, its line in `fsdp-bridge --help`). Add a line to add one.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("fsdp_bridge.demo", "migrate an FSDP1 script and prove the rewrites equivalent; "
+             "train the YaFSDP example beside a reference"),
+    "bench": ("fsdp_bridge.bench", "time native FSDP1, FSDP2 and our engine (YaFSDP and "
+              "fully_shard front-ends) on a tiny Llama (CPU ranks, gloo), or on a 1B Llama on "
+              "CUDA (--device cuda)"),
+    "explain": ("fsdp_bridge.explain_cli", "show the front-ends' argument tables, or the plan a "
+                "tiny demo model gets"),
+    "migrate": ("fsdp_bridge.migrate.cli", "Rewrite FSDP code between dialects (FSDP1 -> bridge "
+                "/ FSDP2 / YaFSDP) with libcst."),
+    "compare": ("fsdp_bridge.harness.cli_compare", "Train a recipe under several FSDP backends "
+                "and show where they agree or first diverge."),
+    "compare-scripts": ("fsdp_bridge.harness.cli_compare_scripts", "Run two training scripts "
+                        "under torchrun and compare their per-step losses and parameter "
+                        "digests."),
+    "convert-checkpoint": ("fsdp_bridge.checkpoint.cli", "convert a checkpoint between "
+                           "torch.save, DCP and safetensors, offline (no ranks)"),
 }
 
-
-def _available(only: str | None = None) -> dict[str, object]:
-    """The subcommands whose module is present in this checkout (just `only`, when given)."""
-    found = {}
-    for name, module_name in SUBCOMMANDS.items():
-        if only is not None and name != only:
-            continue
-        try:
-            found[name] = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            # Only a missing *subcommand module* hides the subcommand; a missing
-            # dependency inside an existing module is a real error and surfaces.
-            if exc.name is None or not module_name.startswith(exc.name):
-                raise
-    return found
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
-def build_parser(modules: dict[str, object]) -> argparse.ArgumentParser:
+def _present(module_name: str) -> bool:
+    """Whether the module's source is in this checkout, found without importing it (importing a
+    parent package could pull in torch)."""
+    relative = module_name.split(".")[1:]
+    path = os.path.join(_PACKAGE_DIR, *relative)
+    return os.path.isfile(path + ".py") or os.path.isfile(os.path.join(path, "__init__.py"))
+
+
+def available() -> dict[str, tuple[str, str]]:
+    """The subcommands whose module is present (a partial checkout hides the missing ones)."""
+    return {name: entry for name, entry in SUBCOMMANDS.items() if _present(entry[0])}
+
+
+def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
+    """Every available subcommand with its help line; only `chosen` (when given) is imported
+    and gets its arguments and its run function."""
     parser = argparse.ArgumentParser(
         prog="fsdp-bridge",
         description="One sharding engine behind every FSDP dialect, codemods between "
         "dialects, and an equivalence harness.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module in modules.items():
-        sub_parser = sub.add_parser(name, help=module.HELP, description=module.HELP)
-        module.add_arguments(sub_parser)
-        sub_parser.set_defaults(_run=module.run)
+    for name, (module_name, help_line) in available().items():
+        sub_parser = sub.add_parser(name, help=help_line, description=help_line)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sub_parser)
+            sub_parser.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # A named subcommand imports only its own module: `migrate` must not pay for torch.
-    modules = _available(argv[0] if argv and argv[0] in SUBCOMMANDS else None) or _available()
-    parser = build_parser(modules)
+    parser = build_parser(argv[0] if argv and argv[0] in SUBCOMMANDS else None)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -18,7 +18,6 @@ from pathlib import Path
 
 from fsdp_bridge.harness.torchrun import run_torchrun
 
-HELP = "migrate an FSDP1 script and prove the rewrites equivalent; train the YaFSDP example beside a reference"
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "yafsdp_llama.py"
 STEP_LINE = re.compile(r"^step (\d+) loss ([0-9.eE+-]+)$", re.MULTILINE)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-HELP = "show the front-ends' argument tables, or the plan a tiny demo model gets"
 
 
 def add_arguments(parser) -> None:
@@ -24,16 +23,17 @@ def _demo() -> str:
     from fsdp_bridge.explain import explain
     from fsdp_bridge.fsdp import FullyShardedDataParallel, MixedPrecision
     from fsdp_bridge.fsdp.wrap import transformer_auto_wrap_policy
+    from fsdp_bridge.tiny import build_llama, llama_config
 
-    from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     if not dist.is_initialized():
         path = os.path.join(tempfile.mkdtemp(), "init")
         dist.init_process_group("gloo", init_method=f"file://{path}", rank=0, world_size=1)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    model = LlamaForCausalLM(config)
+    # 2048 positions: LlamaConfig's own default, which this demo has always used.
+    config = llama_config(vocab=128, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2,
+                          positions=2048)
+    model = build_llama(config, seed=None)  # the plan shown does not depend on the weights
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         wrapped = FullyShardedDataParallel(

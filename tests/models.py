@@ -24,23 +24,13 @@ def _on_device(model, device):
 
 def tiny_llama(seed: int = 0, device=None):
     """The tiny Llama, on `device` (default: the test device; "meta" builds it without storage)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from fsdp_bridge.tiny import build_llama, llama_config
 
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
+    config = llama_config(vocab=VOCAB, hidden=64, intermediate=128, layers=3, heads=4,
+                          kv_heads=2, positions=64)
     # Initialised on the CPU (or on meta when asked) whatever `torch.device` context encloses
     # the call: the same weights on every test device.
-    with torch.device("meta" if str(device) == "meta" else "cpu"):
-        model = LlamaForCausalLM(config)
+    model = build_llama(config, seed, device="meta" if str(device) == "meta" else "cpu")
     return _on_device(model, device)
 
 

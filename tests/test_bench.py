@@ -62,7 +62,7 @@ def test_bench_rejects_bad_options(capsys, tmp_path):
 
 
 def test_sweep_prints_ratios_per_size_and_draws_the_plot(tmp_path, capsys, monkeypatch):
-    from fsdp_bridge import bench_sweep
+    from fsdp_bridge.bench import sweep as bench_sweep
 
     # Two tiny sizes stand in for the real ones (minutes each); everything else is the same.
     monkeypatch.setattr(bench_sweep, "SIZES", ((64, 1, 64), (128, 2, 96)))
@@ -78,7 +78,7 @@ def test_sweep_prints_ratios_per_size_and_draws_the_plot(tmp_path, capsys, monke
     assert [r["settings"]["hidden"] for r in reports] == [64, 128]
     for report in reports:  # the parameter count is the model's
         assert report["parameters"] == sum(
-            p.numel() for p in bench._build_llama(report["settings"]).parameters()
+            p.numel() for p in bench.build_llama(report["settings"]).parameters()
         )
         assert report["dtypes"]["fp32"]["targets"]["compute_only_ratio"] > 0
 

@@ -10,7 +10,8 @@ import json
 import pytest
 import torch
 
-from fsdp_bridge import bench, bench_cuda
+from fsdp_bridge import bench
+from fsdp_bridge.bench import cuda as bench_cuda
 from fsdp_bridge.cli import main
 
 
@@ -42,7 +43,7 @@ def test_profile_is_refused_on_the_cpu(capsys):
 
 
 def test_cpu_defaults_are_the_tiny_llama_and_cuda_defaults_a_1b_llama():
-    cpu = bench._settings(_args())
+    cpu = bench.settings(_args())
     assert {k: cpu[k] for k in ("dtypes", "nproc", "hidden", "layers", "heads", "kv_heads",
                                 "intermediate", "vocab", "seq", "batch")} == dict(
         dtypes=["fp32", "bf16"], nproc=2, hidden=256, layers=4, heads=4, kv_heads=4,

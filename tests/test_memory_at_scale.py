@@ -37,7 +37,7 @@ def _measure(step) -> tuple:
     """(heap in use above the heap before `step`, at its highest; the step's result)."""
     gc.collect()
     before = bench.heap_in_use()
-    probe = bench._probe_mode()
+    probe = bench.step_probe()
     with probe:
         result = step()
     return probe.peak_heap - before, result

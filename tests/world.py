@@ -1,4 +1,5 @@
-"""Spawn a real torch.distributed world and run one function on every rank; the test device.
+"""Run one function on every rank of a real torch.distributed world (spawned by
+`fsdp_bridge.harness.world`, the package's one spawner), on the test device.
 
 The suite runs on CPU + gloo by default, on CUDA + NCCL with `FSDP_BRIDGE_DEVICE=cuda` (see
 `device_type`). Tests take the device from `device()` wherever they build models or tensors;
@@ -20,17 +21,13 @@ names how many GPUs they need (never run on fewer ranks in disguise).
 from __future__ import annotations
 
 import copy
-import datetime
 import os
-import pickle
-import tempfile
 import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from fsdp_bridge.harness.teardown import leave_world
+from fsdp_bridge.harness.world import RankSetup, WorldFailed, spawn
 
 DEVICE_VARIABLE = "FSDP_BRIDGE_DEVICE"
 DEVICE_TYPES = ("cpu", "cuda")
@@ -89,65 +86,26 @@ def to_cpu(value):
     return value
 
 
-def _entry(rank, world_size, init_file, out_dir, fn, args):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    if device_type() == "cuda":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(
-        backend(),
-        init_method=f"file://{init_file}",
-        rank=rank,
-        world_size=world_size,
-        # A rank that fails leaves the others blocked in a collective; time out instead of hanging.
-        timeout=datetime.timedelta(seconds=180),
-    )
-    try:
-        value = fn(rank, world_size, *args)
-        result = ("ok", to_cpu(value) if device_type() == "cuda" else value)
-    except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
-        result = ("error", traceback.format_exc())
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as handle:
-        pickle.dump(result, handle)
-    if result[0] == "ok":
-        dist.barrier()
-    leave_world()  # results are on disk; see [Note: gloo teardown abort]
+def _setup():
+    """How a test rank joins its world: NCCL with a GPU of its own on CUDA, else gloo."""
+    return RankSetup(backend=backend(), one_gpu_per_rank=device_type() == "cuda")
+
+
+def _test_rank(rank, world_size, fn, args):
+    value = fn(rank, world_size, *args)
+    return to_cpu(value) if device_type() == "cuda" else value
 
 
 def run_world(fn, world_size: int = 2, *args, timeout: float = 600.0):
-    """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return their results."""
+    """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return their results.
+    (`timeout` is accepted for the callers that pass it: a hung rank is ended by the process
+    group's own timeout.)"""
     if device_type() == "cuda":
         require_cuda(world_size)
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        context = mp.start_processes(
-            _entry,
-            args=(world_size, init_file, tmp, fn, args),
-            nprocs=world_size,
-            join=False,
-            start_method="spawn",
-        )
-        errors = []
-        try:
-            while not context.join(timeout=timeout):
-                pass
-        except Exception as exc:  # a rank died hard (segfault, os._exit)
-            errors.append(f"process failure: {exc}")
-        results = []
-        for rank in range(world_size):
-            path = os.path.join(tmp, f"rank{rank}.pkl")
-            if not os.path.exists(path):
-                errors.append(f"rank {rank} produced no result")
-                results.append(None)
-                continue
-            with open(path, "rb") as handle:
-                status, value = pickle.load(handle)
-            if status == "error":
-                errors.append(f"--- rank {rank} ---\n{value}")
-            results.append(value)
-        if errors:
-            raise AssertionError("distributed run failed:\n" + "\n".join(errors))
-        return results
+    try:
+        return spawn(_test_rank, world_size, (fn, args), _setup())
+    except WorldFailed as failed:
+        raise AssertionError("distributed run failed:\n" + "\n".join(failed.errors)) from None
 
 
 def run_case_table(table: dict, names=None) -> dict:

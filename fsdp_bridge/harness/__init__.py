@@ -5,6 +5,9 @@ nothing numerically, within stated tolerances.
 - `backends`     how to shard it: reference, torch-fsdp1/2, bridge-fsdp1/2, bridge-yafsdp
 - `runner`       one backend's training loop on one rank, recording loss, grad norm, digest
 - `launcher`     one spawned world (gloo / NCCL) running several backends in turn
+- `world`        the one spawner of local worlds (harness, bench, tests): results back, no rank
+                 outliving the call
+- `teardown`     how our ranks leave without torch's gloo exit race
 - `digest`       the layout-independent parameter digest
 - `compare`      tolerances by dtype, first diverging step, most different parameters
 - `equivalence`  check_equivalence(): the above, end to end

@@ -11,8 +11,6 @@ import sys
 
 from fsdp_bridge.harness.compare import TOLERANCES
 
-HELP = ("Run two training scripts under torchrun and compare their per-step losses and "
-        "parameter digests.")
 
 
 class _SplitAtDoubleDash(argparse.ArgumentParser):

@@ -7,21 +7,15 @@ while the other ranks wait at a barrier). gloo on CPU, NCCL on GPU (one GPU per 
 
 from __future__ import annotations
 
-import datetime
-import os
-import pickle
-import tempfile
-import time
 from typing import Sequence, Union
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fsdp_bridge.harness.backends import Backend, RankEnv, get_backend
 from fsdp_bridge.harness.recipes import Recipe
 from fsdp_bridge.harness.runner import RunRecord, cpu_count, train
-from fsdp_bridge.harness.teardown import leave_world
+from fsdp_bridge.harness.world import RankSetup, spawn
 
 
 def resolve_device(device: str, nproc: int) -> str:
@@ -64,35 +58,10 @@ def run_on_rank(recipe: Recipe, backends: Sequence[Union[str, Backend]],
     return records
 
 
-def _rank_main(rank, world_size, init_file, out_dir, recipe, backends, device_type, timeout):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group(
-        "nccl" if device_type == "cuda" else "gloo",
-        init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout),  # a failed rank must not hang the others
-    )
-    try:
-        records = run_on_rank(recipe, backends, rank_env(rank, world_size, device_type))
-        if rank == 0:
-            with open(os.path.join(out_dir, "records.pkl"), "wb") as handle:
-                pickle.dump(records, handle)
-    except BaseException:
-        dist.destroy_process_group()
-        raise  # the spawn machinery reports it with this rank's traceback
-    leave_world()  # [Note: gloo teardown abort]
-
-
-def stop_processes(processes, grace: float = 3.0) -> None:
-    """Terminate spawned ranks, then kill those still alive after `grace` seconds."""
-    for process in processes:
-        if process.is_alive():
-            process.terminate()
-    deadline = time.monotonic() + grace
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            process.kill()
-            process.join()
+def _rank_records(rank, world_size, recipe, backends, device_type) -> list[RunRecord] | None:
+    """What one rank of the world runs: every backend in turn; rank 0 returns the records."""
+    records = run_on_rank(recipe, backends, rank_env(rank, world_size, device_type))
+    return records if rank == 0 else None
 
 
 def run_backends(recipe: Recipe, backends: Sequence[Union[str, Backend]], nproc: int = 2,
@@ -105,17 +74,7 @@ def run_backends(recipe: Recipe, backends: Sequence[Union[str, Backend]], nproc:
         backend.check_available()
     recipe.check_world(nproc)
     device_type = resolve_device(device, nproc)
-    with tempfile.TemporaryDirectory(prefix="fsdp-bridge-compare-") as tmp:
-        context = mp.start_processes(
-            _rank_main,
-            args=(nproc, os.path.join(tmp, "init"), tmp, recipe, backends, device_type, timeout),
-            nprocs=nproc, join=False, start_method="spawn",
-        )
-        try:
-            while not context.join():
-                pass
-        except BaseException:  # a failed rank, Ctrl-C: no rank may outlive this call
-            stop_processes(context.processes)
-            raise
-        with open(os.path.join(tmp, "records.pkl"), "rb") as handle:
-            return pickle.load(handle)
+    # run_on_rank sets the threads per rank itself; rank_env picks each rank's GPU.
+    setup = RankSetup(backend="nccl" if device_type == "cuda" else "gloo",
+                      group_timeout_s=timeout, threads=None)
+    return spawn(_rank_records, nproc, (recipe, backends, device_type), setup)[0]

@@ -184,16 +184,14 @@ class Size:
 
 
 def _llama(size: Size) -> nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from fsdp_bridge.tiny import build_llama, llama_config
 
-    config = LlamaConfig(
-        vocab_size=size.vocab, hidden_size=size.hidden, intermediate_size=2 * size.hidden,
-        num_hidden_layers=size.layers, num_attention_heads=size.heads,
-        num_key_value_heads=max(1, size.heads // 2), max_position_embeddings=max(64, size.seq),
-        tie_word_embeddings=False,
+    config = llama_config(
+        vocab=size.vocab, hidden=size.hidden, intermediate=2 * size.hidden, layers=size.layers,
+        heads=size.heads, kv_heads=max(1, size.heads // 2), positions=max(64, size.seq),
+        attention="eager",
     )
-    config._attn_implementation = "eager"
-    return LlamaForCausalLM(config)
+    return build_llama(config, seed=None)  # Recipe.build_model has seeded already
 
 
 def _gpt2(size: Size) -> nn.Module:

@@ -272,9 +272,10 @@ def _expect_error(fn, *fragments):
 
 def bad_inputs(rank, world, directory, source):
     """Loading what does not fit: clear errors, the model and the files untouched."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     from fsdp_bridge import checkpoint
+    from fsdp_bridge.tiny import build_llama
     path = os.path.join(directory, source)
     before = _digest(directory) if rank == 0 else None
     out = {}
@@ -282,8 +283,7 @@ def bad_inputs(rank, world, directory, source):
     def fresh_llama(**changes):
         config = fresh("llama").config.to_dict()
         config.update(changes)
-        torch.manual_seed(0)
-        return LlamaForCausalLM(LlamaConfig(**config))
+        return build_llama(LlamaConfig(**config), seed=0)
 
     # Another model altogether.
     gpt2 = build("fsdp1", "gpt2")

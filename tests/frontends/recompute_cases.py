@@ -159,7 +159,7 @@ def peak_memory(rank, world):
     checkpointing (glibc's bytes in use, sampled at every op, above the step's start)."""
     import gc
 
-    from fsdp_bridge.bench import _probe_mode, heap_in_use
+    from fsdp_bridge.bench import heap_in_use, step_probe
 
     fsdp = dialect("ours")
     ids = torch.randint(0, M.VOCAB, (8, 64), generator=torch.Generator().manual_seed(rank))
@@ -174,7 +174,7 @@ def peak_memory(rank, world):
         M.lm_loss(model, ids).backward()  # warm-up: the runtime and gradients exist
         gc.collect()
         start = heap_in_use()
-        with _probe_mode() as probe:
+        with step_probe() as probe:
             M.lm_loss(model, ids).backward()
         out["checkpointed" if checkpointed else "plain"] = probe.peak_heap - start
         del model

@@ -9,7 +9,8 @@ come from different runs and are compared only through their ratios.
 
 from __future__ import annotations
 
-from fsdp_bridge import bench
+from fsdp_bridge import tiny
+from fsdp_bridge.bench import models, report as bench_report, schedule
 
 # (hidden, layers, vocab): the default tiny Llama, then two larger ones. Attention heads are
 # 64 wide at every size.
@@ -24,24 +25,14 @@ def size_settings(s: dict, hidden: int, layers: int, vocab: int) -> dict:
                 intermediate=4 * hidden)
 
 
-def parameter_count(s: dict) -> int:
-    """The tiny Llama's parameters at these settings (built on the meta device: no memory)."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(bench.llama_config(s))
-    return sum(p.numel() for p in model.parameters())
-
-
-def run_sweep(s: dict, run_world=bench.run_world) -> list[dict]:
+def run_sweep(s: dict, run_world=schedule.run_world) -> list[dict]:
     """One bench report per size, each with its parameter count."""
     reports = []
     for hidden, layers, vocab in SIZES:
         settings = size_settings(s, hidden, layers, vocab)
         print(f"[bench] sweep: hidden {hidden}, {layers} layers, vocab {vocab}", flush=True)
-        report = bench.summarize(settings, run_world(settings))
-        report["parameters"] = parameter_count(settings)
+        report = bench_report.summarize(settings, run_world(settings))
+        report["parameters"] = tiny.parameter_count(models.llama_config(settings))
         reports.append(report)
     return reports
 
@@ -62,8 +53,8 @@ def format_sweep(reports: list[dict]) -> str:
                 f"{targets['speed_ratio_to_faster_native']:20.2f}"
                 f"{targets['compute_only_ratio']:12.2f}"
                 f"{'n/a' if peak_ratio is None else f'{peak_ratio:.3f}':>17s}"
-                f"{bench._mib(max(figs['fsdp2']['peak_bytes_per_rank'])):>16s}"
-                f"{bench._mib(max(figs['ours']['peak_bytes_per_rank'])):>15s}"
+                f"{bench_report.mib(max(figs['fsdp2']['peak_bytes_per_rank'])):>16s}"
+                f"{bench_report.mib(max(figs['ours']['peak_bytes_per_rank'])):>15s}"
             )
     return "\n".join(lines)
 

@@ -3,7 +3,7 @@ per rank (world 1 by default): native torch FSDP1, native torch FSDP2 and our en
 front-end) wrapping the same decoder layers, and the plain unsharded model (autocast for bf16),
 in one run.
 
-How it measures, and why it differs from the CPU bench (fsdp_bridge/bench.py):
+How it measures, and why it differs from the CPU bench (the rest of this package):
 - A GPU is not shared the way the CPU is, and four copies of a 1B model with their optimizer
   state (16 bytes a parameter) do not fit on one GPU together, so configurations run one after
   another, each with a freshly built model, not interleaved step by step; the order rotates
@@ -24,15 +24,17 @@ Targets: our step time <= 1.05 x plain at world 1, and <= native FSDP2's step ti
 
 from __future__ import annotations
 
-import datetime
 import gc
 import json
 import os
 import statistics
 import time
-import traceback
 
-from fsdp_bridge import bench
+from fsdp_bridge import tiny
+from fsdp_bridge.bench import models, schedule
+from fsdp_bridge.bench.report import verdict, write_figures
+from fsdp_bridge.bench.options import settings as checked_settings
+from fsdp_bridge.harness.world import RankSetup
 
 CONFIGS = ("plain", "fsdp1", "fsdp2", "ours")
 SHARDED = ("fsdp1", "fsdp2", "ours")
@@ -40,6 +42,8 @@ SHARDED = ("fsdp1", "fsdp2", "ours")
 CUDA_DEFAULTS = dict(dtype="bf16", nproc=1, hidden=2048, layers=16, vocab=32000, seq=2048,
                      batch=2, heads=32, kv_heads=8, intermediate=8192)
 OVERHEAD_TARGET = 1.05  # ours / plain at world 1
+# One GPU per rank over NCCL; a rank stuck in a collective gives up after 600 s.
+CUDA_RANKS = RankSetup(backend="nccl", group_timeout_s=600, threads=None, one_gpu_per_rank=True)
 
 
 # -- settings and the no-GPU error --------------------------------------------------------------
@@ -60,21 +64,11 @@ def cuda_problem(nproc: int):
     return None
 
 
-def parameter_count(s: dict) -> int:
-    """Parameters of the benchmark's Llama (counted on the meta device: no memory, no time)."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    with torch.device("meta"):
-        model = LlamaForCausalLM(bench.llama_config(s))
-    return sum(p.numel() for p in model.parameters())
-
-
 def settings(args) -> dict:
-    s = bench._settings(args, CUDA_DEFAULTS)
+    s = checked_settings(args, CUDA_DEFAULTS)
     s["device"] = "cuda"
     s["profile"] = args.profile
-    s["parameters"] = parameter_count(s)
+    s["parameters"] = tiny.parameter_count(models.llama_config(s))
     return s
 
 
@@ -84,11 +78,11 @@ def settings(args) -> dict:
 def _build(config: str, dtype_name: str, s: dict):
     import torch
 
-    dtype = bench._torch_dtype(dtype_name)
+    dtype = models.torch_dtype(dtype_name)
     with torch.device("cuda", torch.cuda.current_device()):  # initialised on the GPU: seconds
-        model = bench._build_llama(s)
+        model = models.build_llama(s)
     if config != "plain":
-        model = bench.WRAPPERS[config](model, dtype)
+        model = models.WRAPPERS[config](model, dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return model, optimizer
 
@@ -99,13 +93,13 @@ def _step(config: str, dtype_name: str, model, optimizer, ids) -> None:
     if config == "plain" and dtype_name != "fp32":
         # Plain torch mixed precision: fp32 weights and optimizer, bf16 compute (autocast), as
         # the sharded configs keep fp32 masters and compute in param_dtype.
-        with torch.autocast("cuda", dtype=bench._torch_dtype(dtype_name)):
+        with torch.autocast("cuda", dtype=models.torch_dtype(dtype_name)):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
     else:
-        bench._step(model, optimizer, ids)
+        models.step(model, optimizer, ids)
 
 
 def _timed_step(config, dtype_name, model, optimizer, ids) -> float:
@@ -157,14 +151,23 @@ def _measure(config: str, dtype_name: str, s: dict, ids, rank: int) -> dict:
     return result
 
 
-def _rank_work(rank: int, s: dict) -> dict:
-    import warnings
-
+def _keep_slowest_rank(measured: dict) -> None:
+    """Every step's time and the peak memory become their maximum over the ranks."""
     import torch
     import torch.distributed as dist
 
+    slowest = torch.tensor(measured["times"] + [measured["peak_bytes"]], dtype=torch.float64,
+                           device="cuda")
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    measured["times"] = slowest[:-1].tolist()
+    measured["peak_bytes"] = int(slowest[-1].item())
+
+
+def _rank_program(rank: int, world: int, s: dict) -> dict:
+    import warnings
+
     warnings.filterwarnings("ignore")  # FSDP1's deprecation notice, our YaFSDP notes
-    ids = bench._batch(s, rank).cuda()
+    ids = models.batch(s, rank).cuda()
     runs = {d: {c: [] for c in CONFIGS} for d in s["dtypes"]}
     for repeat_index in range(s["repeats"]):
         shift = repeat_index % len(CONFIGS)
@@ -173,36 +176,12 @@ def _rank_work(rank: int, s: dict) -> dict:
             for config in order:
                 profile = s["profile"] if repeat_index == s["repeats"] - 1 else None
                 measured = _measure(config, dtype_name, {**s, "profile": profile}, ids, rank)
-                slowest = torch.tensor(measured["times"] + [measured["peak_bytes"]],
-                                       dtype=torch.float64, device="cuda")
-                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # the slowest rank, the peak rank
-                measured["times"] = slowest[:-1].tolist()
-                measured["peak_bytes"] = int(slowest[-1].item())
+                _keep_slowest_rank(measured)
                 runs[dtype_name][config].append(measured)
-                bench._log(rank, f"repeat {repeat_index + 1}/{s['repeats']} {dtype_name} "
-                                 f"{config}: median {1000 * statistics.median(measured['times']):.1f}"
-                                 f" ms, peak {measured['peak_bytes'] / 2**30:.2f} GiB")
+                schedule.log(rank, f"repeat {repeat_index + 1}/{s['repeats']} {dtype_name} "
+                                    f"{config}: median {1000 * statistics.median(measured['times']):.1f}"
+                                    f" ms, peak {measured['peak_bytes'] / 2**30:.2f} GiB")
     return runs
-
-
-def _rank_entry(rank: int, world: int, init_file: str, out_dir: str, s: dict) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=600),  # a failed rank must not hang the others
-    )
-    try:
-        result = {"ok": _rank_work(rank, s)}
-    except BaseException:  # noqa: BLE001 - handed to the parent with its traceback
-        result = {"error": traceback.format_exc()}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
-        json.dump(result, handle)
-    from fsdp_bridge.harness.teardown import leave_world
-
-    leave_world()
 
 
 # -- the profile: communication overlapping compute ---------------------------------------------
@@ -320,10 +299,10 @@ def format_report(report: dict) -> str:
                 f"{_gib(f['step_start_bytes']):>11s}{comm_ms:>9s}{overlap:>9s}"
             )
         lines.append(
-            f"  targets: ours <= {OVERHEAD_TARGET} x plain {bench._verdict(targets['overhead_met'])} "
+            f"  targets: ours <= {OVERHEAD_TARGET} x plain {verdict(targets['overhead_met'])} "
             f"({targets['overhead_vs_plain']:.3f}); step time <= fsdp2 "
-            f"{bench._verdict(targets['speed_vs_fsdp2_met'])}; peak memory <= fsdp2 "
-            f"{bench._verdict(targets['memory_vs_fsdp2_met'])}"
+            f"{verdict(targets['speed_vs_fsdp2_met'])}; peak memory <= fsdp2 "
+            f"{verdict(targets['memory_vs_fsdp2_met'])}"
         )
         traced = [f"{c}: {figs[c]['profile']['trace']}" for c in CONFIGS if figs[c].get("profile")]
         if traced:
@@ -333,7 +312,7 @@ def format_report(report: dict) -> str:
 
 def run(args) -> int:
     try:
-        s = bench._settings(args, CUDA_DEFAULTS)  # bad options first, whatever the machine
+        s = checked_settings(args, CUDA_DEFAULTS)  # bad options first, whatever the machine
         if getattr(args, "sweep", False) or getattr(args, "plot", None):
             raise ValueError("--sweep/--plot: the size sweep runs on the CPU bench only; drop "
                              "--device cuda, or drop --sweep/--plot")
@@ -344,7 +323,7 @@ def run(args) -> int:
     except ValueError as exc:
         print(f"fsdp-bridge bench: {exc}")
         return 2
-    report = summarize(s, bench.run_world(s, _rank_entry))
+    report = summarize(s, schedule.run_world(s, _rank_program, CUDA_RANKS))
     print(format_report(report))
-    bench.write_figures(args.json, report)
+    write_figures(args.json, report)
     return 0

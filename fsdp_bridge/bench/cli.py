@@ -1,0 +1,103 @@
+"""`fsdp-bridge bench`: its options, and which bench they run (the CPU bench, its size sweep,
+or the CUDA bench)."""
+
+from __future__ import annotations
+
+from fsdp_bridge.bench.report import format_report, summarize, write_figures
+from fsdp_bridge.bench.schedule import run_world
+from fsdp_bridge.bench.options import settings
+
+DEFAULT_PLOT = "bench_sweep.png"  # where --sweep draws its plot unless --plot says otherwise
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--steps", type=int, default=10,
+                        help="timed rounds per repeat, one step of each config (default 10)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed steps of each config per repeat (default 3)")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="repeats, each with freshly built models (default 3)")
+    parser.add_argument("--dtype",
+                        help="comma-separated param dtypes: fp32, bf16 (default: both on cpu, "
+                             "bf16 on cuda)")
+    parser.add_argument("--nproc", type=int, help="ranks (default: 2 on cpu, 1 on cuda)")
+    parser.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: tiny Llama on gloo ranks (default); cuda: a 1.1B Llama on "
+                             "NCCL, one GPU per rank, against the plain unsharded model too")
+    parser.add_argument("--sweep", action="store_true",
+                        help="cpu only: run the bench at three model sizes (hidden x layers, "
+                             "vocab: 256x4 1000, 512x8 4000, 1024x8 8000; --hidden, --layers, "
+                             "--vocab and --heads are set per size) and print the ratios per "
+                             "size; takes several minutes per size at the default --steps, "
+                             "e.g. add --steps 4 --warmup 1 --repeats 1")
+    parser.add_argument("--plot", metavar="PNG", default=None,
+                        help="with --sweep: where to draw step time and peak memory against the "
+                             "parameter count (default: bench_sweep.png)")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="cuda only: export a torch.profiler trace of one step of each "
+                             "config to DIR and report how much communication overlaps compute")
+    model = parser.add_argument_group(
+        "model (defaults: on cpu the tiny Llama hidden 256, 4 layers, 4 heads, vocab 1000, seq "
+        "128, batch 4; on cuda hidden 2048, 16 layers, 32 heads (8 kv), intermediate 8192, "
+        "vocab 32000, seq 2048, batch 2)")
+    model.add_argument("--hidden", type=int)
+    model.add_argument("--layers", type=int)
+    model.add_argument("--heads", type=int, help="attention heads")
+    model.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
+    model.add_argument("--intermediate", type=int, help="MLP width (default: 4 x --hidden)")
+    model.add_argument("--vocab", type=int)
+    model.add_argument("--seq", type=int)
+    model.add_argument("--batch", type=int, help="sequences per rank")
+
+
+def _check_sweep_options(args) -> None:
+    import importlib.util
+
+    from fsdp_bridge.outputs import check_output_file
+
+    if getattr(args, "plot", None) and not args.sweep:
+        raise ValueError(f"--plot {args.plot!r}: the plot is drawn from a size sweep; add "
+                         "--sweep, or drop --plot")
+    if not args.sweep:
+        return
+    check_output_file("--plot", args.plot or DEFAULT_PLOT)
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--sweep draws its plot with matplotlib, which is not installed: pip "
+                         "install 'fsdp-bridge[plot]' (or matplotlib)")
+
+
+def _run_sweep(args, s: dict) -> int:
+    from fsdp_bridge.bench import sweep
+
+    reports = sweep.run_sweep(s)
+    for report in reports:
+        print(format_report(report), end="\n\n")
+    print(sweep.format_sweep(reports))
+    plot = args.plot or DEFAULT_PLOT
+    sweep.plot_sweep(reports, plot)
+    print(f"plot written to {plot}")
+    write_figures(args.json, {"sweep": reports})
+    return 0
+
+
+def run(args) -> int:
+    if getattr(args, "device", "cpu") == "cuda":
+        from fsdp_bridge.bench import cuda
+
+        return cuda.run(args)
+    try:
+        if getattr(args, "profile", None):
+            raise ValueError(f"--profile {args.profile!r}: traces are taken on CUDA only; add "
+                             "--device cuda, or drop --profile")
+        s = settings(args)
+        _check_sweep_options(args)
+    except ValueError as exc:
+        print(f"fsdp-bridge bench: {exc}")
+        return 2
+    if args.sweep:
+        return _run_sweep(args, s)
+    report = summarize(s, run_world(s))
+    print(format_report(report))
+    write_figures(args.json, report)
+    return 0

@@ -1,0 +1,43 @@
+"""The command line starts without torch: `fsdp-bridge --help` imports no subcommand and
+`fsdp-bridge migrate --help` only the migrate command, so neither imports torch (which takes
+seconds); the overview still lists every subcommand. Imports are read from `-X importtime`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from fsdp_bridge.cli import SUBCOMMANDS
+
+
+def _run(*argv: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run `python -X importtime ARGV`; the process and every module it imported."""
+    done = subprocess.run([sys.executable, "-X", "importtime", *argv], capture_output=True,
+                          text=True, timeout=120)
+    imported = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()
+                if line.startswith("import time:")}
+    return done, imported
+
+
+def _torch_modules(imported: set[str]) -> list[str]:
+    return sorted(name for name in imported if name == "torch" or name.startswith("torch."))
+
+
+def test_help_lists_every_subcommand_without_importing_torch():
+    done, imported = _run("-m", "fsdp_bridge", "--help")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert _torch_modules(imported) == []
+    listed = done.stdout.split()
+    assert [name for name in SUBCOMMANDS if name not in listed] == []
+    # No subcommand's module is imported just to show its line.
+    assert sorted(module for module, _ in SUBCOMMANDS.values() if module in imported) == []
+
+
+@pytest.mark.parametrize("argv", [["-m", "fsdp_bridge", "migrate", "--help"],
+                                  ["-c", "import fsdp_bridge"]])
+def test_migrate_help_and_the_package_import_no_torch(argv):
+    done, imported = _run(*argv)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert _torch_modules(imported) == []
