@@ -17,10 +17,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import (
     FullStateDictConfig,
-    FullyShardedDataParallel as FSDP,
     MixedPrecision,
     ShardingStrategy,
     StateDictType,
+)
+from torch.distributed.fsdp import (
+    FullyShardedDataParallel as FSDP,
 )
 from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 from transformers import LlamaConfig, LlamaForCausalLM

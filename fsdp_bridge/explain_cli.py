@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 
-
 def add_arguments(parser) -> None:
     parser.add_argument("--write-docs", metavar="PATH", help="write the tables as Markdown "
                         "to PATH (docs/frontends.md) instead of printing them")
@@ -19,13 +18,12 @@ def _demo() -> str:
 
     import torch
     import torch.distributed as dist
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     from fsdp_bridge.explain import explain
     from fsdp_bridge.fsdp import FullyShardedDataParallel, MixedPrecision
     from fsdp_bridge.fsdp.wrap import transformer_auto_wrap_policy
     from fsdp_bridge.tiny import build_llama, llama_config
-
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     if not dist.is_initialized():
         path = os.path.join(tempfile.mkdtemp(), "init")

@@ -22,7 +22,6 @@ from typing import Any, Callable, Iterable
 from torch import nn
 from torch.distributed.fsdp.wrap import _Policy, _recursive_wrap
 
-
 __all__ = ["PolicyUnit", "evaluate_policy", "modules_of_classes", "post_order", "_Policy"]
 
 

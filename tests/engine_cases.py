@@ -276,14 +276,15 @@ def case_plan_disagreement(rank, world):
     layers = list(model.model.layers)
     if rank == 1:
         layers = layers[:-1]  # rank 1 wraps one layer fewer
-    from fsdp_bridge.ya_fsdp import YaFSDP
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from fsdp_bridge.ya_fsdp import YaFSDP
 
     try:
         YaFSDP(
             model,
             zero_stage=3,
-            modules_to_wrap_with_names=[(l, f"model.layers.{i}") for i, l in enumerate(layers)],
+            modules_to_wrap_with_names=[(layer, f"model.layers.{i}") for i, layer in enumerate(layers)],
             layer_norm_module_cls=LlamaRMSNorm,
             param_dtype=torch.float32,
             gradient_accumulation_steps=1,

@@ -25,7 +25,8 @@ def kwargs_for(model, **overrides):
     kwargs = dict(
         zero_stage=3,
         param_dtype=torch.bfloat16,
-        modules_to_wrap_with_names=[(l, f"model.layers.{i}") for i, l in enumerate(model.model.layers)],
+        modules_to_wrap_with_names=[(layer, f"model.layers.{i}")
+                                    for i, layer in enumerate(model.model.layers)],
         rogue_layer_norm_modules_with_names={model.model.norm: "model.norm"},
         layer_norm_module_cls=LlamaRMSNorm,
         gradient_accumulation_steps=2,

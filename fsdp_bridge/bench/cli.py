@@ -3,9 +3,9 @@ or the CUDA bench)."""
 
 from __future__ import annotations
 
+from fsdp_bridge.bench.options import settings
 from fsdp_bridge.bench.report import format_report, summarize, write_figures
 from fsdp_bridge.bench.schedule import run_world
-from fsdp_bridge.bench.options import settings
 
 DEFAULT_PLOT = "bench_sweep.png"  # where --sweep draws its plot unless --plot says otherwise
 

@@ -32,8 +32,8 @@ import time
 
 from fsdp_bridge import tiny
 from fsdp_bridge.bench import models, schedule
-from fsdp_bridge.bench.report import verdict, write_figures
 from fsdp_bridge.bench.options import settings as checked_settings
+from fsdp_bridge.bench.report import verdict, write_figures
 from fsdp_bridge.harness.world import RankSetup
 
 CONFIGS = ("plain", "fsdp1", "fsdp2", "ours")

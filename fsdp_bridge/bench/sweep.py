@@ -10,7 +10,8 @@ come from different runs and are compared only through their ratios.
 from __future__ import annotations
 
 from fsdp_bridge import tiny
-from fsdp_bridge.bench import models, report as bench_report, schedule
+from fsdp_bridge.bench import models, schedule
+from fsdp_bridge.bench import report as bench_report
 
 # (hidden, layers, vocab): the default tiny Llama, then two larger ones. Attention heads are
 # 64 wide at every size.

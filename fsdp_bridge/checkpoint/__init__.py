@@ -41,7 +41,6 @@ from fsdp_bridge.checkpoint.api import (
 )
 from fsdp_bridge.checkpoint.validate import CheckpointError
 
-
 __all__ = [
     "CheckpointError",
     "CheckpointManager",

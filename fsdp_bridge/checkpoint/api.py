@@ -236,9 +236,9 @@ def load_state(path: str, model: nn.Module, optimizers=None, extra: Optional[dic
     """Load into `model` (and `optimizers`) from a checkpoint written at any world size by
     any of our front-ends or by native FSDP2; returns the loaded state (with `extra`)."""
     from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
-        StateDictOptions,
     )
 
     state = training_state(model, optimizers, extra)

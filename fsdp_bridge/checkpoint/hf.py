@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_bridge.checkpoint import atomic, manifest
+from fsdp_bridge.checkpoint.validate import CheckpointError
 from fsdp_bridge.state_dicts.model_state import get_model_state_dict, set_model_state_dict
 from fsdp_bridge.state_dicts.parts import entries, find_parts, world_rank
-from fsdp_bridge.checkpoint.validate import CheckpointError
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 

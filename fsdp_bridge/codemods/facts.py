@@ -111,7 +111,8 @@ class FactsMixin:
         self.names_in_file = {n.value for n in facts.names if isinstance(n, cst.Name)}
         if not self.uses_fsdp1:
             return
-        self.has_fsdp2 = any(self.fsdp(n) in FSDP2_NAMES for n in facts.names) or bool(self.names_in_file & FSDP2_MARKERS)
+        self.has_fsdp2 = (any(self.fsdp(n) in FSDP2_NAMES for n in facts.names)
+                          or bool(self.names_in_file & FSDP2_MARKERS))
         self._note_assignments(node, facts)
         self._note_state_dict_types(facts)
         if facts.branch_imports:

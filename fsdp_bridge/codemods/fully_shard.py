@@ -140,7 +140,8 @@ class FullyShardRules:
     def _translate_arg(self, name, old, new, resolve):
         """(FSDP2 keyword, code for the root, code for other units), or None to drop."""
         if name == "sharding_strategy":
-            return ("reshard_after_forward", "False", "False") if fsdp1.strategy(old, resolve) == "SHARD_GRAD_OP" else None
+            zero2 = fsdp1.strategy(old, resolve) == "SHARD_GRAD_OP"
+            return ("reshard_after_forward", "False", "False") if zero2 else None
         if name == "device_mesh":
             return ("mesh", code(new), code(new))
         if name == "cpu_offload":

@@ -156,7 +156,8 @@ class StateDictRules:
         bound = call_arguments(original, signature) if signature else None
         if bound is None:
             return None
-        required = {"fsdp_modules": 1, "scatter_full_optim_state_dict": 2}.get(method, 3 if method.endswith("_load") else 2)
+        default = 3 if method.endswith("_load") else 2
+        required = {"fsdp_modules": 1, "scatter_full_optim_state_dict": 2}.get(method, default)
         wanted = [*signature[:required]] + (["optim"] if method == "scatter_full_optim_state_dict" else [])
         defaults = {"root_only": "False", "optim_state_dict": "None", "group": "None", "optim_input": "None",
                     "is_named_optimizer": "False", "load_directly": "False", "rank0_only": "True"}
@@ -220,7 +221,8 @@ class StateDictRules:
     def model_state_dict(self, original, updated, receiver: str, method: str, kind, block) -> cst.BaseExpression:
         if method == "state_dict" and original.args:
             return updated
-        if method == "load_state_dict" and (len(original.args) != 1 or original.args[0].keyword or original.args[0].star):
+        args = original.args
+        if method == "load_state_dict" and (len(args) != 1 or args[0].keyword or args[0].star):
             self.todo(rules.OTHER_FSDP1_USE, original, f"{receiver}.load_state_dict(...)",
                       "only the one-argument form is translated")
             return updated
@@ -285,8 +287,10 @@ class StateDictRules:
             return None
         if kind in ("StateDictType.FULL_STATE_DICT", "StateDictType.SHARDED_STATE_DICT"):
             full = kind == "StateDictType.FULL_STATE_DICT"
-            model_cfg = state_dict_config(args.get("state_dict_config") and args["state_dict_config"].value, self.fsdp, False)
-            optim_cfg = state_dict_config(args.get("optim_state_dict_config") and args["optim_state_dict_config"].value, self.fsdp, True)
+            model_arg = args.get("state_dict_config")
+            optim_arg = args.get("optim_state_dict_config")
+            model_cfg = state_dict_config(model_arg and model_arg.value, self.fsdp, False)
+            optim_cfg = state_dict_config(optim_arg and optim_arg.value, self.fsdp, True)
             if model_cfg is not None and optim_cfg is not None:
                 return model, _options(full, *model_cfg), _options(full, *optim_cfg)
         # Non-literal type or configs: translate when the script runs.

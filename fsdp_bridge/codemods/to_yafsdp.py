@@ -73,7 +73,8 @@ class ToYafsdpCommand(Fsdp1Codemod):
             self.need(RUNTIME_MODULE, "fsdp1_to_yafsdp")
             self.drop_import_of(original.func)
             return updated.with_changes(func=cst.Name("fsdp1_to_yafsdp"),
-                                        args=append_args(updated.args, [keyword_arg("gradient_accumulation_steps", "1")]))
+                                        args=append_args(updated.args, [
+                                            keyword_arg("gradient_accumulation_steps", "1")]))
         return self._in_place(original, updated, args)
 
     def _unsupported(self, values) -> str | None:

@@ -10,9 +10,10 @@ backward that visits units out of forward order (an encoder-decoder), nested uni
 shared between groups would make two of them need one storage at once.
 
 Memory follows the schedule instead: a unit that reshards after forward frees its weights at
-its post-forward hook and again once its backward has run. So at most the running unit and the one being prefetched hold gathered
-weights, in forward and in backward. Units that stay gathered through a step (the root, ZeRO-2,
-units with units inside them, frozen groups) hold theirs from their first gather. Every buffer
+its post-forward hook and again once its backward has run. So at most the running unit and
+the one being prefetched hold gathered weights, in forward and in backward. Units that stay
+gathered through a step (the root, ZeRO-2, units with units inside them, frozen groups) hold
+theirs from their first gather. Every buffer
 is freed at the end of backward, since the next forward gathers again anyway (the masters
 move): between steps a rank holds only shards, as with FSDP2.
 """

@@ -13,7 +13,6 @@ import sys
 from fsdp_bridge.harness.backends import BACKENDS, BackendUnavailable
 from fsdp_bridge.harness.recipes import BUILTIN, OPTIMIZERS, STRATEGIES, Size, builtin_recipe
 
-
 DEFAULT_BACKENDS = "reference,torch-fsdp1,torch-fsdp2"
 
 

@@ -12,7 +12,6 @@ import sys
 from fsdp_bridge.harness.compare import TOLERANCES
 
 
-
 class _SplitAtDoubleDash(argparse.ArgumentParser):
     """Everything after the first `--` goes to the scripts, untouched, as `script_args`.
 
@@ -48,12 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fsdp_bridge.harness import arguments
     from fsdp_bridge.harness.compare import tolerance_for
     from fsdp_bridge.harness.report import show
-    from fsdp_bridge.harness.scripts import DEFAULT_LOSS_PATTERN, compare_scripts
-
-    from fsdp_bridge.harness import arguments
-    from fsdp_bridge.harness.scripts import check_arguments
+    from fsdp_bridge.harness.scripts import DEFAULT_LOSS_PATTERN, check_arguments, compare_scripts
 
     pattern = args.loss_pattern or DEFAULT_LOSS_PATTERN
     try:  # every argument and output path, before any script runs

@@ -11,8 +11,8 @@ import json
 import os
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fsdp_bridge.harness.digest import global_digest
 

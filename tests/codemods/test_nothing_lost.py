@@ -3,7 +3,6 @@
 import codecs
 import json
 import os
-import pathlib
 import stat
 
 from fsdp_bridge.cli import main
@@ -46,7 +45,8 @@ def test_read_only_file_and_unwritable_directory_are_errors_not_writes(tmp_path,
 
 def test_bad_report_path_fails_before_any_file_is_written(tmp_path, capsys):
     (tmp_path / "train.py").write_text(FSDP1)
-    for report, words in ((tmp_path / "missing" / "r.json", "does not exist"), (tmp_path / "r.txt", "unknown report format")):
+    for report, words in ((tmp_path / "missing" / "r.json", "does not exist"),
+                          (tmp_path / "r.txt", "unknown report format")):
         assert main(["migrate", str(tmp_path), "--to", "fsdp2", "--write", "--report", str(report)]) == 2
         assert words in capsys.readouterr().err
         assert (tmp_path / "train.py").read_text() == FSDP1

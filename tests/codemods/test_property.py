@@ -57,7 +57,7 @@ def programs(draw):
         call = f"FSDP({', '.join(parts)})"
     form = draw(st.sampled_from(["model = {}", "return {}", "{}", "wrapped = [{}]"]))
     line = form.format(call) + ("" if multiline else comment)
-    return HEADER + "\n\ndef setup(model, cfg):\n" + "".join(f"    {l}\n" for l in line.splitlines())
+    return HEADER + "\n\ndef setup(model, cfg):\n" + "".join(f"    {part}\n" for part in line.splitlines())
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

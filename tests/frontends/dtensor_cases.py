@@ -410,9 +410,7 @@ def dcp_cross(which, rank, world, directory):
 
 def _save_full(model, optim, folder, dcp_api):
     """The tutorial's checkpoint: full model and optimizer state, written by rank 0."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                         get_model_state_dict,
-                                                         get_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     if dcp_api:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -446,8 +444,7 @@ def _load_model(model, folder, dcp_api):
 
 
 def _load_optim(model, optim, folder, dcp_api):
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, _init_optim_state,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, _init_optim_state, set_optimizer_state_dict
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     full = torch.load(os.path.join(folder, "optim.pt"), weights_only=True, map_location="cpu")

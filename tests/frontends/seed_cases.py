@@ -38,9 +38,11 @@ def seed000_fsdp1(rank, world):
     import fsdp_bridge.fsdp as fsdp_module
     from fsdp_bridge.fsdp import (
         BackwardPrefetch,
-        FullyShardedDataParallel as FSDP,
         MixedPrecision,
         ShardingStrategy,
+    )
+    from fsdp_bridge.fsdp import (
+        FullyShardedDataParallel as FSDP,
     )
     from fsdp_bridge.fsdp.wrap import lambda_auto_wrap_policy
 
@@ -141,8 +143,9 @@ def seed001_zeta(rank, world):
 
 
 def seed003_torchacc(rank, world, tmp_dir):
-    import fsdp_bridge.torchacc as torchacc
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    import fsdp_bridge.torchacc as torchacc
 
     os.chdir(tmp_dir)
     # Model and synthetic data (the original downloads gpt2 + wikitext; same shapes, tiny)
@@ -188,8 +191,9 @@ def seed003_torchacc(rank, world, tmp_dir):
     torchacc.save(optimizer.state_dict(), OPTIMIZER_DIR, master_only=False)
     torchacc.save(lr_scheduler.state_dict(), LR_SCHEDULER_DIR)
 
-    from fsdp_bridge.wrapper import ShardedWrapper
     from torch.distributed.fsdp import StateDictType
+
+    from fsdp_bridge.wrapper import ShardedWrapper
 
     with ShardedWrapper.state_dict_type(model, StateDictType.FULL_STATE_DICT):
         full_before = model.state_dict()

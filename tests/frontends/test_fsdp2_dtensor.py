@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tests.frontends import dtensor_cases as C
-from tests.world import case_result as case, run_world
+from tests.world import case_result as case
+from tests.world import run_world
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 BF16 = dict(rtol=1.6e-2, atol=1e-5)

@@ -70,6 +70,8 @@ def test_submodules_of_torchs_package_exist_under_ours():
 
 
 def test_the_import_line_from_the_fsdp1_module_works():
+    from torch.distributed.fsdp import StateDictType as TorchStateDictType
+
     from fsdp_bridge.fsdp.fully_sharded_data_parallel import (  # noqa: F401
         CPUOffload,
         FullyShardedDataParallel,
@@ -77,6 +79,5 @@ def test_the_import_line_from_the_fsdp1_module_works():
         ShardingStrategy,
         StateDictType,
     )
-    from torch.distributed.fsdp import StateDictType as TorchStateDictType
 
     assert StateDictType is TorchStateDictType

@@ -20,7 +20,8 @@ import torch
 
 from tests import models as M
 from tests.frontends import method_cases as C
-from tests.world import case_result as case, run_world
+from tests.world import case_result as case
+from tests.world import run_world
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 

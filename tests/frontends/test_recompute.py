@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from tests.frontends import recompute_cases as C
-from tests.world import case_result as case, run_world
+from tests.world import case_result as case
+from tests.world import run_world
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 

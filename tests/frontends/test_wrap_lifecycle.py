@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from tests.frontends import wrap_cases as C
-from tests.world import case_result as case, run_world
+from tests.world import case_result as case
+from tests.world import run_world
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 FP64 = dict(rtol=1e-12, atol=1e-12)

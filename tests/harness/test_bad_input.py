@@ -37,7 +37,7 @@ def no_processes(monkeypatch):
 @pytest.fixture
 def user_dir(tmp_path):
     """The user's files: an earlier report and a copy of the training script."""
-    before = user_files.make(tmp_path)
+    user_files.make(tmp_path)
     (tmp_path / "report.json").write_text('{"earlier": true}\n')
     shutil.copy(TINY, tmp_path / "train.py")
     return tmp_path, user_files.digests(tmp_path)

@@ -12,8 +12,7 @@ from fsdp_bridge.cli import main
 from fsdp_bridge.harness.backends import BACKENDS, BackendUnavailable, get_backend
 from fsdp_bridge.harness.compare import clean_key, tolerance_for
 from fsdp_bridge.harness.digest import _weights, global_digest
-from fsdp_bridge.harness.recipes import (Size, builtin_recipe, micro_batches,
-                                         reference_micro_batches)
+from fsdp_bridge.harness.recipes import Size, builtin_recipe, micro_batches, reference_micro_batches
 from fsdp_bridge.harness.scripts import DEFAULT_LOSS_PATTERN, parse_losses
 
 
