@@ -34,7 +34,8 @@ from fsdp_bridge.engine.full_params import (
 from fsdp_bridge.engine.rollback import restored_on_failure
 from fsdp_bridge.engine.runtime import ShardedModel
 from fsdp_bridge.engine.state_dict import full_state_dict, load_full_state_dict
-from fsdp_bridge.plan import Plan, ShardingMode
+from fsdp_bridge.plan import Plan
+from fsdp_bridge.topology import topology_of_groups
 
 __all__ = [
     "CollectiveStats",
@@ -73,18 +74,8 @@ def default_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
 
 
 def _groups_for(plan: Plan, shard_group, replicate_group):
-    world = dist.group.WORLD if dist.is_initialized() else None
-    if plan.mode is ShardingMode.SHARD:
-        return shard_group or world, None
-    if plan.mode is ShardingMode.REPLICATE:
-        return None, replicate_group or shard_group or world
-    if shard_group is None or replicate_group is None:
-        raise ValueError(
-            "hybrid sharding needs both a shard group and a replicate group (a 2-D mesh "
-            f"(replicate, shard)); got shard_group={shard_group!r}, "
-            f"replicate_group={replicate_group!r}."
-        )
-    return shard_group, replicate_group
+    topology = topology_of_groups(plan.mode, shard_group, replicate_group)
+    return topology.shard_group, topology.replicate_group
 
 
 def shard_model(
