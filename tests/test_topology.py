@@ -6,6 +6,8 @@ import ast
 import inspect
 
 import pytest
+from torch import nn
+from torch.distributed.fsdp import StateDictType
 
 from fsdp_bridge import topology
 from fsdp_bridge.plan import ShardingMode
@@ -55,3 +57,13 @@ def test_the_resolver_imports_no_front_end():
     ours = {name for name in imported if name.startswith("fsdp_bridge")}
     assert ours <= {"fsdp_bridge.plan", "fsdp_bridge.translation"}, ours
 
+
+def test_shared_wrapper_errors_name_the_wrapping_dialect():
+    from fsdp_bridge.zeta import fsdp
+
+    model = fsdp(nn.Sequential(nn.Linear(4, 4)), shard_strat="FULL_SHARD")
+    with pytest.raises(ValueError, match=r"^zeta\.fsdp: state_dict_type="):
+        type(model).set_state_dict_type(model, StateDictType.LOCAL_STATE_DICT)
+    with pytest.raises(ValueError, match=r"^zeta\.fsdp: writeback="):
+        with type(model).summon_full_params(model, rank0_only=True):
+            pass
