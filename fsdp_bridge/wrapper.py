@@ -77,6 +77,16 @@ def _default_config(state_dict_type: StateDictType):
     return FullStateDictConfig(), FullOptimStateDictConfig()
 
 
+def _frontend_of(module) -> str:
+    """The dialect an error about `module` names: its first wrapper's, else FSDP1's (a module
+    without a wrapper does not say which dialect it was meant for)."""
+    if isinstance(module, nn.Module):
+        for sub in module.modules():
+            if isinstance(sub, ShardedWrapper):
+                return sub._frontend
+    return ShardedWrapper._frontend
+
+
 class ShardedWrapper(nn.Module):
     """Base of our wrapper modules; `_frontend` names the dialect in messages."""
 
@@ -239,7 +249,7 @@ class ShardedWrapper(nn.Module):
         if state_dict_type not in (StateDictType.FULL_STATE_DICT,
                                    StateDictType.SHARDED_STATE_DICT):
             raise bad_argument(
-                "FullyShardedDataParallel", "state_dict_type", state_dict_type,
+                _frontend_of(module), "state_dict_type", state_dict_type,
                 "StateDictType.FULL_STATE_DICT or StateDictType.SHARDED_STATE_DICT",
                 "LOCAL_STATE_DICT exposes FSDP1's flat parameters, which fsdp_bridge does not "
                 "have; use SHARDED_STATE_DICT for per-rank checkpoints.")
@@ -250,7 +260,7 @@ class ShardedWrapper(nn.Module):
                                  ("optim_state_dict_config", settings.optim_state_dict_config)):
             for field in ("offload_to_cpu", "rank0_only"):
                 if hasattr(config, field):
-                    check_bool("FullyShardedDataParallel", f"{argument}.{field}",
+                    check_bool(_frontend_of(module), f"{argument}.{field}",
                                getattr(config, field))
         wrappers = ShardedWrapper.fsdp_modules(module)
         if not wrappers:
@@ -290,9 +300,9 @@ class ShardedWrapper(nn.Module):
         for name, value in (("recurse", recurse), ("writeback", writeback),
                             ("rank0_only", rank0_only), ("offload_to_cpu", offload_to_cpu),
                             ("with_grads", with_grads)):
-            check_bool("FullyShardedDataParallel.summon_full_params", name, value)
+            check_bool(f"{_frontend_of(module)}.summon_full_params", name, value)
         if rank0_only and writeback:
-            raise bad_argument("FullyShardedDataParallel", "writeback", writeback, "False when "
+            raise bad_argument(_frontend_of(module), "writeback", writeback, "False when "
                                "rank0_only=True", "Other ranks hold no full parameters to write "
                                "back; pass writeback=False (as torch's FSDP1 requires).")
         wrappers = ShardedWrapper.fsdp_modules(module)
@@ -375,7 +385,7 @@ class ShardedWrapper(nn.Module):
     def shard_full_optim_state_dict(full_optim_state_dict: dict, model: nn.Module,
                                     optim_input=None, optim=None) -> dict:
         if optim is None:
-            raise bad_argument("FullyShardedDataParallel", "optim", optim, "the optimizer",
+            raise bad_argument(_frontend_of(model), "optim", optim, "the optimizer",
                                "Pass optim=optimizer (optim_input is deprecated in torch too).")
         return engine.optim_state_dict_to_load(ShardedWrapper._root(model)._sharded, optim,
                                                full_optim_state_dict)

@@ -33,6 +33,7 @@ from fsdp_bridge.engine.state_dict import (
     sharded_state_dict,
 )
 from fsdp_bridge.engine.summon import summon_full_params
+from fsdp_bridge.engine.topology import topology_of_groups
 from fsdp_bridge.engine.unit_verbs import (
     expose_unit,
     reshard_unit,
@@ -41,7 +42,7 @@ from fsdp_bridge.engine.unit_verbs import (
     set_gradient_divide_factor,
     unshard_unit,
 )
-from fsdp_bridge.plan import Plan, ShardingMode
+from fsdp_bridge.plan import Plan
 
 __all__ = [
     "CollectiveStats",
@@ -77,18 +78,8 @@ def default_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
 
 
 def _groups_for(plan: Plan, shard_group, replicate_group):
-    world = dist.group.WORLD if dist.is_initialized() else None
-    if plan.mode is ShardingMode.SHARD:
-        return shard_group or world, None
-    if plan.mode is ShardingMode.REPLICATE:
-        return None, replicate_group or shard_group or world
-    if shard_group is None or replicate_group is None:
-        raise ValueError(
-            "hybrid sharding needs both a shard group and a replicate group (a 2-D mesh "
-            f"(replicate, shard)); got shard_group={shard_group!r}, "
-            f"replicate_group={replicate_group!r}."
-        )
-    return shard_group, replicate_group
+    topology = topology_of_groups(plan.mode, shard_group, replicate_group)
+    return topology.shard_group, topology.replicate_group
 
 
 def shard_model(

@@ -6,6 +6,7 @@ world); everything that decides *what* is sharded and *how* is decided here.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -110,15 +111,26 @@ _ACCEPTED_STRATEGIES = "a torch.distributed.fsdp.ShardingStrategy (" + ", ".join
 ) + ") or its name, or None (FULL_SHARD)"
 
 
-def strategy_of(value, argument: str = "sharding_strategy") -> ShardingStrategy:
+@dataclasses.dataclass(frozen=True)
+class ParsedStrategy:
+    """A `sharding_strategy` as the engine reads it."""
+
+    strategy: ShardingStrategy  # torch's enum (what FSDP1 reports back)
+    mode: ShardingMode
+    reshard_after_forward: bool  # False keeps units gathered until backward (ZeRO-2)
+
+
+def parse_sharding_strategy(value, argument: str = "sharding_strategy") -> ParsedStrategy:
+    """FSDP1's `sharding_strategy` (the enum, its name, or None for FULL_SHARD), parsed: the
+    one reader of this argument, for the front-end, per-unit overrides and migrated scripts."""
     if value is None:
-        return ShardingStrategy.FULL_SHARD
-    if isinstance(value, ShardingStrategy):
-        return value
-    if isinstance(value, str) and value.upper() in ShardingStrategy.__members__:
-        return ShardingStrategy[value.upper()]
-    raise bad_argument(FRONTEND, argument, value, _ACCEPTED_STRATEGIES,
-                       "e.g. sharding_strategy=ShardingStrategy.FULL_SHARD.")
+        value = ShardingStrategy.FULL_SHARD
+    elif isinstance(value, str) and value.upper() in ShardingStrategy.__members__:
+        value = ShardingStrategy[value.upper()]
+    if not isinstance(value, ShardingStrategy):
+        raise bad_argument(FRONTEND, argument, value, _ACCEPTED_STRATEGIES,
+                           "e.g. sharding_strategy=ShardingStrategy.FULL_SHARD.")
+    return ParsedStrategy(value, *_STRATEGIES[value])
 
 
 def _dtype(value, argument: str) -> Optional[torch.dtype]:
@@ -231,16 +243,16 @@ def _unit_reshard(name: str, overrides: dict, root: dict, mode: ShardingMode, so
                            f"({root.get(key)!r}) or only a sharding_strategy override",
                            "Per-unit settings other than the resharding strategy are not "
                            "supported; give every unit the same value.")
-    strategy = strategy_of(overrides.get("sharding_strategy", root.get("sharding_strategy")),
-                           f"{source}[{name!r}].sharding_strategy")
-    unit_mode, reshard = _STRATEGIES[strategy]
-    if unit_mode is not mode:
-        raise bad_argument(FRONTEND, f"{source}[{name!r}].sharding_strategy", strategy,
+    unit = parse_sharding_strategy(overrides.get("sharding_strategy",
+                                                  root.get("sharding_strategy")),
+                                    f"{source}[{name!r}].sharding_strategy")
+    if unit.mode is not mode:
+        raise bad_argument(FRONTEND, f"{source}[{name!r}].sharding_strategy", unit.strategy,
                            f"a strategy of the root's mode ({mode.value}): "
                            + ", ".join(s.name for s, (m, _) in _STRATEGIES.items() if m is mode),
                            "Only FULL_SHARD <-> SHARD_GRAD_OP (or HYBRID_SHARD <-> "
                            "_HYBRID_SHARD_ZERO2) may differ between units.")
-    return reshard
+    return unit.reshard_after_forward
 
 
 def ignored_notes(given: dict[str, Any]) -> tuple[str, ...]:
@@ -276,8 +288,8 @@ def build_plan(
     if not isinstance(module, nn.Module):
         raise bad_argument(FRONTEND, "module", module, "an nn.Module", "Pass the model.",
                            exc=TypeError)
-    strategy = strategy_of(sharding_strategy)
-    mode, reshard = _STRATEGIES[strategy]
+    parsed = parse_sharding_strategy(sharding_strategy)
+    mode, reshard = parsed.mode, parsed.reshard_after_forward
     for name, value in (("sync_module_states", sync_module_states),
                         ("use_orig_params", use_orig_params),
                         ("forward_prefetch", forward_prefetch),
@@ -301,7 +313,7 @@ def build_plan(
     notes += mp_notes
     skipped_modules, skipped_params = ignored_sets(module, ignored_modules, ignored_states)
     paths = module_paths(module)
-    root_kwargs = {"sharding_strategy": strategy, "mixed_precision": mixed_precision,
+    root_kwargs = {"sharding_strategy": parsed.strategy, "mixed_precision": mixed_precision,
                    "cpu_offload": cpu_offload, "use_orig_params": use_orig_params,
                    "backward_prefetch": backward_prefetch, "forward_prefetch": forward_prefetch,
                    "limit_all_gathers": limit_all_gathers, "sync_module_states": sync_module_states,

@@ -1,6 +1,6 @@
 """FSDP2's `fully_shard` arguments -> Plan. `check_call` validates one call without processes;
 `build_plan` turns the recorded calls of one model (post-order, root last) into a Plan and the
-engine's groups (it reads the mesh's groups, nothing more)."""
+engine's groups (resolved from the mesh by `fsdp_bridge.topology`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_bridge.plan import MixedPrecision, ParamLayout, Plan, ShardingMode, UnitSpec
+from fsdp_bridge.topology import resolve_topology
 from fsdp_bridge.translation import (
     ArgumentTable,
     bad_argument,
@@ -239,22 +240,18 @@ def _mixed_precision(calls) -> MixedPrecision:
 
 def build_plan(root: nn.Module, calls: list[tuple[str, Any]]):
     """`calls`: (path, FullyShardCall) of every fully_shard-ed module under `root`, post-order,
-    root ("") last. Returns (plan, (shard_group, replicate_group), mesh)."""
+    root ("") last. Returns the plan and the groups it is sharded over."""
     assert calls and calls[-1][0] == ""
     root_mesh = calls[-1][1].mesh
     for path, call in calls:
         if call.mesh is not root_mesh and call.mesh != root_mesh:
             raise bad(f"mesh (of {path!r})", call.mesh, f"the root's mesh {root_mesh!r}",
                       "Pass the same mesh to every fully_shard call.")
-    if root_mesh is None:
-        mode, groups, shard_size = ShardingMode.SHARD, (None, None), _world()
-    elif root_mesh.ndim == 1:
-        mode, groups, shard_size = ShardingMode.SHARD, (root_mesh.get_group(), None), \
-            root_mesh.size()
-    else:
-        mode = ShardingMode.HYBRID
-        groups = (root_mesh.get_group(1), root_mesh.get_group(0))
-        shard_size = root_mesh.size(1)
+    # A 2-D mesh is FSDP2's HSDP: its mode comes from the mesh, not from an argument.
+    hybrid = root_mesh is not None and root_mesh.ndim == 2
+    mode = ShardingMode.HYBRID if hybrid else ShardingMode.SHARD
+    topology = resolve_topology(mode, device_mesh=root_mesh, frontend=FRONTEND)
+    shard_size = root_mesh.size(root_mesh.ndim - 1) if root_mesh is not None else _world()
     notes: tuple = ()
     units = []
     seen_call_ids = set()
@@ -279,4 +276,4 @@ def build_plan(root: nn.Module, calls: list[tuple[str, Any]]):
         frontend=FRONTEND,
         notes=notes,
     )
-    return plan, groups, root_mesh
+    return plan, topology

@@ -232,9 +232,9 @@ def _lazy_init(module: nn.Module) -> None:
                 engine.release(sub_sharded)
         _restore_ties(module)
         calls = [(path, getattr(sub, CONFIG)) for path, sub in below]
-        plan, mesh_groups, _ = T.build_plan(module, calls)
-        shard_group, replicate_group = mesh_groups
-        engine.shard_model(module, plan, shard_group=shard_group, replicate_group=replicate_group)
+        plan, topology = T.build_plan(module, calls)
+        engine.shard_model(module, plan, shard_group=topology.shard_group,
+                           replicate_group=topology.replicate_group)
         ref = weakref.ref(module)
         for _, call_ in calls:
             call_.root_of = ref

@@ -14,13 +14,12 @@ Differences users can see (all documented in the argument table):
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 
 # Everything else torch's `torch.distributed.fsdp.fully_sharded_data_parallel` exposes, as
@@ -60,75 +59,24 @@ from torch.distributed.fsdp.fully_sharded_data_parallel import (  # noqa: F401
 )
 
 from fsdp_bridge import devices, engine
-from fsdp_bridge.fsdp._fsdp1_translate import FRONTEND, build_plan, strategy_of
-from fsdp_bridge.plan import ShardingMode
+from fsdp_bridge.fsdp._fsdp1_translate import FRONTEND, build_plan, parse_sharding_strategy
+from fsdp_bridge.topology import Topology, resolve_topology
 from fsdp_bridge.translation import bad_argument
 from fsdp_bridge.wrapper import ShardedWrapper, shard_flat
 
 __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]  # torch's, name for name
-
-_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 
 def resolve_device(device_id) -> Optional[torch.device]:
     return devices.resolve_device(FRONTEND, device_id)
 
 
-def _is_group(value) -> bool:
-    return isinstance(value, dist.ProcessGroup)
-
-
-def resolve_groups(strategy: ShardingStrategy, process_group, device_mesh, device):
-    """(shard_group, replicate_group) for the engine."""
-    if process_group is not None and device_mesh is not None:
-        raise bad_argument(FRONTEND, "device_mesh", device_mesh, "only one of process_group "
-                           "and device_mesh", "Pass the mesh alone (it carries the groups).")
-    if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
-        raise bad_argument(FRONTEND, "device_mesh", device_mesh, "a DeviceMesh", "Build one "
-                           "with torch.distributed.device_mesh.init_device_mesh.", exc=TypeError)
-    if strategy in _HYBRID:
-        if device_mesh is not None:
-            if device_mesh.ndim != 2:
-                raise bad_argument(FRONTEND, "device_mesh", device_mesh, f"a 2-D mesh "
-                                   f"(replicate, shard) for {strategy.name}", "e.g. init_device_"
-                                   "mesh('cuda', (nodes, gpus_per_node), mesh_dim_names="
-                                   "('replicate', 'shard')).")
-            return device_mesh.get_group(1), device_mesh.get_group(0)
-        if process_group is not None:
-            if not (isinstance(process_group, tuple) and len(process_group) == 2
-                    and all(_is_group(g) for g in process_group)):
-                raise bad_argument(FRONTEND, "process_group", process_group, f"a tuple "
-                                   f"(shard_group, replicate_group) for {strategy.name}",
-                                   "Pass both groups, or a 2-D device_mesh.", exc=TypeError)
-            return process_group
-        # [Note: hybrid without groups] torch's FSDP1 uses one shard group per node, sized by
-        # the accelerator count: 1 on CPU, where it then silently never synchronises replicas
-        # (pytorch#154888). We shard within a node (LOCAL_WORLD_SIZE, else the CUDA device
-        # count, else the whole world) and all-reduce across nodes, which is always correct.
-        world = dist.get_world_size()
-        if torch.cuda.is_available() and device is not None and device.type == "cuda":
-            local = torch.cuda.device_count()
-        else:
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        if local < 1 or world % local:
-            raise bad_argument(FRONTEND, "process_group", None, f"a (shard, replicate) tuple or "
-                               f"a 2-D device_mesh: the node size {local} does not divide the "
-                               f"world size {world}", "Pass the groups explicitly.")
-        mesh = init_device_mesh((device or torch.device("cpu")).type, (world // local, local),
-                                mesh_dim_names=("replicate", "shard"))
-        return mesh.get_group(1), mesh.get_group(0)
-    if device_mesh is not None:
-        if device_mesh.ndim != 1:
-            raise bad_argument(FRONTEND, "device_mesh", device_mesh, f"a 1-D mesh for "
-                               f"{strategy.name} (2-D meshes need HYBRID_SHARD or "
-                               "_HYBRID_SHARD_ZERO2)", "Pass a 1-D mesh, or a hybrid strategy.")
-        return device_mesh.get_group(), None
-    if process_group is not None and not _is_group(process_group):
-        raise bad_argument(FRONTEND, "process_group", process_group, f"None or one "
-                           f"ProcessGroup for {strategy.name} (a tuple only with a hybrid "
-                           "strategy)", "Pass one group, or sharding_strategy=HYBRID_SHARD.",
-                           exc=TypeError)
-    return process_group, None
+def resolve_groups(strategy: ShardingStrategy, process_group, device_mesh, device) -> Topology:
+    """FSDP1's `process_group` / `device_mesh` for `strategy`, as the engine's groups."""
+    return resolve_topology(
+        parse_sharding_strategy(strategy).mode, process_group=process_group,
+        device_mesh=device_mesh, device_type=(device or torch.device("cpu")).type,
+        frontend=FRONTEND, setting=strategy.name)
 
 
 def _ranks_of(*groups) -> list[int]:
@@ -198,7 +146,7 @@ class FullyShardedDataParallel(ShardedWrapper):
         if not isinstance(module, nn.Module):
             raise bad_argument(FRONTEND, "module", module, "an nn.Module", "Pass the model.",
                                exc=TypeError)
-        strategy = strategy_of(sharding_strategy)
+        strategy = parse_sharding_strategy(sharding_strategy).strategy
         device = resolve_device(device_id)
         if param_init_fn is not None and not callable(param_init_fn):
             raise bad_argument(FRONTEND, "param_init_fn", param_init_fn, "None or a callable "
@@ -218,17 +166,15 @@ class FullyShardedDataParallel(ShardedWrapper):
             forward_prefetch=forward_prefetch,
             limit_all_gathers=limit_all_gathers,
         )
-        shard_group, replicate_group = resolve_groups(strategy, process_group, device_mesh, device)
+        topology = resolve_groups(strategy, process_group, device_mesh, device)
         # From here on the model changes (nested wrappers released, parameters flattened): a
         # failure anywhere puts it back as it was (see engine/rollback.py).
-        check_nested_groups(module, shard_group, replicate_group)
+        check_nested_groups(module, topology.shard_group, topology.replicate_group)
         with engine.restored_on_failure(module):
             nested = self.release_nested(module)
             plan = build_plan(module, nested=nested, **translate_kwargs)
-            if plan.mode is ShardingMode.REPLICATE and replicate_group is None:
-                shard_group, replicate_group = None, shard_group
-            sharded = shard_flat(module, plan, shard_group=shard_group,
-                                 replicate_group=replicate_group, device=device,
+            sharded = shard_flat(module, plan, shard_group=topology.shard_group,
+                                 replicate_group=topology.replicate_group, device=device,
                                  param_init_fn=param_init_fn)
             self._attach(module, sharded, dict(translate_kwargs, process_group=process_group,
                                                device_mesh=device_mesh), nested)

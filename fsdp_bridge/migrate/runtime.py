@@ -3,8 +3,11 @@
 Real training code passes FSDP1 settings through variables, config objects and `**kwargs`, which a
 codemod cannot read. The codemods translate literals in place and route everything else here:
 these helpers take FSDP1's own arguments and do, when the script runs, exactly what the codemod
-does for literals. This module imports torch only (never the fsdp_bridge engine), so a rewritten
-script depends on nothing else of ours.
+does for literals. They read those arguments as our FSDP1 front-end does (its constructor's
+signature, its `sharding_strategy` parser, `fsdp_bridge.policies` for wrap policies and
+`fsdp_bridge.topology` for process groups and meshes), so importing this module imports
+fsdp_bridge's front-ends and engine. The sharding is torch's own `fully_shard` for `--to fsdp2`;
+`fsdp1_to_yafsdp` builds fsdp_bridge's YaFSDP, the target of `--to yafsdp`.
 
 --to fsdp2:  fsdp1_fully_shard, fsdp1_no_sync, fsdp1_clip_grad_norm_, fsdp1_state_dict_options,
              fsdp1_state_dict_type, fsdp1_state_dict, fsdp1_load_state_dict, fsdp1_optim_state_dict,
@@ -17,10 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
+import inspect
 import sys
+import types
 import warnings
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -34,7 +38,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import (
-    BackwardPrefetch,
     CPUOffload,
     CPUOffloadPolicy,
     FSDPModule,
@@ -45,7 +48,12 @@ from torch.distributed.fsdp import (
     StateDictType,
     fully_shard,
 )
-from torch.distributed.fsdp.wrap import _Policy, _recursive_wrap
+
+from fsdp_bridge import policies
+from fsdp_bridge.fsdp._fsdp1_translate import FRONTEND, ParsedStrategy, parse_sharding_strategy
+from fsdp_bridge.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
+from fsdp_bridge.plan import ShardingMode
+from fsdp_bridge.topology import MESH_DIM_NAMES, Topology, resolve_topology
 
 __all__ = [
     "fsdp1_fully_shard",
@@ -66,9 +74,32 @@ __all__ = [
     "yafsdp_modules_to_wrap",
 ]
 
-HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
-# FSDP1 strategies that keep parameters unsharded between forward and backward.
-NO_RESHARD = (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2, ShardingStrategy.NO_SHARD)
+
+# --------------------------------------------------------------------------------------------
+# FSDP1's constructor arguments
+# --------------------------------------------------------------------------------------------
+
+# What `FullyShardedDataParallel(...)` takes, from our FSDP1 front-end (`self` left out): the
+# constructor helpers below accept exactly that and show it to `help()` and editors.
+FSDP1_SIGNATURE = inspect.signature(FullyShardedDataParallel)
+
+
+def _fsdp1_arguments(args: tuple, kwargs: dict) -> types.SimpleNamespace:
+    """FSDP1 constructor arguments by name, bound as the constructor binds them (defaults in)."""
+    bound = FSDP1_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return types.SimpleNamespace(**bound.arguments)
+
+
+def _takes_fsdp1_arguments(*extra: inspect.Parameter):
+    """Give a helper FSDP1's constructor signature, plus `extra` keyword-only parameters."""
+
+    def decorate(function):
+        parameters = [*FSDP1_SIGNATURE.parameters.values(), *extra]
+        function.__signature__ = FSDP1_SIGNATURE.replace(parameters=parameters)
+        return function
+
+    return decorate
 
 
 # --------------------------------------------------------------------------------------------
@@ -84,47 +115,21 @@ def fsdp1_units(
     """The submodules FSDP1's `auto_wrap_policy` wraps, children before parents, root excluded.
 
     Each comes with its per-module FSDP1 keyword overrides (only `CustomPolicy` returns any).
-    Torch's own policy machinery is reused, so the grouping is FSDP1's exactly, including the
-    numel bookkeeping of `size_based_auto_wrap_policy`.
+    `fsdp_bridge.policies` runs torch's own policy machinery, so the grouping is FSDP1's
+    exactly, including the numel bookkeeping of `size_based_auto_wrap_policy`.
     """
     if auto_wrap_policy is None:
         return []
-    ignored = set(ignored_modules)
-    if isinstance(auto_wrap_policy, _Policy):  # ModuleWrapPolicy, CustomPolicy
-        targets = auto_wrap_policy._run_policy(root, ignored, {})
-        return [(m, dict(targets[m])) for m in _post_order(root) if m in targets and m is not root]
-    if not callable(auto_wrap_policy):
+    if not (callable(auto_wrap_policy) or isinstance(auto_wrap_policy, policies._Policy)):
         raise TypeError(
             f"auto_wrap_policy={auto_wrap_policy!r} is not a wrap policy: pass a torch wrap policy "
             "(ModuleWrapPolicy, CustomPolicy, functools.partial(transformer_auto_wrap_policy, ...)) "
             "or a callable (module, recurse, nonwrapped_numel) -> bool"
         )
-    recorded: list[nn.Module] = []
-
-    def record(module: nn.Module, **_: Any) -> nn.Module:
-        recorded.append(module)
-        return module  # setattr(parent, name, module) is then a no-op
-
-    ignored_params = {p for m in ignored for p in m.parameters()}
-    _recursive_wrap(root, auto_wrap_policy, record, ignored, ignored_params, only_wrap_children=True)
-    return [(m, {}) for m in recorded]
-
-
-def _post_order(root: nn.Module) -> list[nn.Module]:
-    """Children (in registration order) before their parent, each module once: FSDP1's order."""
-    order: list[nn.Module] = []
-    seen: set[int] = set()
-
-    def visit(module: nn.Module) -> None:
-        if id(module) in seen:
-            return
-        seen.add(id(module))
-        for child in module.children():
-            visit(child)
-        order.append(module)
-
-    visit(root)
-    return order
+    ignored = set(ignored_modules)
+    ignored_params = [p for m in ignored for p in m.parameters()]
+    found = policies.evaluate_policy(root, auto_wrap_policy, ignored, ignored_params)
+    return [(unit.module, unit.overrides) for unit in found]
 
 
 def _is_container(module: nn.Module) -> bool:
@@ -133,7 +138,7 @@ def _is_container(module: nn.Module) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# Mesh, strategy, precision, offload
+# Mesh, precision, offload
 # --------------------------------------------------------------------------------------------
 
 
@@ -148,57 +153,49 @@ def _device_type(device_id: Any) -> str:
     return accelerator.type if accelerator is not None else "cpu"
 
 
-def _mesh(strategy, process_group, device_mesh, device_type: str) -> DeviceMesh:
-    """FSDP2's mesh for FSDP1's process_group / device_mesh / strategy."""
-    names = ("replicate", "shard")
-    hybrid = strategy in HYBRID
-    if device_mesh is not None and process_group is not None:
-        raise ValueError(
-            "process_group and device_mesh were both passed; FSDP1 also rejects this. Pass one of them."
-        )
-    if device_mesh is not None:
-        if hybrid and device_mesh.ndim == 2 and not device_mesh.mesh_dim_names:
-            # FSDP1 reads dim 0 as replicate and dim 1 as shard; FSDP2 wants those names.
-            return DeviceMesh(device_mesh.device_type, device_mesh.mesh, mesh_dim_names=names)
-        return device_mesh
-    if isinstance(process_group, tuple):  # FSDP1's hybrid (shard_pg, replicate_pg)
-        shard_pg, replicate_pg = process_group
-        layout = [None] * dist.get_world_size()
-        dist.all_gather_object(layout, (dist.get_rank(replicate_pg), dist.get_rank(shard_pg)))
-        grid = torch.empty(dist.get_world_size(replicate_pg), dist.get_world_size(shard_pg), dtype=torch.int)
-        for global_rank, (r, s) in enumerate(layout):
-            grid[r, s] = global_rank
-        return DeviceMesh.from_group([replicate_pg, shard_pg], device_type, mesh=grid, mesh_dim_names=names)
-    if process_group is not None:
-        return DeviceMesh.from_group(process_group, device_type)
+def _mesh(fsdp1: types.SimpleNamespace, strategy: ParsedStrategy) -> DeviceMesh:
+    """FSDP2's mesh for FSDP1's process_group / device_mesh: the groups are resolved as our
+    FSDP1 front-end resolves them; torch's `fully_shard` takes them as one mesh."""
+    device_type = _device_type(fsdp1.device_id)
+    topology = resolve_topology(strategy.mode, process_group=fsdp1.process_group,
+                                device_mesh=fsdp1.device_mesh, device_type=device_type,
+                                frontend=FRONTEND, setting=strategy.strategy.name)
+    if topology.mesh is not None:
+        return _named(topology.mesh)
+    if topology.mode is ShardingMode.HYBRID:
+        return _mesh_of_pair(topology.shard_group, topology.replicate_group, device_type)
+    return _flat_mesh(topology, device_type)
+
+
+def _named(mesh: DeviceMesh) -> DeviceMesh:
+    """FSDP1 reads dim 0 of a 2-D mesh as replicate and dim 1 as shard; FSDP2 wants those names."""
+    if mesh.ndim == 2 and not mesh.mesh_dim_names:
+        return DeviceMesh(mesh.device_type, mesh.mesh, mesh_dim_names=MESH_DIM_NAMES)
+    return mesh
+
+
+def _mesh_of_pair(shard_pg, replicate_pg, device_type: str) -> DeviceMesh:
+    """FSDP1's hybrid (shard_pg, replicate_pg) as a 2-D mesh: every rank says where it sits."""
+    layout = [None] * dist.get_world_size()
+    dist.all_gather_object(layout, (dist.get_rank(replicate_pg), dist.get_rank(shard_pg)))
+    grid = torch.empty(dist.get_world_size(replicate_pg), dist.get_world_size(shard_pg), dtype=torch.int)
+    for global_rank, (r, s) in enumerate(layout):
+        grid[r, s] = global_rank
+    return DeviceMesh.from_group([replicate_pg, shard_pg], device_type, mesh=grid, mesh_dim_names=MESH_DIM_NAMES)
+
+
+def _flat_mesh(topology: Topology, device_type: str) -> DeviceMesh:
+    """The mesh of a one-group mode: the whole world unless the user named a group."""
+    replicate = topology.mode is ShardingMode.REPLICATE
+    group = topology.replicate_group if replicate else topology.shard_group
+    if group is not topology.world_group:
+        # TODO: FSDP2 replicates only across dim 0 of a 2-D mesh, so NO_SHARD over a group of
+        # the user's is sharded over that group instead (the same numbers, more traffic).
+        return DeviceMesh.from_group(group, device_type)
     world = dist.get_world_size()
-    if strategy == ShardingStrategy.NO_SHARD:  # replicate everywhere, shard groups of one
-        return init_device_mesh(device_type, (world, 1), mesh_dim_names=names)
-    if hybrid:
-        # FSDP1 shards within a node; on CPU its node size is 1 and it silently stops syncing
-        # replicas (pytorch#154888). We use the launcher's node size and a correct 2-D mesh.
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        if world % local:
-            raise ValueError(
-                f"sharding_strategy={strategy} needs world size ({world}) divisible by the node size "
-                f"LOCAL_WORLD_SIZE={local}; pass device_mesh=init_device_mesh(..., (replicas, shards), "
-                "mesh_dim_names=('replicate', 'shard')) explicitly."
-            )
-        return init_device_mesh(device_type, (world // local, local), mesh_dim_names=names)
+    if replicate:  # every rank a replica: shard groups of one rank
+        return init_device_mesh(device_type, (world, 1), mesh_dim_names=MESH_DIM_NAMES)
     return init_device_mesh(device_type, (world,))
-
-
-def _strategy(value: Any) -> ShardingStrategy:
-    if value is None:
-        return ShardingStrategy.FULL_SHARD
-    if isinstance(value, ShardingStrategy):
-        return value
-    if isinstance(value, str) and value.upper() in ShardingStrategy.__members__:
-        return ShardingStrategy[value.upper()]
-    raise ValueError(
-        f"sharding_strategy={value!r} is not a ShardingStrategy; accepted: "
-        f"{', '.join(ShardingStrategy.__members__)} (or their names as strings)."
-    )
 
 
 def _mp_policy(mixed_precision: Any, root: bool) -> MixedPrecisionPolicy:
@@ -251,10 +248,10 @@ def _ignored_params(ignored_modules, ignored_states) -> set[nn.Parameter]:
     return params
 
 
-def _fsdp2_kwargs(mesh, strategy, mixed_precision, cpu_offload, ignored, root: bool) -> dict[str, Any]:
+def _fsdp2_kwargs(mesh, strategy: ParsedStrategy, mixed_precision, cpu_offload, ignored, root: bool) -> dict[str, Any]:
     return {
         "mesh": mesh,
-        "reshard_after_forward": False if strategy in NO_RESHARD else None,
+        "reshard_after_forward": None if strategy.reshard_after_forward else False,
         "mp_policy": _mp_policy(mixed_precision, root),
         "offload_policy": _offload_policy(cpu_offload),
         "ignored_params": ignored or None,
@@ -266,24 +263,8 @@ def _fsdp2_kwargs(mesh, strategy, mixed_precision, cpu_offload, ignored, root: b
 # --------------------------------------------------------------------------------------------
 
 
-def fsdp1_fully_shard(
-    module: nn.Module,
-    process_group: Any = None,
-    sharding_strategy: ShardingStrategy | None = None,
-    cpu_offload: CPUOffload | None = None,
-    auto_wrap_policy: Any = None,
-    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
-    mixed_precision: MixedPrecision | None = None,
-    ignored_modules: Iterable[nn.Module] | None = None,
-    param_init_fn: Callable[[nn.Module], None] | None = None,
-    device_id: int | torch.device | None = None,
-    sync_module_states: bool = False,
-    forward_prefetch: bool = False,
-    limit_all_gathers: bool = True,
-    use_orig_params: bool = False,
-    ignored_states: Iterable[Any] | None = None,
-    device_mesh: DeviceMesh | None = None,
-) -> nn.Module:
+@_takes_fsdp1_arguments()
+def fsdp1_fully_shard(*args: Any, **kwargs: Any) -> nn.Module:
     """`FullyShardedDataParallel(module, ...)` done with FSDP2's `fully_shard`, in place.
 
     Takes FSDP1's constructor arguments. The wrap policy is evaluated to FSDP1's units, which are
@@ -291,31 +272,34 @@ def fsdp1_fully_shard(
     and `use_orig_params` only tune FSDP1's schedule and are not needed by FSDP2.
     Returns `module` itself (FSDP2 has no wrapper), now an `FSDPModule`.
     """
-    strategy = _strategy(sharding_strategy)
-    mesh = _mesh(strategy, process_group, device_mesh, _device_type(device_id))
-    ignored = _ignored_params(ignored_modules, ignored_states)
-    ignored_module_set = set(ignored_modules or ())
-    if sync_module_states:
+    fsdp1 = _fsdp1_arguments(args, kwargs)
+    module, mixed_precision, cpu_offload = fsdp1.module, fsdp1.mixed_precision, fsdp1.cpu_offload
+    strategy = parse_sharding_strategy(fsdp1.sharding_strategy)
+    mesh = _mesh(fsdp1, strategy)
+    ignored = _ignored_params(fsdp1.ignored_modules, fsdp1.ignored_states)
+    ignored_module_set = set(fsdp1.ignored_modules or ())
+    if fsdp1.sync_module_states:
         # FSDP1 materialises meta tensors before it broadcasts: a rank that built the model on
         # meta (the low-CPU-memory recipe) must join the same broadcasts as rank 0.
         if _has_meta(module):
-            _materialize(module, param_init_fn, mesh.device_type)
+            _materialize(module, fsdp1.param_init_fn, mesh.device_type)
         _broadcast_from_first_rank(module, mesh)
-    units = fsdp1_units(module, auto_wrap_policy, ignored_module_set)
+    units = fsdp1_units(module, fsdp1.auto_wrap_policy, ignored_module_set)
     for unit, overrides in units:
         if _is_container(unit) or unit in ignored_module_set:
             continue  # its parameters stay with the enclosing unit
         _check_overrides(overrides)
-        unit_strategy = _strategy(overrides.get("sharding_strategy", strategy))
+        unit_strategy = parse_sharding_strategy(overrides.get("sharding_strategy", strategy.strategy),
+                                                "auto_wrap_policy (a CustomPolicy override).sharding_strategy")
         unit_mp = overrides.get("mixed_precision", mixed_precision)
         unit_offload = overrides.get("cpu_offload", cpu_offload)
         fully_shard(unit, **_fsdp2_kwargs(mesh, unit_strategy, unit_mp, unit_offload, ignored, root=False))
-    _keep_norms_in_fp32(module, mixed_precision, auto_wrap_policy, mesh, strategy, cpu_offload, ignored)
+    _keep_norms_in_fp32(module, mixed_precision, fsdp1.auto_wrap_policy, mesh, strategy, cpu_offload, ignored)
     fully_shard(module, **_fsdp2_kwargs(mesh, strategy, mixed_precision, cpu_offload, ignored, root=True))
     if isinstance(mixed_precision, MixedPrecision) and mixed_precision.buffer_dtype is not None:
         _cast_buffers(module, mixed_precision.buffer_dtype)
     if _has_meta(module):
-        _materialize(module, param_init_fn, mesh.device_type)
+        _materialize(module, fsdp1.param_init_fn, mesh.device_type)
     return module
 
 
@@ -343,7 +327,7 @@ def _keep_norms_in_fp32(module, mixed_precision, policy, mesh, strategy, cpu_off
     if policy is None or not isinstance(mixed_precision, MixedPrecision) or mixed_precision.param_dtype is None:
         return
     classes = tuple(mixed_precision._module_classes_to_ignore or ())
-    for unit in _post_order(module):
+    for unit in policies.post_order(module):
         if classes and isinstance(unit, classes) and unit is not module and not isinstance(unit, FSDPModule):
             kwargs = _fsdp2_kwargs(mesh, strategy, None, cpu_offload, ignored, root=False)
             kwargs["mp_policy"] = MixedPrecisionPolicy(
@@ -578,7 +562,7 @@ def fsdp1_unwrap(model: nn.Module) -> nn.Module:
 
 def yafsdp_zero_stage(sharding_strategy: Any) -> int:
     """YaFSDP's `zero_stage` for an FSDP1 strategy: FULL_SHARD -> 3, SHARD_GRAD_OP -> 2."""
-    strategy = _strategy(sharding_strategy)
+    strategy = parse_sharding_strategy(sharding_strategy).strategy
     stages = {ShardingStrategy.FULL_SHARD: 3, ShardingStrategy.SHARD_GRAD_OP: 2}
     if strategy not in stages:
         raise ValueError(
@@ -596,53 +580,42 @@ def yafsdp_modules_to_wrap(
     return [(m, names[m]) for m, _ in fsdp1_units(model, auto_wrap_policy, ignored_modules) if not _is_container(m)]
 
 
-def fsdp1_to_yafsdp(
-    module: nn.Module,
-    process_group: Any = None,
-    sharding_strategy: ShardingStrategy | None = None,
-    cpu_offload: CPUOffload | None = None,
-    auto_wrap_policy: Any = None,
-    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
-    mixed_precision: MixedPrecision | None = None,
-    ignored_modules: Iterable[nn.Module] | None = None,
-    param_init_fn: Callable[[nn.Module], None] | None = None,
-    device_id: int | torch.device | None = None,
-    sync_module_states: bool = False,
-    forward_prefetch: bool = False,
-    limit_all_gathers: bool = True,
-    use_orig_params: bool = False,
-    ignored_states: Iterable[Any] | None = None,
-    device_mesh: DeviceMesh | None = None,
-    *,
-    gradient_accumulation_steps: int = 1,
-):
+_GRADIENT_ACCUMULATION_STEPS = inspect.Parameter(
+    "gradient_accumulation_steps", inspect.Parameter.KEYWORD_ONLY, default=1, annotation="int")
+
+
+@_takes_fsdp1_arguments(_GRADIENT_ACCUMULATION_STEPS)
+def fsdp1_to_yafsdp(*args: Any, gradient_accumulation_steps: int = 1, **kwargs: Any):
     """`FullyShardedDataParallel(module, ...)` as `fsdp_bridge.ya_fsdp.YaFSDP(...)`.
 
     YaFSDP needs `gradient_accumulation_steps` up front (FSDP1 learnt it from `no_sync`).
     """
-    from fsdp_bridge.ya_fsdp import YaFSDP  # the rewritten script targets our YaFSDP
+    from fsdp_bridge.ya_fsdp import YaFSDP  # imported when used: only --to yafsdp needs it
 
+    fsdp1 = _fsdp1_arguments(args, kwargs)
     unsupported = {
-        "cpu_offload": cpu_offload is not None and getattr(cpu_offload, "offload_params", True),
-        "ignored_modules": bool(ignored_modules),
-        "ignored_states": bool(ignored_states),
-        "device_mesh": device_mesh is not None,
-        "a tuple process_group": isinstance(process_group, tuple),
+        "cpu_offload": fsdp1.cpu_offload is not None and getattr(fsdp1.cpu_offload, "offload_params", True),
+        "ignored_modules": bool(fsdp1.ignored_modules),
+        "ignored_states": bool(fsdp1.ignored_states),
+        "device_mesh": fsdp1.device_mesh is not None,
+        "a tuple process_group": isinstance(fsdp1.process_group, tuple),
     }
     for name, present in unsupported.items():
         if present:
             raise ValueError(
                 f"{name} has no YaFSDP equivalent; remove it, or migrate with --to fsdp2 instead."
             )
+    mixed_precision = fsdp1.mixed_precision
     param_dtype = mixed_precision.param_dtype if isinstance(mixed_precision, MixedPrecision) else None
     return YaFSDP(
-        module,
-        zero_stage=yafsdp_zero_stage(sharding_strategy),
-        modules_to_wrap_with_names=yafsdp_modules_to_wrap(module, auto_wrap_policy, ignored_modules or ()),
+        fsdp1.module,
+        zero_stage=yafsdp_zero_stage(fsdp1.sharding_strategy),
+        modules_to_wrap_with_names=yafsdp_modules_to_wrap(fsdp1.module, fsdp1.auto_wrap_policy,
+                                                          fsdp1.ignored_modules or ()),
         param_dtype=param_dtype if param_dtype is not None else torch.float32,
         gradient_accumulation_steps=gradient_accumulation_steps,
-        sync_module_states=sync_module_states,
-        param_init_fn=param_init_fn,
-        device_id=device_id,
-        data_parallel_process_group=process_group,
+        sync_module_states=fsdp1.sync_module_states,
+        param_init_fn=fsdp1.param_init_fn,
+        device_id=fsdp1.device_id,
+        data_parallel_process_group=fsdp1.process_group,
     )

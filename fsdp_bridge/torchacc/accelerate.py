@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_bridge import engine
-from fsdp_bridge.plan import ShardingMode
+from fsdp_bridge.topology import resolve_topology
 from fsdp_bridge.torchacc._translate import FRONTEND, build_plan, sizes
 from fsdp_bridge.torchacc.config import Config
 from fsdp_bridge.state_dicts.torch_helpers import called_by_torch_helpers
@@ -102,16 +102,6 @@ class RankSliceLoader:
             yield self._slice(batch)
 
 
-def _groups(plan, dp: int, fsdp: int):
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if plan.mode is ShardingMode.HYBRID:
-        mesh = init_device_mesh("cpu" if not torch.cuda.is_available() else "cuda", (dp, fsdp),
-                                mesh_dim_names=("dp", "fsdp"))
-        return mesh.get_group("fsdp"), mesh.get_group("dp")
-    return None, None
-
-
 def accelerate(model: nn.Module, dataloader=None, config: Optional[Config] = None):
     """Shard `model` as `config` says; returns the model, or (model, dataloader) when a
     dataloader is given (each data-parallel rank then iterates its slice of each batch)."""
@@ -121,15 +111,17 @@ def accelerate(model: nn.Module, dataloader=None, config: Optional[Config] = Non
         dist.init_process_group(backend)
     world = dist.get_world_size()
     plan = build_plan(model, config, world)
-    dp, fsdp = sizes(config, world)
+    _, fsdp = sizes(config, world)
     device = None
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
-    shard_group, replicate_group = _groups(plan, dp, fsdp)
-    sharded = shard_flat(model, plan, shard_group=shard_group,
-                                 replicate_group=replicate_group, device=device)
+    # Hybrid: fsdp groups of consecutive ranks, all-reduced across dp (TorchAcc's mesh).
+    topology = resolve_topology(plan.mode, node_size=fsdp, frontend=FRONTEND,
+                                device_type=device.type if device is not None else "cpu")
+    sharded = shard_flat(model, plan, shard_group=topology.shard_group,
+                         replicate_group=topology.replicate_group, device=device)
     wrapped = AcceleratedModel(model, sharded)
     if dataloader is None:
         return wrapped
