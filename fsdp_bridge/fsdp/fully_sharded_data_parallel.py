@@ -19,14 +19,14 @@ from typing import Callable, Iterable, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 
 # Everything else torch's `torch.distributed.fsdp.fully_sharded_data_parallel` exposes, as
 # torch's own objects: scripts import configs, enums and constants from this path.
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: F401
     ActivationWrapper,
 )
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 from torch.distributed.fsdp.fully_sharded_data_parallel import (  # noqa: F401
     FLAT_PARAM,
     FSDP_PREFIX,

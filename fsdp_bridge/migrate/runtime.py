@@ -363,7 +363,10 @@ def _cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:
 
 def _materialize(module: nn.Module, param_init_fn, device_type: str) -> None:
     """FSDP2's meta-device recipe: shard first, then allocate and initialize."""
-    device = torch.device(device_type, torch.accelerator.current_device_index()) if device_type != "cpu" else torch.device("cpu")
+    if device_type == "cpu":
+        device = torch.device("cpu")
+    else:
+        device = torch.device(device_type, torch.accelerator.current_device_index())
     if param_init_fn is not None:  # FSDP1 calls it on each module that holds meta tensors
         for sub in module.modules():
             local = [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]
@@ -422,7 +425,8 @@ def fsdp1_state_dict_options(
     if state_dict_type == StateDictType.SHARDED_STATE_DICT:
         return StateDictOptions(full_state_dict=False)
     if state_dict_type != StateDictType.FULL_STATE_DICT:
-        raise ValueError(f"state_dict_type={state_dict_type!r} is not a StateDictType; pass FULL_STATE_DICT or SHARDED_STATE_DICT.")
+        raise ValueError(f"state_dict_type={state_dict_type!r} is not a StateDictType; pass "
+                         "FULL_STATE_DICT or SHARDED_STATE_DICT.")
     config = optim_state_dict_config if for_optimizer else state_dict_config
     # DCP's cpu_offload with a full state dict means "on rank 0 only, on CPU".
     return StateDictOptions(full_state_dict=True, cpu_offload=bool(getattr(config, "rank0_only", False)))
@@ -474,7 +478,8 @@ def _active_options(model: nn.Module, for_optimizer: bool) -> StateDictOptions:
 
 @contextlib.contextmanager
 def fsdp1_state_dict_type(
-    module: nn.Module, state_dict_type: StateDictType, state_dict_config: Any = None, optim_state_dict_config: Any = None
+    module: nn.Module, state_dict_type: StateDictType, state_dict_config: Any = None,
+    optim_state_dict_config: Any = None,
 ) -> Iterator[None]:
     """`FSDP.state_dict_type(module, ...)` for FSDP2 modules (FSDP1's own context otherwise).
 
@@ -483,7 +488,8 @@ def fsdp1_state_dict_type(
     if not _holds_fsdp2(module):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        with FullyShardedDataParallel.state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config):
+        with FullyShardedDataParallel.state_dict_type(module, state_dict_type, state_dict_config,
+                                                      optim_state_dict_config):
             yield
         return
     setting = _Setting(

@@ -8,16 +8,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictSettings, StateDictType
 
 from fsdp_bridge import engine
+from fsdp_bridge.state_dicts.torch_helpers import called_by_torch_helpers
 from fsdp_bridge.topology import resolve_topology
 from fsdp_bridge.torchacc._translate import FRONTEND, build_plan, sizes
 from fsdp_bridge.torchacc.config import Config
-from fsdp_bridge.state_dicts.torch_helpers import called_by_torch_helpers
 from fsdp_bridge.translation import bad_argument
 from fsdp_bridge.wrapper import ShardedWrapper, shard_flat
-from torch.distributed.fsdp import StateDictSettings, StateDictType, ShardedStateDictConfig
-from torch.distributed.fsdp import ShardedOptimStateDictConfig
 
 
 class AcceleratedModel(ShardedWrapper):
