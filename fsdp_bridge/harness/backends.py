@@ -173,6 +173,9 @@ class ReferenceBackend(Backend):
         inner = model.module if isinstance(model, _CastForward) else model
         return _cpu_fp32(inner.state_dict())
 
+# Each FSDP dialect runs the same backend code imported from torch or from fsdp_bridge.
+TORCH_FSDP, BRIDGE_FSDP = "torch.distributed.fsdp", "fsdp_bridge.fsdp"
+
 
 # --- FSDP1 ----------------------------------------------------------------------------------
 
@@ -222,13 +225,11 @@ class FSDP1Backend(Backend):
 
 
 class TorchFSDP1Backend(FSDP1Backend):
-    name = "torch-fsdp1"
-    module_name = "torch.distributed.fsdp"
+    name, module_name = "torch-fsdp1", TORCH_FSDP
 
 
 class BridgeFSDP1Backend(FSDP1Backend):
-    name = "bridge-fsdp1"
-    module_name = "fsdp_bridge.fsdp"
+    name, module_name = "bridge-fsdp1", BRIDGE_FSDP
 
 
 # --- FSDP2 ----------------------------------------------------------------------------------
@@ -279,13 +280,11 @@ class FSDP2Backend(Backend):
 
 
 class TorchFSDP2Backend(FSDP2Backend):
-    name = "torch-fsdp2"
-    module_name = "torch.distributed.fsdp"
+    name, module_name = "torch-fsdp2", TORCH_FSDP
 
 
 class BridgeFSDP2Backend(FSDP2Backend):
-    name = "bridge-fsdp2"
-    module_name = "fsdp_bridge.fsdp"
+    name, module_name = "bridge-fsdp2", BRIDGE_FSDP
 
 
 # --- YaFSDP ---------------------------------------------------------------------------------

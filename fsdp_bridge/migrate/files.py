@@ -62,12 +62,14 @@ def may_use_fsdp(data: bytes, target: str) -> bool:
 
 
 def _dotted(node: ast.AST) -> str | None:
-    if isinstance(node, ast.Name):
-        return node.id
-    if isinstance(node, ast.Attribute):
-        base = _dotted(node.value)
-        return None if base is None else f"{base}.{node.attr}"
-    return None
+    """`a.b.c` for a chain of names and attributes; None for anything else."""
+    attributes = []
+    while isinstance(node, ast.Attribute):
+        attributes.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(attributes)])
 
 
 def _uses_relevant_module(tree: ast.AST, target: str) -> bool:

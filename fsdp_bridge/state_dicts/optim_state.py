@@ -331,3 +331,22 @@ def rows_as_pieces(optimizer, state_dict: dict) -> dict:
             _check_state_shapes(key, param, entry, state[key])
             state[key] = _local_state(param, (key, entry), state[key])
     return {STATE: state, GROUPS: state_dict[GROUPS]}
+
+
+def check_local_shapes(optimizer) -> None:
+    """Every per-parameter state tensor of a flat piece must be shaped like the piece."""
+    params = _optimizer_params(optimizer)
+    for param_id, entry in flat_piece_entries(params).items():
+        param = entry.tensor
+        for key, value in optimizer.state.get(param, {}).items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
+                slot = entry.group.slots[entry.index]
+                raise ValueError(
+                    f"optimizer state {key!r} of parameter {slot.fqn!r} has shape "
+                    f"{tuple(value.shape)}, but this rank holds a piece of shape "
+                    f"{tuple(param.shape)} of it (the parameter is {tuple(slot.shape)}): the "
+                    "state was loaded as whole-parameter values into an optimizer that had "
+                    "not stepped yet while gradients existed, so nothing cut it to this "
+                    "rank's piece. Call optimizer.zero_grad() before torch's "
+                    "set_optimizer_state_dict (torch then initialises the optimizer by a step "
+                    "and the state is cut to each rank's piece on loading).")

@@ -65,6 +65,9 @@ def _equip(optimizer, args, kwargs) -> None:
         return
     hooked = seen is not None and seen[1]
     if not hooked and optim_state.holds_flat_pieces(optimizer):
+        # State loaded before the optimizer first stepped went in unconverted: refuse it here
+        # rather than let a whole-parameter value broadcast against a piece.
+        optim_state.check_local_shapes(optimizer)
         optimizer.register_state_dict_post_hook(_describe)
         optimizer.register_load_state_dict_pre_hook(_take)
         hooked = True

@@ -11,23 +11,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fsdp_bridge import policies
+from fsdp_bridge import policies, translation
 from fsdp_bridge.plan import MixedPrecision, Plan, ShardingMode, UnitSpec
 from fsdp_bridge.translation import (
-    ArgumentTable,
     bad_argument,
     check_bool,
     ignored,
     module_paths,
-    register_table,
     rejected,
     translated,
 )
 
 FRONTEND = "torchacc.Config"
 
-TABLE = register_table(
-    ArgumentTable(
+TABLE = translation.register_table(
+    translation.ArgumentTable(
         FRONTEND,
         (
             translated("dist.fsdp.size", "the shard-group size; dp = world / size: dp == 1 -> "

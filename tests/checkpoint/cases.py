@@ -681,7 +681,28 @@ def torch_helpers_on_flat(rank, world, frontend):
         new_params, new_optim = truth(fresh_model, fresh_optim)
         out[f"round_trip_{name}"] = max(max_diff(new_params, params),
                                         max_diff(new_optim, optim))
+    out["unconverted_refused"] = _unconverted_state_refused(frontend, optimizer, model)
     return out
+
+
+def _unconverted_state_refused(frontend, optimizer, model):
+    """Sharded optimizer state loaded by torch's helper into an optimizer that never stepped
+    but holds gradients (torch then skips its initialising step, so nothing converts the
+    state): the first step refuses it by name instead of stepping pieces with whole-parameter
+    values. (With full_state_dict=True torch itself refuses such an optimizer.)"""
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    saved = get_optimizer_state_dict(model, optimizer)
+    fresh_model = build(frontend, seed=7)
+    fresh_optim = optimizer_for(fresh_model)
+    batch = M.rank_slice(M.global_batches(1, GLOBAL_BATCH, seed=5)[0], dist.get_rank(),
+                         dist.get_world_size())
+    M.lm_loss(fresh_model, batch).backward()
+    set_optimizer_state_dict(fresh_model, fresh_optim, saved)
+    return _expect_error(fresh_optim.step, "had not stepped yet", "zero_grad")
 
 
 def world2_first(rank, world, directory):

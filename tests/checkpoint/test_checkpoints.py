@@ -116,5 +116,6 @@ def test_torch_state_dict_helpers_unpatched_on_flat_models(runs, frontend):
         assert result["local_optim_pieces"], result
         for name in ("full", "sharded", "flattened", "broadcast"):
             assert result[f"round_trip_{name}"] == 0.0, (name, result)
+        assert result["unconverted_refused"]["ok"], result["unconverted_refused"]
     first_name = runs["first"][0]["torch_helpers_fsdp1"]["plain_names_kept"]
     assert first_name.startswith("_fsdp_wrapped_module."), first_name
