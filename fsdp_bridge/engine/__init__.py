@@ -77,11 +77,6 @@ def default_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
     return torch.device("cpu")
 
 
-def _groups_for(plan: Plan, shard_group, replicate_group):
-    topology = topology_of_groups(plan.mode, shard_group, replicate_group)
-    return topology.shard_group, topology.replicate_group
-
-
 def shard_model(
     module: nn.Module,
     plan: Plan,
@@ -97,10 +92,9 @@ def shard_model(
         raise ValueError(
             f"module {type(module).__name__} is already sharded by fsdp_bridge; shard it once."
         )
-    shard_group, replicate_group = _groups_for(plan, shard_group, replicate_group)
-    world_group = dist.group.WORLD if dist.is_initialized() else None
-    comm = Comm(shard_group, replicate_group, world_group)
-    device = torch.device(device) if device is not None else default_device(shard_group)
+    topology = topology_of_groups(plan.mode, shard_group, replicate_group)
+    comm = Comm(topology.shard_group, topology.replicate_group, topology.world_group)
+    device = torch.device(device) if device is not None else default_device(topology.shard_group)
     with restored_on_failure(module, buffer_values=plan.sync_module_states):
         sharded = ShardedModel(module, plan, comm, device, param_init_fn)
         tag_parameters(sharded)

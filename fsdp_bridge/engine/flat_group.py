@@ -29,7 +29,8 @@ from fsdp_bridge.engine.layout import GroupLayout
 class GradCycle(enum.Enum):
     """Where a group is in its gradient accumulation cycle (the reductions of the micro-steps
     of one optimizer step). CLOSED -> OPEN when the cycle's first reduction lands; OPEN ->
-    CLOSED when `finalize_grads` exposes the result as `.grad`."""
+    CLOSED when `finalize_grads` exposes the result as `.grad`. A cycle is open exactly while
+    the group has an accumulator (see `FlatGroup.grad_cycle`)."""
 
     CLOSED = "closed"  # no reduced gradient held; `.grad` (if any) is the user's
     OPEN = "open"  # reductions are being summed into the accumulator
@@ -65,9 +66,7 @@ class FlatGroup:
         # Gradient state of the current accumulation cycle.
         self.grad_shard: Optional[torch.Tensor] = None  # during a cycle; then .grad views
         self.grad_shard_ref: Optional[weakref.ref] = None  # after it (see _begin_cycle)
-        self.accumulator: Optional[torch.Tensor] = None
-        self.accumulating_into_user_grads = False
-        self.grad_cycle = GradCycle.CLOSED
+        self.accumulator: Optional[torch.Tensor] = None  # set while a cycle is open
         self.unsynced_grad: Optional[torch.Tensor] = None  # local sum of no_sync gradients
         self.gate = torch.empty(0, device=device, requires_grad=True)
 
@@ -305,9 +304,7 @@ class FlatGroup:
         # Torch semantics: gradients add into existing .grad until the user zeroes or drops
         # them. If the user kept some, accumulate aside and add at the end.
         assert self.grad_cycle is GradCycle.CLOSED, "a gradient cycle opened twice"
-        self.grad_cycle = GradCycle.OPEN
         kept = self._kept_grad_shard()
-        self.accumulating_into_user_grads = kept is not None
         if kept is None:
             self.grad_shard = torch.zeros_like(self.master)
             self.accumulator = self.grad_shard
@@ -317,6 +314,10 @@ class FlatGroup:
             if param.grad is None:  # dropped on its own: it starts again from zero
                 self._piece(kept, index).zero_()
         self.accumulator = torch.zeros_like(self.master)
+
+    @property
+    def grad_cycle(self) -> GradCycle:
+        return GradCycle.CLOSED if self.accumulator is None else GradCycle.OPEN
 
     def _kept_grad_shard(self) -> Optional[torch.Tensor]:
         """Last cycle's gradient shard if the user still holds any `.grad` view of it."""
@@ -330,15 +331,14 @@ class FlatGroup:
         if self.grad_cycle is GradCycle.CLOSED:
             return
         assert self.grad_shard is not None and self.accumulator is not None
-        if self.accumulating_into_user_grads:
+        if self.accumulator is not self.grad_shard:  # the user kept last cycle's .grad
             self.grad_shard.add_(self.accumulator, alpha=1.0 / divisor)
         else:
             self.grad_shard.div_(divisor)
         for index, param in enumerate(self.local_params):
             param.grad = self._grad_of(index)
         self.grad_shard_ref = weakref.ref(self.grad_shard)
-        self.grad_shard = self.accumulator = None
-        self.grad_cycle = GradCycle.CLOSED
+        self.grad_shard = self.accumulator = None  # closes the cycle
 
     def _grad_of(self, index: int) -> torch.Tensor:
         """Parameter `index`'s gradient as the user sees it: a view of the gradient shard."""

@@ -24,32 +24,31 @@ def full_optim_state_dict(sharded: ShardedModel, optimizer, rank0_only: bool = F
     shape, keyed by the parameter's FQN (FSDP1's FULL optim state dict). A collective."""
     fqn_of = {}
     state: dict[str, dict] = {}
-    for unit in sharded.units:
-        for group in unit.groups:
-            for slot, param in zip(group.slots, group.local_params):
-                fqn_of[id(param)] = slot.fqn
-            first = optimizer.state.get(group.local_params[0], {})
-            keys = sorted(
-                k for k, v in first.items()
-                if torch.is_tensor(v) and v.shape == group.local_params[0].shape and v.dim() > 0
-            )
-            for slot, param in zip(group.slots, group.local_params):
-                if param in optimizer.state:
-                    state[slot.fqn] = {
-                        k: (v.clone() if torch.is_tensor(v) else v)
-                        for k, v in optimizer.state[param].items() if k not in keys
-                    }
-            for key in keys:
-                local = torch.zeros_like(group.master, dtype=first[key].dtype)
-                for index, param in enumerate(group.local_params):
-                    lo, hi = group.local_range(index)
-                    value = optimizer.state.get(param, {}).get(key)
-                    if value is not None:
-                        local[lo:hi] = value
-                full = group.gather_full(local)
-                for slot, value in group.split(full):
-                    if slot.fqn in state:
-                        state[slot.fqn][key] = value.clone()
+    for group in sharded.flat_groups():
+        for slot, param in zip(group.slots, group.local_params):
+            fqn_of[id(param)] = slot.fqn
+        first = optimizer.state.get(group.local_params[0], {})
+        keys = sorted(
+            k for k, v in first.items()
+            if torch.is_tensor(v) and v.shape == group.local_params[0].shape and v.dim() > 0
+        )
+        for slot, param in zip(group.slots, group.local_params):
+            if param in optimizer.state:
+                state[slot.fqn] = {
+                    k: (v.clone() if torch.is_tensor(v) else v)
+                    for k, v in optimizer.state[param].items() if k not in keys
+                }
+        for key in keys:
+            local = torch.zeros_like(group.master, dtype=first[key].dtype)
+            for index, param in enumerate(group.local_params):
+                lo, hi = group.local_range(index)
+                value = optimizer.state.get(param, {}).get(key)
+                if value is not None:
+                    local[lo:hi] = value
+            full = group.gather_full(local)
+            for slot, value in group.split(full):
+                if slot.fqn in state:
+                    state[slot.fqn][key] = value.clone()
     # Parameters the engine does not shard (ignored modules / states): whole on every rank,
     # their state is kept as it is, under their FQN (as FSDP1's).
     for name, param in _unmanaged_names(sharded, fqn_of).items():

@@ -41,24 +41,23 @@ def release(sharded: ShardedModel) -> None:
     for handle in sharded.hook_handles:
         handle.remove()
     with torch.no_grad():
-        for unit in sharded.units:
-            for group in unit.groups:
-                group.invalidate()
-                if isinstance(group, RowGroup):  # DTensor parameters stay sharded
-                    group.detach_params()
-                    continue
-                flat = group.gather_full_master()
-                for slot, value in group.split(flat):
-                    slot.param.grad = None
-                    slot.param.data = value.clone()
-                    slot.param.requires_grad_(group.requires_grad)
-                    # An ordinary parameter again: no owner to combine norms over, no
-                    # replicas to count (the objects are the user's, they outlive us).
-                    slot.param.__dict__.pop(OWNER_ATTRIBUTE, None)
-                    slot.param.__dict__.pop("_fsdp_bridge_replicas", None)
-                    for owner, attr in slot.owners:
-                        owner.__dict__.pop(attr, None)
-                        owner._parameters[attr] = slot.param
+        for group in sharded.flat_groups():
+            group.invalidate()
+            if isinstance(group, RowGroup):  # DTensor parameters stay sharded
+                group.detach_params()
+                continue
+            flat = group.gather_full_master()
+            for slot, value in group.split(flat):
+                slot.param.grad = None
+                slot.param.data = value.clone()
+                slot.param.requires_grad_(group.requires_grad)
+                # An ordinary parameter again: no owner to combine norms over, no
+                # replicas to count (the objects are the user's, they outlive us).
+                slot.param.__dict__.pop(OWNER_ATTRIBUTE, None)
+                slot.param.__dict__.pop("_fsdp_bridge_replicas", None)
+                for owner, attr in slot.owners:
+                    owner.__dict__.pop(attr, None)
+                    owner._parameters[attr] = slot.param
     for name, dtype in sharded.buffer_dtypes.items():
         owner, _, attr = name.rpartition(".")
         module = sharded.module.get_submodule(owner)

@@ -224,11 +224,10 @@ class ShardedModel:
     def _begin_forward(self) -> None:
         # The optimizer may have moved the masters since the last forward: every gathered
         # copy is stale. (Within one forward, a gathered unit is reused across calls.)
-        for unit in self.units:
-            for group in unit.groups:
-                group.invalidate()
-                if group.adopt_replaced_params():
-                    self._retype(group)
+        for group in self.flat_groups():
+            group.invalidate()
+            if group.adopt_replaced_params():
+                self._retype(group)
         if self.forward_order:
             self.last_forward_order = self.forward_order
         self.forward_order = []
@@ -238,10 +237,9 @@ class ShardedModel:
             buffer.release()
 
     def _release_all_buffers(self) -> None:
-        for unit in self.units:
-            for group in unit.groups:
-                if group.buffer is not None:
-                    group.buffer.release()
+        for group in self.flat_groups():
+            if group.buffer is not None:
+                group.buffer.release()
 
     def _release_buffers_of(self, unit: Unit) -> None:
         for group in unit.groups:

@@ -20,13 +20,12 @@ def full_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Every rank takes part in the gathers; with `rank0_only` the others return {}."""
     full_values: dict[str, torch.Tensor] = {}
-    for unit in sharded.units:
-        for group in unit.groups:
-            flat = group.gather_full_master()
-            for slot, view in group.split(flat):
-                value = view.clone()
-                for fqn in slot.owner_fqns:
-                    full_values[fqn] = value
+    for group in sharded.flat_groups():
+        flat = group.gather_full_master()
+        for slot, view in group.split(flat):
+            value = view.clone()
+            for fqn in slot.owner_fqns:
+                full_values[fqn] = value
     if rank0_only and sharded.comm.world_rank != 0:
         return {}
     result = {}
@@ -56,9 +55,8 @@ def load_full_state_dict(
             "Pass a full state dict of the same model (or strict=False to load the overlap)."
         )
     with torch.no_grad():
-        for unit in sharded.units:
-            for group in unit.groups:
-                _load_group(group, state_dict, strict)
+        for group in sharded.flat_groups():
+            _load_group(group, state_dict, strict)
         managed = _managed_names(sharded)
         for key, current in entries.items():
             if key in state_dict and key not in managed:
@@ -100,11 +98,10 @@ def sharded_state_dict(sharded: ShardedModel) -> dict[str, torch.Tensor]:
     range; buffers and ignored parameters whole). No collectives; reload it with
     `load_sharded_state_dict` at the same world size and layout."""
     local = {}
-    for unit in sharded.units:
-        for group in unit.groups:
-            for slot, param in zip(group.slots, group.local_params):
-                for fqn in slot.owner_fqns:
-                    local[fqn] = param.detach().clone()
+    for group in sharded.flat_groups():
+        for slot, param in zip(group.slots, group.local_params):
+            for fqn in slot.owner_fqns:
+                local[fqn] = param.detach().clone()
     result = {}
     for key, value in nn.Module.state_dict(sharded.module, keep_vars=True).items():
         value = local.get(key, value.detach().clone())
@@ -136,6 +133,5 @@ def load_sharded_state_dict(sharded: ShardedModel, state_dict: dict, strict: boo
                     "to change either."
                 )
             current.copy_(value)
-    for unit in sharded.units:
-        for group in unit.groups:
-            group.invalidate()
+    for group in sharded.flat_groups():
+        group.invalidate()

@@ -26,34 +26,33 @@ def summon_full_params(
     on_this_rank = not rank0_only or sharded.comm.world_rank == 0
     swapped = []  # (owner, attr, local param)
     gathered = []  # (group, full flat)
-    for unit in sharded.units:
-        for group in unit.groups:
-            flat = group.gather_full_master()
-            if offload_to_cpu and on_this_rank:
-                flat = flat.cpu()  # written back from here on exit
-            grads = None
-            if with_grads and group.requires_grad and any(
-                p.grad is not None for p in group.local_params
-            ):
-                local = torch.zeros_like(group.master)
-                for index, param in enumerate(group.local_params):
-                    lo, hi = group.local_range(index)
-                    if param.grad is not None:
-                        local[lo:hi] = param.grad
-                grads = group.gather_full(local)
-                if offload_to_cpu:
-                    grads = grads.cpu()
-            gathered.append((group, flat))
-            if not on_this_rank:
-                continue
-            grad_views = ([view for _, view in group.split(grads)] if grads is not None
-                          else [None] * len(group.slots))
-            for (slot, value), grad in zip(group.split(flat), grad_views):
-                full = nn.Parameter(value, requires_grad=group.requires_grad)
-                full.grad = grad
-                for owner, attr in slot.owners:
-                    swapped.append((owner, attr, owner._parameters[attr]))
-                    owner._parameters[attr] = full
+    for group in sharded.flat_groups():
+        flat = group.gather_full_master()
+        if offload_to_cpu and on_this_rank:
+            flat = flat.cpu()  # written back from here on exit
+        grads = None
+        if with_grads and group.requires_grad and any(
+            p.grad is not None for p in group.local_params
+        ):
+            local = torch.zeros_like(group.master)
+            for index, param in enumerate(group.local_params):
+                lo, hi = group.local_range(index)
+                if param.grad is not None:
+                    local[lo:hi] = param.grad
+            grads = group.gather_full(local)
+            if offload_to_cpu:
+                grads = grads.cpu()
+        gathered.append((group, flat))
+        if not on_this_rank:
+            continue
+        grad_views = ([view for _, view in group.split(grads)] if grads is not None
+                      else [None] * len(group.slots))
+        for (slot, value), grad in zip(group.split(flat), grad_views):
+            full = nn.Parameter(value, requires_grad=group.requires_grad)
+            full.grad = grad
+            for owner, attr in slot.owners:
+                swapped.append((owner, attr, owner._parameters[attr]))
+                owner._parameters[attr] = full
     try:
         yield
     finally:
