@@ -71,6 +71,15 @@ def hidden_child_names(inner: nn.Module, hidden: str) -> dict:
     return {name: hidden for name in names}
 
 
+def placed(result: dict, destination: Optional[dict], prefix: str) -> dict:
+    """A wrapper's own state dict as `nn.Module.state_dict` hands it back: under `prefix`,
+    and into `destination` when the parent module passes one."""
+    if destination is None:
+        return result if not prefix else {prefix + k: v for k, v in result.items()}
+    destination.update((prefix + k, v) for k, v in result.items())
+    return destination
+
+
 def _default_config(state_dict_type: StateDictType):
     if state_dict_type is StateDictType.SHARDED_STATE_DICT:
         return ShardedStateDictConfig(), ShardedOptimStateDictConfig()
@@ -192,8 +201,8 @@ class ShardedWrapper(nn.Module):
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         self._only_on_root("state_dict")
         settings = self._state_dict_settings
-        if called_by_torch_helpers():
-            result = self._rows_state_dict()
+        if called_by_torch_helpers():  # see [Note: answering torch's state-dict helpers]
+            result = model_state.get_model_state_dict(self)
         elif settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             result = self._sharded_state_dict(settings)
         else:
@@ -203,11 +212,7 @@ class ShardedWrapper(nn.Module):
                 rank0_only=getattr(config, "rank0_only", False),
                 cpu_offload=getattr(config, "offload_to_cpu", False),
             )
-        if destination is None:
-            return result if not prefix else {prefix + k: v for k, v in result.items()}
-        for key, value in result.items():
-            destination[prefix + key] = value
-        return destination
+        return placed(result, destination, prefix)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         self._only_on_root("load_state_dict")
@@ -220,9 +225,6 @@ class ShardedWrapper(nn.Module):
 
     def _fqn_modifiers(self) -> dict:
         return hidden_child_names(self._modules[WRAPPED], WRAPPED)
-
-    def _rows_state_dict(self) -> dict:
-        return model_state.get_model_state_dict(self)
 
     def _load_rows_state_dict(self, state_dict: dict, strict: bool):
         return model_state.set_model_state_dict(self, state_dict, strict=strict)

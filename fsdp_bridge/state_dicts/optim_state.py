@@ -301,7 +301,7 @@ def pieces_as_rows(optimizer, state_dict: dict) -> dict:
         return state_dict
     _check_agreement([(i, sorted(optimizer.state.get(p, {}))) for i, p in enumerate(params)])
     position = {id(p): i for i, p in enumerate(params)}
-    state = {key: value for key, value in state_dict[STATE].items()}
+    state = dict(state_dict[STATE])
     groups = []
     for entry in located.values():
         if all(entry.group is not seen[1] for seen in groups):
@@ -336,7 +336,7 @@ def rows_as_pieces(optimizer, state_dict: dict) -> dict:
 def check_local_shapes(optimizer) -> None:
     """Every per-parameter state tensor of a flat piece must be shaped like the piece."""
     params = _optimizer_params(optimizer)
-    for param_id, entry in flat_piece_entries(params).items():
+    for entry in flat_piece_entries(params).values():
         param = entry.tensor
         for key, value in optimizer.state.get(param, {}).items():
             if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:

@@ -22,7 +22,7 @@ from fsdp_bridge import devices, engine
 from fsdp_bridge.state_dicts import model_state
 from fsdp_bridge.state_dicts.torch_helpers import called_by_torch_helpers
 from fsdp_bridge.translation import bad_argument
-from fsdp_bridge.wrapper import hidden_child_names, shard_flat
+from fsdp_bridge.wrapper import hidden_child_names, placed, shard_flat
 from fsdp_bridge.ya_fsdp._translate import FRONTEND, build_plan, ignored_notes
 
 
@@ -171,10 +171,7 @@ class YaFSDP(nn.Module):
             result = model_state.get_model_state_dict(self)
         else:
             result = engine.full_state_dict(self._sharded, rank0_only=rank0_only)
-        if destination is None:
-            return result if not prefix else {prefix + k: v for k, v in result.items()}
-        destination.update((prefix + k, v) for k, v in result.items())
-        return destination
+        return placed(result, destination, prefix)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if called_by_torch_helpers():
