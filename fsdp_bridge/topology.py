@@ -107,3 +107,16 @@ def _node_mesh(frontend: str, node_size: Optional[int], device_type: str) -> Top
                            f"world size {world}", "Pass the groups explicitly.")
     mesh = init_device_mesh(device_type, (world // local, local), mesh_dim_names=MESH_DIM_NAMES)
     return topology_of_groups(ShardingMode.HYBRID, mesh.get_group(1), mesh.get_group(0), mesh)
+
+
+def mesh_of_pair(shard_group, replicate_group, device_type: str) -> DeviceMesh:
+    """The 2-D mesh (replicate, shard) of a hybrid group pair: every rank says where it sits
+    in the pair, so the grid of global ranks is the same on all of them. A collective."""
+    layout: list = [None] * dist.get_world_size()
+    dist.all_gather_object(layout, (dist.get_rank(replicate_group), dist.get_rank(shard_group)))
+    grid = torch.empty(dist.get_world_size(replicate_group), dist.get_world_size(shard_group),
+                       dtype=torch.int)
+    for global_rank, (replica, shard) in enumerate(layout):
+        grid[replica, shard] = global_rank
+    return DeviceMesh.from_group([replicate_group, shard_group], device_type, mesh=grid,
+                                 mesh_dim_names=MESH_DIM_NAMES)

@@ -53,7 +53,7 @@ from fsdp_bridge import policies
 from fsdp_bridge.fsdp._fsdp1_translate import FRONTEND, ParsedStrategy, parse_sharding_strategy
 from fsdp_bridge.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
 from fsdp_bridge.plan import ShardingMode
-from fsdp_bridge.topology import MESH_DIM_NAMES, Topology, resolve_topology
+from fsdp_bridge.topology import MESH_DIM_NAMES, Topology, mesh_of_pair, resolve_topology
 
 __all__ = [
     "fsdp1_fully_shard",
@@ -163,7 +163,7 @@ def _mesh(fsdp1: types.SimpleNamespace, strategy: ParsedStrategy) -> DeviceMesh:
     if topology.mesh is not None:
         return _named(topology.mesh)
     if topology.mode is ShardingMode.HYBRID:
-        return _mesh_of_pair(topology.shard_group, topology.replicate_group, device_type)
+        return mesh_of_pair(topology.shard_group, topology.replicate_group, device_type)
     return _flat_mesh(topology, device_type)
 
 
@@ -172,16 +172,6 @@ def _named(mesh: DeviceMesh) -> DeviceMesh:
     if mesh.ndim == 2 and not mesh.mesh_dim_names:
         return DeviceMesh(mesh.device_type, mesh.mesh, mesh_dim_names=MESH_DIM_NAMES)
     return mesh
-
-
-def _mesh_of_pair(shard_pg, replicate_pg, device_type: str) -> DeviceMesh:
-    """FSDP1's hybrid (shard_pg, replicate_pg) as a 2-D mesh: every rank says where it sits."""
-    layout = [None] * dist.get_world_size()
-    dist.all_gather_object(layout, (dist.get_rank(replicate_pg), dist.get_rank(shard_pg)))
-    grid = torch.empty(dist.get_world_size(replicate_pg), dist.get_world_size(shard_pg), dtype=torch.int)
-    for global_rank, (r, s) in enumerate(layout):
-        grid[r, s] = global_rank
-    return DeviceMesh.from_group([replicate_pg, shard_pg], device_type, mesh=grid, mesh_dim_names=MESH_DIM_NAMES)
 
 
 def _flat_mesh(topology: Topology, device_type: str) -> DeviceMesh:

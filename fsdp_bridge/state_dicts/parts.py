@@ -20,6 +20,7 @@ from torch import nn
 from fsdp_bridge import engine
 from fsdp_bridge.engine.runtime import ShardedModel
 from fsdp_bridge.plan import ParamLayout
+from fsdp_bridge.topology import mesh_of_pair
 
 MESH_ATTRIBUTE = "_fsdp_bridge_checkpoint_mesh"
 
@@ -169,14 +170,6 @@ def mesh_of(sharded: ShardedModel):
     if comm.replicate_size == 1:
         mesh = DeviceMesh.from_group(comm.shard_group, device_type, mesh_dim_names=("shard",))
     else:
-        # The global rank at (replicate index, shard index), agreed by every rank.
-        me = (dist.get_rank(), dist.get_rank(comm.replicate_group), comm.shard_rank)
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, me)
-        grid = torch.empty(comm.replicate_size, comm.shard_size, dtype=torch.int)
-        for rank, rep, shard in everyone:
-            grid[rep, shard] = rank
-        mesh = DeviceMesh.from_group([comm.replicate_group, comm.shard_group], device_type,
-                                     mesh=grid, mesh_dim_names=("replicate", "shard"))
+        mesh = mesh_of_pair(comm.shard_group, comm.replicate_group, device_type)
     object.__setattr__(sharded, MESH_ATTRIBUTE, mesh)
     return mesh
