@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-HELP = "convert a checkpoint between torch.save, DCP and safetensors, offline (no ranks)"
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", metavar="SRC", help="a torch.save file, a DCP directory, a "

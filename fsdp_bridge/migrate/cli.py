@@ -17,8 +17,6 @@ from fsdp_bridge.migrate import report
 from fsdp_bridge.migrate.driver import TARGETS, FileResult, Writer, run_all, settle_type_checks, write_problem
 from fsdp_bridge.migrate.files import walk
 
-HELP = "Rewrite FSDP code between dialects (FSDP1 -> bridge / FSDP2 / YaFSDP) with libcst."
-
 PROGRESS_MIN_FILES = 200  # below this a progress bar is noise
 
 
