@@ -8,9 +8,10 @@ The prediction walks the step as the engine runs it:
 - in backward, unit by unit in reverse forward order, with the weights of units that stay
   gathered through the step (the root) and the gradient shards reduced so far: a unit starts
   with its own gathered weights (the first unit of backward also with the scratch its gather
-  lands in: the row layout's, and gloo's own flat output); it ends by giving its weights back,
-  starting the next unit's gather (weights and scratch) and laying out its gradients, as
-  autograd makes them, into the full gradient the reduction reads;
+  lands in: the row layout's, and gloo's own flat output unless a pair swaps halves); it ends
+  by giving its weights back, starting the next unit's gather (weights and scratch) and laying
+  out its gradients, as autograd makes them, into the full gradient the reduction reads (and
+  the shard it sums into);
 - in the optimizer step: its temporaries (one parameter's worth, or every parameter's for the
   foreach implementations).
 Activations are not included: they depend on the batch, and come on top of the backward figure.
@@ -77,18 +78,23 @@ def _gathered_bytes(unit) -> int:
     return sum(_nbytes(g.padded_numel, g.compute_dtype) for g in unit.groups)
 
 
-def _gather_scratch_bytes(unit, on_gloo: bool) -> int:
-    """What a gather of `unit` allocates beside its buffer while it runs."""
+def _gather_scratch_bytes(unit) -> int:
+    """What a gather of `unit` allocates beside its buffer while it runs: the row layout's
+    scratch, and gloo's flat output (none when a pair swaps halves: see `engine.comm`)."""
     scratch = 0
     for group in unit.groups:
-        copies = int(isinstance(group, RowGroup)) + int(on_gloo and group.comm.shard_size > 1)
+        comm = group.comm
+        gloo_output = comm.wait_on_futures and comm.shard_size > 1 and not comm.swaps_halves
+        copies = int(isinstance(group, RowGroup)) + int(gloo_output)
         scratch += copies * _nbytes(group.padded_numel, group.compute_dtype)
     return scratch
 
 
 def _unit_gradient_bytes(unit) -> int:
-    """A unit's gradients as autograd hands them over, plus the full buffer they are reduced in."""
+    """A unit's gradients as autograd hands them over, plus the full buffer they are reduced in
+    and, when sharded, the shard the reduction lands in (which becomes the gradient shard)."""
     return sum(_nbytes(g.numel, g.compute_dtype) + _nbytes(g.padded_numel, g.reduce_dtype)
+               + (_nbytes(g.shard_numel, g.reduce_dtype) if g.comm.shard_size > 1 else 0)
                for g in unit.trainable_groups)
 
 
@@ -139,7 +145,6 @@ def _forward_gathered_peak(layers) -> int:
 
 def _backward_peak(sharded, held: int, layers, resident_units) -> int:
     """The heaviest moment of backward, walking the units as the engine schedules them."""
-    on_gloo = sharded.comm.wait_on_futures
     resident = sum(_gathered_bytes(u) for u in resident_units)
     order = list(reversed(layers))
     peak = reduced = 0
@@ -148,9 +153,9 @@ def _backward_peak(sharded, held: int, layers, resident_units) -> int:
         base = held + reduced + resident
         # Later units' gathers started at the end of the unit before (counted there).
         starting = base + _gathered_bytes(unit) + (
-            _gather_scratch_bytes(unit, on_gloo) if index == 0 else 0)
+            _gather_scratch_bytes(unit) if index == 0 else 0)
         ending = base + _unit_gradient_bytes(unit) + (
-            _gathered_bytes(following) + _gather_scratch_bytes(following, on_gloo)
+            _gathered_bytes(following) + _gather_scratch_bytes(following)
             if following is not None else 0)
         peak = max(peak, starting, ending)
         reduced += _grad_shard_bytes(unit)

@@ -294,7 +294,47 @@ def case_plan_disagreement(rank, world):
     return None
 
 
+def case_collectives_of_a_pair(rank, world):
+    """The engine's gather and reduce-scatter over a pair against torch's own collectives, in
+    both dtypes, at an odd size, with the sent shard outside the output and inside its own place
+    (on gloo a pair swaps halves with one all-to-all)."""
+    from fsdp_bridge.engine.comm import Comm
+
+    comm = Comm(dist.group.WORLD, None, dist.group.WORLD)
+    checks = {"swaps_halves": comm.swaps_halves, "backend": dist.get_backend()}
+    for dtype in (torch.float32, torch.bfloat16):
+        half = 1001
+        generator = torch.Generator().manual_seed(7 + rank)
+        shard = torch.randn(half, generator=generator).to(dtype=dtype, device=device())
+        expected = torch.empty(world * half, dtype=dtype, device=device())
+        dist.all_gather_into_tensor(expected, shard)
+        apart = torch.full_like(expected, float("nan"))
+        comm.all_gather(apart, shard).wait()
+        in_place = torch.full_like(expected, float("nan"))
+        own = in_place[rank * half : (rank + 1) * half]
+        own.copy_(shard)
+        comm.all_gather(in_place, own).wait()
+        full = torch.randn(world * half, generator=generator).to(dtype=dtype, device=device())
+        summed = full.clone()
+        dist.all_reduce(summed)
+        mine = slice(rank * half, (rank + 1) * half)
+        if comm.reduce_scatter_in_place:
+            reduced = full.clone()
+            comm.reduce_scatter_in_buffer(reduced).wait()
+            reduced = reduced[mine]
+        else:
+            reduced = torch.empty_like(shard)
+            comm.reduce_scatter(reduced, full).wait()
+        checks[str(dtype).split(".")[-1]] = {
+            "gather_apart": torch.equal(apart, expected),
+            "gather_in_place": torch.equal(in_place, expected),
+            "reduced_slice": torch.equal(reduced, summed[mine]),
+        }
+    return checks
+
+
 WORLD2_CASES = [
+    case_collectives_of_a_pair,
     case_llama_zero3,
     case_llama_zero2,
     case_llama_replicate,

@@ -92,3 +92,5 @@ def test_collective_bytes_counts_the_full_tensor():
     assert bench.collective_bytes("c10d", "allgather_", ([[shard, shard]], [shard])) == 32
     assert bench.collective_bytes("_c10d_functional", "all_gather_into_tensor", (shard, 2, "g")) == 32
     assert bench.collective_bytes("_c10d_functional", "reduce_scatter_tensor", (full, "sum", 2, "g")) == 32
+    # a pair swapping halves: 4 elements out, 4 in
+    assert bench.collective_bytes("c10d", "alltoall_base_", (shard, shard, [0, 4], [0, 4])) == 32

@@ -161,3 +161,13 @@ def test_world4(world4, case, model):
     # Replicas hold the same parameters.
     for rank in (1, 2, 3):
         assert_states_close(world4[rank][case]["state"], out["state"], rtol=0, atol=0)
+
+
+def test_collectives_of_a_pair_match_torchs(world2):
+    for rank in (0, 1):
+        out = world2[rank]["case_collectives_of_a_pair"]
+        # gloo: the pair swaps halves (the path under test); NCCL keeps its own collectives
+        assert out["swaps_halves"] == (out["backend"] == "gloo")
+        for dtype in ("float32", "bfloat16"):
+            assert out[dtype] == {"gather_apart": True, "gather_in_place": True,
+                                  "reduced_slice": True}, (rank, dtype)

@@ -33,7 +33,9 @@ How the CPU bench measures, and why:
     namespaces (what `torch.distributed` calls and FSDP2's functional collectives become), so
     all three configs are counted by the same code. Bytes are those of the full tensor: the
     gathered output of an all-gather, the input of a reduce-scatter, the tensor of an
-    all-reduce. Ours is cross-checked against the engine's own counter.
+    all-reduce, and what an all-to-all sends plus what it receives (the engine's pairs swap
+    halves with one; see `fsdp_bridge.engine.comm`). Ours is cross-checked against the
+    engine's own counter.
 
 Importing the package imports no torch: the command's `--help` stays fast.
 """

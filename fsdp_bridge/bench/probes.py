@@ -20,6 +20,10 @@ def _tensor_bytes(value) -> int:
 
 def collective_bytes(namespace: str, name: str, args) -> int:
     """Bytes of the full tensor a collective moves (see the package docstring)."""
+    if namespace == "c10d" and name.startswith("alltoall"):
+        # An all-to-all has no full tensor: what the rank sends plus what it receives (for the
+        # engine's swap of halves between a pair, exactly the full tensor).
+        return _tensor_bytes(args[0]) + _tensor_bytes(args[1])
     if namespace == "c10d":
         # In-place c10d ops take (outputs, inputs, ...): the full side is the larger one.
         return max(_tensor_bytes(args[0]), _tensor_bytes(args[1]) if len(args) > 1 else 0)

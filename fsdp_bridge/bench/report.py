@@ -107,8 +107,8 @@ def _header(s: dict) -> list[str]:
         "per config, interleaved); step time = slowest rank; median over all timed steps",
         "peak = highest heap bytes in use (glibc mallinfo2, sampled at every op) during one "
         "step above the heap before the model was built, max over ranks; start = live bytes when the "
-        "step begins; collectives = c10d ops per "
-        "step on one rank, bytes of the full tensor; paired = median of per-round ours/this",
+        "step begins; collectives = c10d ops per step on one rank, bytes of the full tensor "
+        "(all-to-all: sent + received); paired = median of per-round ours/this",
         "ours = our engine through the YaFSDP front-end; ours2 = through fully_shard "
         "(DTensor parameters); plain = compute only (each rank's unsharded model on its own "
         "batch, no communication)",

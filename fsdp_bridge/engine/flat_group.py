@@ -278,42 +278,48 @@ class FlatGroup:
             self.unsynced_grad = None
 
     def start_reduce(self, full: torch.Tensor):
-        """Start reducing a full gradient; returns (work, shard-sized result tensor)."""
+        """Start reducing a full gradient; returns (work, shard-sized result tensor, whether
+        the result is a tensor of its own rather than a view of `full`)."""
         if self.comm.shard_size == 1:
-            return self.comm.all_reduce_replicas(full), full
+            return self.comm.all_reduce_replicas(full), full, True
         if self.comm.reduce_scatter_in_place:
             work = self.comm.reduce_scatter_in_buffer(full)
-            return work, full[self.shard_start : self.shard_start + self.shard_numel]
+            return work, full[self.shard_start : self.shard_start + self.shard_numel], False
         output = torch.empty(self.shard_numel, dtype=full.dtype, device=full.device)
-        return self.comm.reduce_scatter(output, full), output
+        return self.comm.reduce_scatter(output, full), output, True
 
-    def accumulate(self, reduced: torch.Tensor) -> None:
-        """Add one micro-step's reduced gradient shard into this cycle's accumulator. On gloo
-        this runs on the process group's thread as the reduction lands (see [Note: reductions
-        land early]): it touches only this group's gradient state, which the main thread reads
-        again only after waiting on that reduction."""
+    def accumulate(self, reduced: torch.Tensor, own_tensor: bool) -> None:
+        """Add one micro-step's reduced gradient shard into this cycle's accumulator; the
+        first of a cycle becomes the accumulator when it is a tensor of its own (`own_tensor`)
+        of the master's dtype, saving a zero-fill and an addition. On gloo this runs on the
+        process group's thread as the reduction lands (see [Note: reductions land early]): it
+        touches only this group's gradient state, which the main thread reads again only after
+        waiting on that reduction."""
         if self.grad_cycle is GradCycle.CLOSED:
-            self._begin_cycle()
+            if not (own_tensor and reduced.dtype == self.master.dtype):
+                reduced = reduced.to(self.master.dtype, copy=True)
+            self._begin_cycle(reduced)
+            return
         assert self.accumulator is not None
         self.accumulator.add_(reduced)
 
-    def _begin_cycle(self) -> None:
+    def _begin_cycle(self, first: torch.Tensor) -> None:
         # [Note: gradient memory follows .grad] Between cycles the engine holds the gradient
         # shard only weakly: the `.grad` views handed to the user are what keep it alive, so
         # `zero_grad()` (set_to_none) frees it on the spot, as torch frees a plain `.grad`.
         # Torch semantics: gradients add into existing .grad until the user zeroes or drops
         # them. If the user kept some, accumulate aside and add at the end.
+        # `first`, the cycle's first reduced shard, becomes the accumulator.
         assert self.grad_cycle is GradCycle.CLOSED, "a gradient cycle opened twice"
         kept = self._kept_grad_shard()
         if kept is None:
-            self.grad_shard = torch.zeros_like(self.master)
-            self.accumulator = self.grad_shard
+            self.grad_shard = self.accumulator = first
             return
         self.grad_shard = kept
         for index, param in enumerate(self.local_params):
             if param.grad is None:  # dropped on its own: it starts again from zero
                 self._piece(kept, index).zero_()
-        self.accumulator = torch.zeros_like(self.master)
+        self.accumulator = first
 
     @property
     def grad_cycle(self) -> GradCycle:

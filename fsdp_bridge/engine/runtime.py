@@ -54,6 +54,7 @@ class PendingReduce:
     work: Any  # a c10d work handle or its future, or None when nothing was communicated
     output: Optional[torch.Tensor]
     full: Optional[torch.Tensor]  # the full gradient being reduced (freed once done)
+    output_is_own_tensor: bool  # not a view of `full` (see FlatGroup.accumulate)
     landed: bool = False  # added to the gradient shard by the collective's thread
 
 
@@ -380,21 +381,21 @@ class ShardedModel:
         return None
 
     def _start_reduce(self, group: FlatGroup, full: torch.Tensor) -> None:
-        work, output = group.start_reduce(full)
-        pending = PendingReduce(group, work, output, full)
+        work, output, own_tensor = group.start_reduce(full)
+        pending = PendingReduce(group, work, output, full, own_tensor)
         if work is not None and self.comm.wait_on_futures and self.comm.replicate_size == 1:
             # [Note: reductions land early] On gloo the reduction runs on the process group's
             # thread while backward goes on. Its result is added to the gradient shard there,
             # as soon as it is summed, and the full gradient freed with it, rather than held
             # until the next unit's gradient is ready: the next unit's backward, where the
             # memory of a step is highest, does not carry it.
-            pending.work = work.get_future().then(lambda _: self._land(pending))
+            pending.work = work.then(lambda _: self._land(pending))
         self.pending_reduces.append(pending)
 
     @staticmethod
     def _land(pending: PendingReduce) -> None:
         assert pending.output is not None
-        pending.group.accumulate(pending.output)
+        pending.group.accumulate(pending.output, pending.output_is_own_tensor)
         pending.landed = True
         pending.output = pending.full = None
 
@@ -410,7 +411,7 @@ class ShardedModel:
             assert pending.output is not None
             if self.comm.shard_size > 1:  # hybrid: shards are summed across replicas too
                 self.comm.all_reduce_replicas(pending.output, async_op=False)
-            pending.group.accumulate(pending.output)
+            pending.group.accumulate(pending.output, pending.output_is_own_tensor)
         # Drop the work handle, the reduced shard and the full gradient now: gloo's work
         # keeps a full-size scratch copy of its input alive as long as the handle lives.
         pending.work = pending.output = pending.full = None
