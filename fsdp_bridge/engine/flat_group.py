@@ -278,25 +278,30 @@ class FlatGroup:
             self.unsynced_grad = None
 
     def start_reduce(self, full: torch.Tensor):
-        """Start reducing a full gradient; returns (work, shard-sized result tensor, whether
-        the result is a tensor of its own rather than a view of `full`)."""
+        """Start reducing a full gradient; returns (work, shard-sized result tensor)."""
         if self.comm.shard_size == 1:
-            return self.comm.all_reduce_replicas(full), full, True
-        if self.comm.reduce_scatter_in_place:
+            return self.comm.all_reduce_replicas(full), full
+        if self._reduces_in_full_buffer:
             work = self.comm.reduce_scatter_in_buffer(full)
-            return work, full[self.shard_start : self.shard_start + self.shard_numel], False
+            return work, full[self.shard_start : self.shard_start + self.shard_numel]
         output = torch.empty(self.shard_numel, dtype=full.dtype, device=full.device)
-        return self.comm.reduce_scatter(output, full), output, True
+        return self.comm.reduce_scatter(output, full), output
 
-    def accumulate(self, reduced: torch.Tensor, own_tensor: bool) -> None:
+    @property
+    def _reduces_in_full_buffer(self) -> bool:
+        """Whether a reduction's result is a slice of the full gradient (gloo groups of more
+        than two) rather than a tensor of its own."""
+        return self.comm.shard_size > 1 and self.comm.reduce_scatter_in_place
+
+    def accumulate(self, reduced: torch.Tensor) -> None:
         """Add one micro-step's reduced gradient shard into this cycle's accumulator; the
-        first of a cycle becomes the accumulator when it is a tensor of its own (`own_tensor`)
-        of the master's dtype, saving a zero-fill and an addition. On gloo this runs on the
-        process group's thread as the reduction lands (see [Note: reductions land early]): it
-        touches only this group's gradient state, which the main thread reads again only after
-        waiting on that reduction."""
+        first of a cycle becomes the accumulator when it is a tensor of its own of the master's
+        dtype, saving a zero-fill and an addition. On gloo this runs on the process group's
+        thread as the reduction lands (see [Note: reductions land early]): it touches only
+        this group's gradient state, which the main thread reads again only after waiting on
+        that reduction."""
         if self.grad_cycle is GradCycle.CLOSED:
-            if not (own_tensor and reduced.dtype == self.master.dtype):
+            if self._reduces_in_full_buffer or reduced.dtype != self.master.dtype:
                 reduced = reduced.to(self.master.dtype, copy=True)
             self._begin_cycle(reduced)
             return

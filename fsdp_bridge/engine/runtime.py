@@ -54,7 +54,6 @@ class PendingReduce:
     work: Any  # a c10d work handle or its future, or None when nothing was communicated
     output: Optional[torch.Tensor]
     full: Optional[torch.Tensor]  # the full gradient being reduced (freed once done)
-    output_is_own_tensor: bool  # not a view of `full` (see FlatGroup.accumulate)
     landed: bool = False  # added to the gradient shard by the collective's thread
 
 
@@ -381,8 +380,8 @@ class ShardedModel:
         return None
 
     def _start_reduce(self, group: FlatGroup, full: torch.Tensor) -> None:
-        work, output, own_tensor = group.start_reduce(full)
-        pending = PendingReduce(group, work, output, full, own_tensor)
+        work, output = group.start_reduce(full)
+        pending = PendingReduce(group, work, output, full)
         if work is not None and self.comm.wait_on_futures and self.comm.replicate_size == 1:
             # [Note: reductions land early] On gloo the reduction runs on the process group's
             # thread while backward goes on. Its result is added to the gradient shard there,
@@ -395,7 +394,7 @@ class ShardedModel:
     @staticmethod
     def _land(pending: PendingReduce) -> None:
         assert pending.output is not None
-        pending.group.accumulate(pending.output, pending.output_is_own_tensor)
+        pending.group.accumulate(pending.output)
         pending.landed = True
         pending.output = pending.full = None
 
@@ -411,7 +410,7 @@ class ShardedModel:
             assert pending.output is not None
             if self.comm.shard_size > 1:  # hybrid: shards are summed across replicas too
                 self.comm.all_reduce_replicas(pending.output, async_op=False)
-            pending.group.accumulate(pending.output, pending.output_is_own_tensor)
+            pending.group.accumulate(pending.output)
         # Drop the work handle, the reduced shard and the full gradient now: gloo's work
         # keeps a full-size scratch copy of its input alive as long as the handle lives.
         pending.work = pending.output = pending.full = None
