@@ -91,11 +91,17 @@ def _gather_scratch_bytes(unit) -> int:
 
 
 def _unit_gradient_bytes(unit) -> int:
-    """A unit's gradients as autograd hands them over, plus the full buffer they are reduced in
-    and, when sharded, the shard the reduction lands in (which becomes the gradient shard)."""
-    return sum(_nbytes(g.numel, g.compute_dtype) + _nbytes(g.padded_numel, g.reduce_dtype)
+    """A unit's gradients as autograd hands them over, plus the buffer they are laid out in to
+    be reduced (the full gradient, or for a pair only the other rank's part: see
+    `FlatGroup.start_reduce_of_grads`) and, when sharded, the shard the reduction lands in
+    (which becomes the gradient shard)."""
+    return sum(_nbytes(g.numel, g.compute_dtype) + _nbytes(_laid_out_numel(g), g.reduce_dtype)
                + (_nbytes(g.shard_numel, g.reduce_dtype) if g.comm.shard_size > 1 else 0)
                for g in unit.trainable_groups)
+
+
+def _laid_out_numel(group) -> int:
+    return group.shard_numel if group.comm.swaps_halves else group.padded_numel
 
 
 def _grad_shard_bytes(unit) -> int:

@@ -333,8 +333,71 @@ def case_collectives_of_a_pair(rank, world):
     return checks
 
 
+class _Awkward(nn.Module):
+    """67 parameters: in the flat layout `a.weight` crosses the middle of the padded 68, in the
+    row layout `a.weight`'s 5 rows split 3 / 2; `unused` gets no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(7, 5)
+        self.b = nn.Linear(5, 3)
+        self.unused = nn.Parameter(torch.randn(3, 3))
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _wrapped_awkward(layout: str):
+    from fsdp_bridge import engine
+    from fsdp_bridge.fsdp import fully_shard
+    from fsdp_bridge.plan import Plan, UnitSpec
+
+    torch.manual_seed(0)
+    model = _Awkward().to(device())
+    if layout == "rows":
+        fully_shard(model)
+        with torch.no_grad():
+            model(torch.zeros(1, 7, device=device()))  # the model is sharded at first use
+        return engine.get_sharded(model)
+    return engine.shard_model(model, Plan(units=(UnitSpec(""),)))
+
+
+def case_pair_reduces_from_gradients(rank, world):
+    """A unit's reduction started from its per-parameter gradients (on gloo a pair sends only
+    the other rank's part and adds its own from the gradients) against torch's all-reduce of
+    the whole laid-out gradient, in both layouts: fp32 and bf16 gradients reduced in fp32, and
+    fp32 gradients reduced in bf16 (rounded before the sum, as a laid-out gradient is)."""
+    checks = {}
+    f32, bf16 = torch.float32, torch.bfloat16
+    for layout in ("flat", "rows"):
+        (group,) = _wrapped_awkward(layout).flat_groups()
+        part = slice(rank * group.shard_numel, (rank + 1) * group.shard_numel)
+        for dtype, reduce_dtype in ((f32, f32), (bf16, f32), (f32, bf16)):
+            group.reduce_dtype = reduce_dtype
+            generator = torch.Generator().manual_seed(11 + rank)
+            grads = tuple(None if slot.fqn == "unused" else
+                          torch.randn(slot.shape, generator=generator).to(dtype=dtype,
+                                                                          device=device())
+                          for slot in group.slots)
+            full = torch.empty(group.padded_numel, dtype=group.reduce_dtype, device=device())
+            group.write_full_grad(grads, full)
+            dist.all_reduce(full)
+            kept = group.grad_part_pieces(grads, rank)
+            work, output, source = group.start_reduce_of_grads(grads)
+            work.wait()
+            checks[f"{layout}/{dtype} into {reduce_dtype}"] = {
+                "reduced": torch.equal(output, full[part]),
+                "source_numel": source.numel(),
+                "kept_bytes": sum(t.untyped_storage().nbytes() for _, t in kept),
+                "part_bytes": group.shard_numel * max(dtype.itemsize, reduce_dtype.itemsize),
+                "shard_numel": group.shard_numel, "padded_numel": group.padded_numel,
+            }
+    return checks
+
+
 WORLD2_CASES = [
     case_collectives_of_a_pair,
+    case_pair_reduces_from_gradients,
     case_llama_zero3,
     case_llama_zero2,
     case_llama_replicate,

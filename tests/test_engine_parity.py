@@ -163,6 +163,20 @@ def test_world4(world4, case, model):
         assert_states_close(world4[rank][case]["state"], out["state"], rtol=0, atol=0)
 
 
+def test_a_pair_reduces_from_the_gradients_as_torch_sums(world2):
+    for rank in (0, 1):
+        out = world2[rank]["case_pair_reduces_from_gradients"]
+        for name, check in out.items():
+            assert check["reduced"], (rank, name)
+            if world2[rank]["case_collectives_of_a_pair"]["backend"] == "gloo":
+                # only the other rank's part was laid out, and nothing beyond this rank's
+                # part of the gradients stays alive for the addition
+                assert check["source_numel"] == check["shard_numel"], (rank, name)
+                assert check["kept_bytes"] <= check["part_bytes"], (rank, name)
+            else:
+                assert check["source_numel"] == check["padded_numel"], (rank, name)
+
+
 def test_collectives_of_a_pair_match_torchs(world2):
     for rank in (0, 1):
         out = world2[rank]["case_collectives_of_a_pair"]

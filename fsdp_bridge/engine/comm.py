@@ -24,7 +24,7 @@ Larger groups keep gloo's collectives: what one rank sends there is not one cont
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -37,9 +37,12 @@ class CollectiveStats:
     calls: dict[str, int] = dataclasses.field(default_factory=dict)
     bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
-    def record(self, kind: str, tensor: torch.Tensor) -> None:
+    def record(self, kind: str, tensor: torch.Tensor, parts: int = 1) -> None:
+        """One call moving `tensor`, or `parts` tensors of its size (the full tensor of a
+        collective given one rank's part of it)."""
         self.calls[kind] = self.calls.get(kind, 0) + 1
-        self.bytes[kind] = self.bytes.get(kind, 0) + tensor.numel() * tensor.element_size()
+        size = tensor.numel() * tensor.element_size() * parts
+        self.bytes[kind] = self.bytes.get(kind, 0) + size
 
     def reset(self) -> None:
         self.calls.clear()
@@ -113,14 +116,19 @@ class Comm:
         self.stats.record("reduce_scatter", full)
         if self.swaps_halves:
             mine, theirs = self._halves(full.data)
-
-            def add_own_half(_) -> None:
-                output.data.add_(mine)
-
-            return self._swap(send=theirs, receive=output.data).then(add_own_half)
+            return self.reduce_pair(theirs, output, lambda: output.data.add_(mine))
         return dist.reduce_scatter_tensor(
             output.data, full.data, op=dist.ReduceOp.SUM, group=self.shard_group, async_op=True
         )
+
+    def reduce_pair(self, theirs: torch.Tensor, output: torch.Tensor,
+                    add_own: Callable[[], object]):
+        """A pair's reduce-scatter (see [Note: pairs swap halves]): send `theirs`, this rank's
+        contribution to the other rank's part, receive the other rank's contribution to this
+        rank's part into `output`, then call `add_own` to add this rank's own contribution
+        (on gloo's thread). Returns a future."""
+        self.stats.record("reduce_scatter", theirs, parts=self.shard_size)
+        return self._swap(send=theirs.data, receive=output.data).then(lambda _: add_own())
 
     def reduce_scatter_in_buffer(self, full: torch.Tensor):
         """Sum `full` in place over the shard group (gloo: see [Note: gloo reduce-scatter]);

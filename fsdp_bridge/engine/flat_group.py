@@ -260,6 +260,54 @@ class FlatGroup:
             parts.append(torch.zeros(padding, dtype=out.dtype, device=out.device))
         torch.cat(parts, out=out)
 
+    def part_pieces(self, rank: int) -> list[tuple[int, int, int, int]]:
+        """Where shard-group rank `rank`'s part of a full buffer comes from: (parameter index,
+        first and end element in the flattened parameter, offset in the part) for every
+        parameter that has elements there; the rest of the part is padding."""
+        start, end = rank * self.shard_numel, (rank + 1) * self.shard_numel
+        pieces = []
+        for index, (offset, numel) in enumerate(zip(self.offsets, self.numels)):
+            lo, hi = max(start, offset), min(end, offset + numel)
+            if lo < hi:
+                pieces.append((index, lo - offset, hi - offset, lo - start))
+        return pieces
+
+    def write_grad_part(self, grads: tuple, rank: int, out: torch.Tensor) -> None:
+        """Lay out only rank `rank`'s part of the full gradient of `grads` into `out`
+        (`shard_numel` long): unused parameters and padding contribute zero."""
+        parts, filled = [], 0
+        for index, lo, hi, at in self.part_pieces(rank):
+            if at > filled:
+                parts.append(torch.zeros(at - filled, dtype=out.dtype, device=out.device))
+            grad = grads[index]
+            parts.append(torch.zeros(hi - lo, dtype=out.dtype, device=out.device)
+                         if grad is None else grad.reshape(-1)[lo:hi])
+            filled = at + hi - lo
+        if filled < out.numel():
+            parts.append(torch.zeros(out.numel() - filled, dtype=out.dtype, device=out.device))
+        if parts:
+            torch.cat(parts, out=out)
+
+    def grad_part_pieces(self, grads: tuple, rank: int) -> list[tuple[int, torch.Tensor]]:
+        """(offset in the part, gradient piece) for rank `rank`'s part of `grads`, to be added
+        into a part of the reduce dtype later: a parameter that lies wholly in the part is kept
+        as it is, a piece of one that crosses the part's edge is copied out, so that nothing
+        outside the part stays alive. A gradient the reduce dtype cannot hold exactly is cast
+        now, so that it is rounded as a laid-out gradient would be before the sum."""
+        kept = []
+        for index, lo, hi, at in self.part_pieces(rank):
+            grad = grads[index]
+            if grad is None:
+                continue
+            flat = grad.reshape(-1)
+            if torch.promote_types(flat.dtype, self.reduce_dtype) != self.reduce_dtype:
+                kept.append((at, flat[lo:hi].to(self.reduce_dtype)))
+            elif hi - lo == flat.numel():
+                kept.append((at, flat))
+            else:
+                kept.append((at, flat[lo:hi].clone()))
+        return kept
+
     def accumulate_unsynced(self, grads: tuple) -> None:
         """Inside no_sync: add this backward's full gradient to a local, unreduced sum."""
         if self.unsynced_grad is None:
@@ -276,6 +324,34 @@ class FlatGroup:
         if self.unsynced_grad is not None:
             full.add_(self.unsynced_grad)
             self.unsynced_grad = None
+
+    def start_reduce_of_grads(self, grads: tuple):
+        """Start reducing one backward's gradients (and any no_sync sum); returns (work,
+        shard-sized result tensor, what the reduction reads from until it is done)."""
+        if self.comm.swaps_halves and self.unsynced_grad is None:
+            return self._start_pair_reduce(grads)
+        full = torch.empty(self.padded_numel, dtype=self.reduce_dtype, device=self.master.device)
+        self.write_full_grad(grads, full)
+        self.add_unsynced_grad_into(full)
+        work, output = self.start_reduce(full)
+        return work, output, full
+
+    def _start_pair_reduce(self, grads: tuple):
+        """[Note: a pair reduces from the gradients] Only the other rank's part of the
+        gradient is laid out, to be sent; this rank's part is added from the gradients
+        themselves once the other rank's contribution has arrived. Half the copying of a full
+        layout, and half its memory while backward goes on."""
+        rank = self.comm.shard_rank
+        theirs = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.master.device)
+        self.write_grad_part(grads, 1 - rank, theirs)
+        own = self.grad_part_pieces(grads, rank)
+        output = torch.empty_like(theirs)
+
+        def add_own() -> None:
+            for at, piece in own:
+                output[at : at + piece.numel()].add_(piece)
+
+        return self.comm.reduce_pair(theirs, output, add_own), output, theirs
 
     def start_reduce(self, full: torch.Tensor):
         """Start reducing a full gradient; returns (work, shard-sized result tensor)."""

@@ -221,6 +221,17 @@ class RowGroup(FlatGroup):
                 full_chunks += 1
             target[full_chunks:].zero_()
 
+    def part_pieces(self, rank: int) -> list[tuple[int, int, int, int]]:
+        """Rank `rank`'s part is its row chunk of every parameter, each padded to the chunk
+        size (see [Note: row layout])."""
+        pieces = []
+        for index, (offset, size, numel) in enumerate(
+                zip(self.chunk_offsets, self.chunk_numels, self.numels)):
+            lo, hi = rank * size, min((rank + 1) * size, numel)
+            if lo < hi:
+                pieces.append((index, lo, hi, offset))
+        return pieces
+
     def _grad_of(self, index: int) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 

@@ -53,7 +53,9 @@ class PendingReduce:
     group: FlatGroup
     work: Any  # a c10d work handle or its future, or None when nothing was communicated
     output: Optional[torch.Tensor]
-    full: Optional[torch.Tensor]  # the full gradient being reduced (freed once done)
+    # What the reduction reads from (the full gradient, or for a pair the other rank's part
+    # of it), dropped once done.
+    source: Optional[torch.Tensor]
     landed: bool = False  # added to the gradient shard by the collective's thread
 
 
@@ -360,15 +362,12 @@ class ShardedModel:
             group.accumulate_unsynced(grads)  # no communication inside no_sync
 
     def _reduce(self, group: FlatGroup, grads: tuple) -> None:
-        # [Note: gradient buffers] A unit's full gradient lives in a buffer of its own from
-        # here until its reduction has finished. The reduction before it had this unit's
-        # whole backward to run: finish it and free its buffer first, so that at most one
-        # full gradient waits on the network at a time, as in FSDP2.
+        # [Note: gradient buffers] A unit's gradient, laid out for the network, lives in a
+        # buffer of its own from here until its reduction has finished. The reduction before
+        # it had this unit's whole backward to run: finish it and free its buffer first, so
+        # that at most one unit's gradient waits on the network at a time, as in FSDP2.
         self._finish_pending_reduces()
-        full = torch.empty(group.padded_numel, dtype=group.reduce_dtype, device=self.device)
-        group.write_full_grad(grads, full)
-        group.add_unsynced_grad_into(full)
-        self._start_reduce(group, full)
+        self._track_reduce(group, *group.start_reduce_of_grads(grads))
 
     def _next_to_gather_in_backward(self, unit: Unit) -> Optional[Unit]:
         """The first unit after `unit` in backward order that is not gathered yet."""
@@ -379,13 +378,13 @@ class ShardedModel:
             candidate = self._previous_in_forward(candidate)
         return None
 
-    def _start_reduce(self, group: FlatGroup, full: torch.Tensor) -> None:
-        work, output = group.start_reduce(full)
-        pending = PendingReduce(group, work, output, full)
+    def _track_reduce(self, group: FlatGroup, work, output: torch.Tensor,
+                      source: torch.Tensor) -> None:
+        pending = PendingReduce(group, work, output, source)
         if work is not None and self.comm.wait_on_futures and self.comm.replicate_size == 1:
             # [Note: reductions land early] On gloo the reduction runs on the process group's
             # thread while backward goes on. Its result is added to the gradient shard there,
-            # as soon as it is summed, and the full gradient freed with it, rather than held
+            # as soon as it is summed, and what it read from freed with it, rather than held
             # until the next unit's gradient is ready: the next unit's backward, where the
             # memory of a step is highest, does not carry it.
             pending.work = work.then(lambda _: self._land(pending))
@@ -396,7 +395,7 @@ class ShardedModel:
         assert pending.output is not None
         pending.group.accumulate(pending.output)
         pending.landed = True
-        pending.output = pending.full = None
+        pending.output = pending.source = None
 
     def _finish_pending_reduces(self) -> None:
         for pending in self.pending_reduces:
@@ -411,9 +410,9 @@ class ShardedModel:
             if self.comm.shard_size > 1:  # hybrid: shards are summed across replicas too
                 self.comm.all_reduce_replicas(pending.output, async_op=False)
             pending.group.accumulate(pending.output)
-        # Drop the work handle, the reduced shard and the full gradient now: gloo's work
+        # Drop the work handle, the reduced shard and its source now: gloo's work
         # keeps a full-size scratch copy of its input alive as long as the handle lives.
-        pending.work = pending.output = pending.full = None
+        pending.work = pending.output = pending.source = None
 
     def _queue_end_of_backward(self) -> None:
         if self.phase is StepPhase.FORWARD:
@@ -428,7 +427,8 @@ class ShardedModel:
                 for group in unit.trainable_groups:
                     if group.unsynced_grad is not None:
                         full, group.unsynced_grad = group.unsynced_grad, None
-                        self._start_reduce(group, full)
+                        work, output = group.start_reduce(full)
+                        self._track_reduce(group, work, output, full)
         self._finish_pending_reduces()
         self.micro_step += 1
         steps = self.plan.gradient_accumulation_steps
