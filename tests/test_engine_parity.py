@@ -184,4 +184,4 @@ def test_collectives_of_a_pair_match_torchs(world2):
         assert out["swaps_halves"] == (out["backend"] == "gloo")
         for dtype in ("float32", "bfloat16"):
             assert out[dtype] == {"gather_apart": True, "gather_in_place": True,
-                                  "reduced_slice": True}, (rank, dtype)
+                                  "reduced_slice": True, "counted_once": True}, (rank, dtype)

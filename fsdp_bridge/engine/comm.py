@@ -113,10 +113,10 @@ class Comm:
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor):
         """Sum `full` over the shard group, keeping this rank's part in `output`."""
-        self.stats.record("reduce_scatter", full)
         if self.swaps_halves:
             mine, theirs = self._halves(full.data)
             return self.reduce_pair(theirs, output, lambda: output.data.add_(mine))
+        self.stats.record("reduce_scatter", full)
         return dist.reduce_scatter_tensor(
             output.data, full.data, op=dist.ReduceOp.SUM, group=self.shard_group, async_op=True
         )
