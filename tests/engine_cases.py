@@ -370,13 +370,13 @@ def _wrapped_awkward(layout: str):
 def case_pair_reduces_from_gradients(rank, world):
     """A unit's reduction started from its per-parameter gradients (on gloo a pair sends only
     the other rank's part and adds its own from the gradients) against torch's all-reduce of
-    the whole laid-out gradient, in both layouts: fp32 and bf16 gradients reduced in fp32, and
-    fp32 gradients reduced in bf16 (rounded before the sum, as a laid-out gradient is)."""
+    each gradient, cut into this rank's shard as the parameters are (`split`, `shard_of`), in
+    both layouts: fp32 and bf16 gradients reduced in fp32, and fp32 gradients reduced in bf16
+    (rounded before the sum)."""
     checks = {}
     f32, bf16 = torch.float32, torch.bfloat16
     for layout in ("flat", "rows"):
         (group,) = _wrapped_awkward(layout).flat_groups()
-        part = slice(rank * group.shard_numel, (rank + 1) * group.shard_numel)
         for dtype, reduce_dtype in ((f32, f32), (bf16, f32), (f32, bf16)):
             group.reduce_dtype = reduce_dtype
             generator = torch.Generator().manual_seed(11 + rank)
@@ -384,14 +384,17 @@ def case_pair_reduces_from_gradients(rank, world):
                           torch.randn(slot.shape, generator=generator).to(dtype=dtype,
                                                                           device=device())
                           for slot in group.slots)
-            full = torch.empty(group.padded_numel, dtype=group.reduce_dtype, device=device())
-            group.write_full_grad(grads, full)
-            dist.all_reduce(full)
+            full = torch.zeros(group.padded_numel, dtype=reduce_dtype, device=device())
+            for (_, view), grad in zip(group.split(full), grads):
+                if grad is not None:
+                    summed = grad.to(reduce_dtype, copy=True)
+                    dist.all_reduce(summed)
+                    view.copy_(summed)
             kept = group.grad_part_pieces(grads, rank)
             work, output, source = group.start_reduce_of_grads(grads)
             work.wait()
             checks[f"{layout}/{dtype} into {reduce_dtype}"] = {
-                "reduced": torch.equal(output, full[part]),
+                "reduced": torch.equal(output, group.shard_of(full)),
                 "source_numel": source.numel(),
                 "kept_bytes": sum(t.untyped_storage().nbytes() for _, t in kept),
                 "part_bytes": group.shard_numel * max(dtype.itemsize, reduce_dtype.itemsize),

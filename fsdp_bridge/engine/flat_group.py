@@ -248,17 +248,9 @@ class FlatGroup:
     # -- gradients ----------------------------------------------------------------------------
 
     def write_full_grad(self, grads: tuple, out: torch.Tensor) -> None:
-        """Lay the per-parameter gradients of one backward into `out` (the flat layout)."""
-        parts = []
-        for grad, slot in zip(grads, self.slots):
-            if grad is None:  # parameter unused in this forward: contributes zero
-                parts.append(torch.zeros(slot.numel, dtype=out.dtype, device=out.device))
-            else:
-                parts.append(grad.reshape(-1))
-        padding = self.padded_numel - self.numel
-        if padding:
-            parts.append(torch.zeros(padding, dtype=out.dtype, device=out.device))
-        torch.cat(parts, out=out)
+        """Lay the per-parameter gradients of one backward into `out` (`padded_numel` long),
+        part after part as the shard group's ranks hold them."""
+        self._write_grad_parts(grads, range(self.comm.shard_size), out)
 
     def part_pieces(self, rank: int) -> list[tuple[int, int, int, int]]:
         """Where shard-group rank `rank`'s part of a full buffer comes from: (parameter index,
@@ -274,17 +266,26 @@ class FlatGroup:
 
     def write_grad_part(self, grads: tuple, rank: int, out: torch.Tensor) -> None:
         """Lay out only rank `rank`'s part of the full gradient of `grads` into `out`
-        (`shard_numel` long): unused parameters and padding contribute zero."""
-        parts, filled = [], 0
-        for index, lo, hi, at in self.part_pieces(rank):
-            if at > filled:
-                parts.append(torch.zeros(at - filled, dtype=out.dtype, device=out.device))
-            grad = grads[index]
-            parts.append(torch.zeros(hi - lo, dtype=out.dtype, device=out.device)
-                         if grad is None else grad.reshape(-1)[lo:hi])
-            filled = at + hi - lo
-        if filled < out.numel():
-            parts.append(torch.zeros(out.numel() - filled, dtype=out.dtype, device=out.device))
+        (`shard_numel` long)."""
+        self._write_grad_parts(grads, [rank], out)
+
+    def _write_grad_parts(self, grads: tuple, ranks, out: torch.Tensor) -> None:
+        """The parts of `ranks`, one after another, into `out` with one copy: unused
+        parameters (None) and padding contribute zero."""
+        def zeros(numel: int) -> torch.Tensor:
+            return torch.zeros(numel, dtype=out.dtype, device=out.device)
+
+        parts = []
+        for rank in ranks:
+            filled = 0
+            for index, lo, hi, at in self.part_pieces(rank):
+                if at > filled:
+                    parts.append(zeros(at - filled))
+                grad = grads[index]
+                parts.append(zeros(hi - lo) if grad is None else grad.reshape(-1)[lo:hi])
+                filled = at + hi - lo
+            if filled < self.shard_numel:
+                parts.append(zeros(self.shard_numel - filled))
         if parts:
             torch.cat(parts, out=out)
 

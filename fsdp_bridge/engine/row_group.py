@@ -204,23 +204,6 @@ class RowGroup(FlatGroup):
 
     # -- gradients ----------------------------------------------------------------------------
 
-    def write_full_grad(self, grads: tuple, out: torch.Tensor) -> None:
-        """Cut each parameter's full gradient into its row chunks, rank after rank."""
-        by_rank = out.view(self.comm.shard_size, self.shard_numel)
-        for grad, offset, size in zip(grads, self.chunk_offsets, self.chunk_numels):
-            target = by_rank[:, offset : offset + size]
-            if grad is None or size == 0:  # unused in this forward: contributes zero
-                target.zero_()
-                continue
-            flat = grad.reshape(-1)
-            full_chunks, rest = divmod(flat.numel(), size)
-            target[:full_chunks].copy_(flat[: full_chunks * size].view(full_chunks, size))
-            if rest:
-                target[full_chunks, :rest].copy_(flat[full_chunks * size :])
-                target[full_chunks, rest:].zero_()
-                full_chunks += 1
-            target[full_chunks:].zero_()
-
     def part_pieces(self, rank: int) -> list[tuple[int, int, int, int]]:
         """Rank `rank`'s part is its row chunk of every parameter, each padded to the chunk
         size (see [Note: row layout])."""
