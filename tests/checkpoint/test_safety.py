@@ -162,6 +162,14 @@ _RACER = textwrap.dedent("""
     from fsdp_bridge import checkpoint
     from fsdp_bridge.checkpoint.validate import CheckpointError
     path, me, go = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    # Each racer appends a byte to its tally after every save, and marks when it is done: a
+    # refused racer waits for the save that refused it to finish before it tries again, so
+    # every refusal stands for one save of the other racer (refusals are instant, and would
+    # otherwise all fall inside one long save under load).
+    tally = os.path.join(os.path.dirname(go), f"saves-{{me}}")
+    other_tally = os.path.join(os.path.dirname(go), f"saves-{{3 - me}}")
+    other_done = os.path.join(os.path.dirname(go), f"done-{{3 - me}}")
+    size = lambda file: os.path.getsize(file) if os.path.exists(file) else 0
     while not os.path.exists(go):
         time.sleep(0.01)
     outcome = {{"saved": 0, "refused": 0, "other": []}}
@@ -169,11 +177,19 @@ _RACER = textwrap.dedent("""
         try:
             checkpoint.save({{"w": torch.full((1 << 16,), float(me)), "who": me}}, path)
             outcome["saved"] += 1
+            with open(tally, "ab") as file:
+                file.write(b".")
         except CheckpointError as exc:
             outcome["refused" if "in progress" in str(exc) else "other"] += (
                 1 if "in progress" in str(exc) else [str(exc)])
+            # Read after the refusal: the other racer tallies a save before it starts the next,
+            # so waiting for this count to move waits at least for the save that refused us.
+            other_saves = size(other_tally)
+            while size(other_tally) == other_saves and not os.path.exists(other_done):
+                time.sleep(0.005)
         except Exception as exc:
             outcome["other"].append(f"{{type(exc).__name__}}: {{exc}}")
+    open(os.path.join(os.path.dirname(go), f"done-{{me}}"), "w").close()
     print(json.dumps(outcome))
 """)
 
@@ -188,7 +204,8 @@ def test_two_processes_saving_one_path_never_break_each_other(outputs, tmp_path)
     (tmp_path / "go").write_text("")
     outcomes = [json.loads(racer.communicate(timeout=240)[0]) for racer in racers]
     assert all(o["other"] == [] for o in outcomes), outcomes
-    assert sum(o["saved"] for o in outcomes) >= 8, outcomes  # one of them can always save
+    # each refusal waited for the other racer's save in progress: one of them can always save
+    assert sum(o["saved"] for o in outcomes) >= 8, outcomes
     state = {"w": torch.empty(1 << 16), "who": 0}
     checkpoint.load(state, path)
     assert torch.equal(state["w"], torch.full((1 << 16,), float(state["who"])))
