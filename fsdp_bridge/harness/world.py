@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import faulthandler
 import os
 import pickle
 import tempfile
@@ -123,6 +124,7 @@ def _join_group(rank: int, world_size: int, folder: str, setup: RankSetup) -> No
 def _rank_main(rank: int, world_size: int, folder: str, setup: RankSetup, fn, args) -> None:
     import torch.distributed as dist
 
+    faulthandler.enable()  # a rank that dies on a signal prints its Python stack to stderr
     _join_group(rank, world_size, folder, setup)
     try:
         outcome = ("ok", fn(rank, world_size, *args))
