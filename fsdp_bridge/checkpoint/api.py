@@ -94,8 +94,7 @@ def _checks_and_lock(state: dict, path: str, overwrite: bool, held: contextlib.E
     try:
         save_checks.check_collisions(state, f"cannot save checkpoint {path!r}")
         if world_rank() == 0:
-            atomic.check_target(path, overwrite)
-            held.enter_context(atomic.lock(path))
+            held.enter_context(atomic.locked_target(path, overwrite))
             atomic.clean_before_save(path)
     except validate.CheckpointError as exc:
         return exc

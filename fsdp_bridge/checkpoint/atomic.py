@@ -157,6 +157,18 @@ def lock(path: str):
         os.close(fd)
 
 
+@contextlib.contextmanager
+def locked_target(path: str, overwrite: bool = False):
+    """Hold `lock(path)` with `path` checked by `check_target` under it. The check must follow
+    the lock: another save may be replacing `path` until then, and between its two renames
+    `path` is briefly missing, which a check made then would misread (a directory listed a
+    moment before, now without a manifest: "not a checkpoint")."""
+    check_parent(path)
+    with lock(path):
+        check_target(path, overwrite)
+        yield
+
+
 def _read_holder(fd: int) -> str:
     try:
         return os.pread(fd, 200, 0).decode(errors="replace").strip()

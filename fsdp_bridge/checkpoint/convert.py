@@ -307,6 +307,8 @@ def convert(source: str, target: str, to: str, *, key: Optional[str] = None,
         state = {str(k): v for k, v in state.items()}
     tensors, size = _count(state)
     with atomic.lock(target):
+        # Again under the lock: a save of `target` that ran meanwhile may have changed it.
+        check_destination(source, target, to, force)
         atomic.clean_before_save(target)
         try:
             write(state, target, to)

@@ -98,8 +98,7 @@ def save_pretrained(model: nn.Module, path: str, *, overwrite: bool = False, **k
     if world_rank() == 0:
         tmp = atomic.temporary_path(path, token[0])
         try:
-            atomic.check_target(path, overwrite)
-            with atomic.lock(path):
+            with atomic.locked_target(path, overwrite):
                 atomic.clean_before_save(path)
                 try:
                     _unwrapped(model).save_pretrained(tmp, state_dict=full,

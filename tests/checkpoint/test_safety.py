@@ -154,6 +154,24 @@ def test_a_second_save_of_one_path_is_refused_while_one_runs(outputs, tmp_path):
     assert user_files.unchanged(directory, before)
 
 
+
+def test_the_target_is_judged_only_under_the_save_lock(outputs, tmp_path):
+    """While another save holds the lock, what lies at `path` is that save's to change (between
+    its two renames `path` is briefly missing): the only true refusal is "in progress", never
+    a verdict on the directory read in passing. A directory we would refuse on its own is
+    used here to tell the two verdicts apart."""
+    directory, before = outputs
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    (path / "notes.txt").write_text("not a checkpoint")
+    with atomic.lock(str(path)):
+        with pytest.raises(CheckpointError, match=r"another save to .* is in progress"):
+            checkpoint.save(_state(1.0), str(path))
+    with pytest.raises(CheckpointError, match="is not a checkpoint written by fsdp-bridge"):
+        checkpoint.save(_state(1.0), str(path))  # lock free: the directory itself is refused
+    assert os.listdir(path) == ["notes.txt"] and not atomic.leftovers(str(path))
+    assert user_files.unchanged(directory, before)
+
 _RACER = textwrap.dedent("""
     import json, os, sys, time, warnings
     warnings.simplefilter("ignore")
