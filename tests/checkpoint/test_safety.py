@@ -170,6 +170,7 @@ def test_the_target_is_judged_only_under_the_save_lock(outputs, tmp_path):
     with pytest.raises(CheckpointError, match="is not a checkpoint written by fsdp-bridge"):
         checkpoint.save(_state(1.0), str(path))  # lock free: the directory itself is refused
     assert os.listdir(path) == ["notes.txt"] and not atomic.leftovers(str(path))
+    assert not os.path.exists(atomic.lock_path(str(path)))  # the refusal let the lock go
     assert user_files.unchanged(directory, before)
 
 _RACER = textwrap.dedent("""
