@@ -163,7 +163,7 @@ def locked_target(path: str, overwrite: bool = False):
     the lock: another save may be replacing `path` until then, and between its two renames
     `path` is briefly missing, which a check made then would misread (a directory listed a
     moment before, now without a manifest: "not a checkpoint")."""
-    check_parent(path)
+    check_parent(path)  # before the lock, which creates missing directories for its file
     with lock(path):
         check_target(path, overwrite)
         yield

@@ -154,7 +154,6 @@ def test_a_second_save_of_one_path_is_refused_while_one_runs(outputs, tmp_path):
     assert user_files.unchanged(directory, before)
 
 
-
 def test_the_target_is_judged_only_under_the_save_lock(outputs, tmp_path):
     """While another save holds the lock, what lies at `path` is that save's to change (between
     its two renames `path` is briefly missing): the only true refusal is "in progress", never
@@ -172,6 +171,7 @@ def test_the_target_is_judged_only_under_the_save_lock(outputs, tmp_path):
     assert os.listdir(path) == ["notes.txt"] and not atomic.leftovers(str(path))
     assert not os.path.exists(atomic.lock_path(str(path)))  # the refusal let the lock go
     assert user_files.unchanged(directory, before)
+
 
 _RACER = textwrap.dedent("""
     import json, os, sys, time, warnings
