@@ -88,6 +88,10 @@ class Plan:
     sync_module_states: bool = False  # broadcast rank 0's parameters and buffers at init
     cpu_offload: bool = False  # keep fp32 master shards and their gradients on the CPU
     param_layout: ParamLayout = ParamLayout.FLAT
+    # What a parameter that no backward of an optimizer step reached gets as `.grad`: FSDP1
+    # and YaFSDP reduce a zero gradient for it, FSDP2 leaves `.grad` None (an optimizer then
+    # skips it: no momentum, no weight decay). See [Note: parameters without a gradient].
+    unused_grad_is_none: bool = False
     frontend: str = "engine"  # who built the plan, for messages
     # Settings a front-end could not honour, each "argument: reason" (warned once at build).
     notes: tuple[str, ...] = ()
@@ -115,6 +119,7 @@ class Plan:
             f"sync_module_states: {self.sync_module_states}",
             f"cpu_offload: {self.cpu_offload}",
             f"param_layout: {self.param_layout.value}",
+            f"unused_grad_is_none: {self.unused_grad_is_none}",
             "units:",
         ]
         for unit in self.units:

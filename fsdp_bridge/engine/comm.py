@@ -168,6 +168,14 @@ class Comm:
             self.stats.record("all_reduce", tensor)
             dist.all_reduce(tensor, op=op, group=self.shard_group)
 
+    def any_rank(self, flags: torch.Tensor) -> None:
+        """Turn 0/1 `flags` into whether any rank set each one (MAX over every rank), in
+        place."""
+        group = self.world_group
+        if group is not None and dist.get_world_size(group) > 1:
+            self.stats.record("all_reduce", flags)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+
     def broadcast_from_first(self, tensor: torch.Tensor) -> None:
         """Overwrite `tensor` on every rank with the first rank's copy (sync_module_states)."""
         group = self.world_group

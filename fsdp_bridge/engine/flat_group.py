@@ -68,6 +68,9 @@ class FlatGroup:
         self.grad_shard_ref: Optional[weakref.ref] = None  # after it (see _begin_cycle)
         self.accumulator: Optional[torch.Tensor] = None  # set while a cycle is open
         self.unsynced_grad: Optional[torch.Tensor] = None  # local sum of no_sync gradients
+        # Per parameter, whether a backward of the cycle gave it a gradient (None: no
+        # backward yet). See [Note: parameters without a gradient].
+        self.grads_seen: Optional[list[bool]] = None
         self.gate = torch.empty(0, device=device, requires_grad=True)
 
     # -- construction -------------------------------------------------------------------------
@@ -247,6 +250,11 @@ class FlatGroup:
 
     # -- gradients ----------------------------------------------------------------------------
 
+    def note_grads(self, grads: tuple) -> None:
+        """Record which parameters this backward gave a gradient (None: unused)."""
+        seen = self.grads_seen or [False] * len(grads)
+        self.grads_seen = [before or grad is not None for before, grad in zip(seen, grads)]
+
     def write_full_grad(self, grads: tuple, out: torch.Tensor) -> None:
         """Lay the per-parameter gradients of one backward into `out` (`padded_numel` long),
         part after part as the shard group's ranks hold them."""
@@ -414,8 +422,11 @@ class FlatGroup:
             return None
         return shard
 
-    def finalize_grads(self, divisor: float) -> None:
-        """Divide once, expose the result as `.grad` views, and end the cycle."""
+    def finalize_grads(self, divisor: float, without_grad: frozenset = frozenset()) -> None:
+        """Divide once, expose the result as `.grad` views, and end the cycle. Parameters
+        whose index is in `without_grad` (no rank's backward reached them) keep a `.grad` of
+        None unless the user kept one from an earlier cycle, which stays as it was."""
+        self.grads_seen = None
         if self.grad_cycle is GradCycle.CLOSED:
             return
         assert self.grad_shard is not None and self.accumulator is not None
@@ -424,7 +435,8 @@ class FlatGroup:
         else:
             self.grad_shard.div_(divisor)
         for index, param in enumerate(self.local_params):
-            param.grad = self._grad_of(index)
+            if index not in without_grad or param.grad is not None:
+                param.grad = self._grad_of(index)
         self.grad_shard_ref = weakref.ref(self.grad_shard)
         self.grad_shard = self.accumulator = None  # closes the cycle
 

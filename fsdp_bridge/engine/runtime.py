@@ -199,7 +199,12 @@ class ShardedModel:
 
     def _make_post_forward(self, unit: Unit):
         def post_forward(module, args, output):
-            self._remove_views(unit)
+            # A unit kept gathered after forward (the root) keeps computing with its gathered
+            # parameters until the end of backward, as FSDP2 keeps its unsharded parameters
+            # registered: a submodule the forward skipped can still be called on its own,
+            # and its gradient joins the unit's.
+            if unit.reshard_after_forward or self.phase is StepPhase.BACKWARD:
+                self._remove_views(unit)
             unit.in_use = False
             # Every unit, the last of forward included, gives its weights back: backward
             # gathers them again, and none sit under the activations of the turn to backward.
@@ -343,6 +348,7 @@ class ShardedModel:
         """Called by Unflatten.backward once the group's gradient is complete."""
         self._queue_end_of_backward()
         unit = self.unit_of_group[id(group)]
+        group.note_grads(grads)
         unit.backward_groups_left -= 1
         unit_done = unit.backward_groups_left <= 0
         if unit_done:
@@ -434,10 +440,11 @@ class ShardedModel:
         steps = self.plan.gradient_accumulation_steps
         if self.requires_sync and self.micro_step % steps == 0:
             default = self.gradient_divide_factor or self.comm.data_parallel_size * steps
+            without_grad = self._params_without_grad()
             for unit in self.units:
                 divisor = unit.gradient_divide_factor or default
                 for group in unit.trainable_groups:
-                    group.finalize_grads(divisor)
+                    group.finalize_grads(divisor, without_grad.get(id(group), frozenset()))
             self.micro_step = 0
         for unit in self.units:
             unit.in_use = False
@@ -451,6 +458,35 @@ class ShardedModel:
         # are worth holding through the optimizer step.
         self._release_all_buffers()
         self.phase = StepPhase.FORWARD
+
+    def _params_without_grad(self) -> dict[int, frozenset]:
+        """{id(group): indices of its parameters that no backward of this step reached on any
+        rank}, for plans that leave their `.grad` None (else empty).
+
+        [Note: parameters without a gradient] Autograd hands the engine None for a parameter
+        a backward did not reach (a branch not taken, a module skipped). The reduction still
+        sums a zero for it (the flat layout has no holes), so its value is right either way;
+        what differs between dialects is `.grad`: FSDP1 exposes the zero, FSDP2 leaves None,
+        and an optimizer moves a parameter with a zero gradient (momentum, weight decay) but
+        skips one without. Ranks decide together, with one small all-reduce (MAX) per step:
+        a parameter reached on any rank has a gradient, as in a single process on the global
+        batch. (Native FSDP2 assumes the ranks agree: it reduce-scatters only the gradients a
+        rank holds.)"""
+        if not self.plan.unused_grad_is_none:
+            return {}
+        groups = [group for unit in self.units for group in unit.trainable_groups]
+        seen = [flag for group in groups for flag in group.grads_seen or [False] * len(group.slots)]
+        if not seen:
+            return {}
+        flags = torch.tensor(seen, dtype=torch.uint8, device=self.device)
+        self.comm.any_rank(flags)
+        reached = flags.tolist()
+        without, start = {}, 0
+        for group in groups:
+            count = len(group.slots)
+            without[id(group)] = frozenset(i for i in range(count) if not reached[start + i])
+            start += count
+        return without
 
     # -- public operations --------------------------------------------------------------------
 

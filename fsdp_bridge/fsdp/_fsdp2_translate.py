@@ -273,6 +273,7 @@ def build_plan(root: nn.Module, calls: list[tuple[str, Any]]):
         ignored_params=tuple(ignored_names),
         cpu_offload=offload,
         param_layout=ParamLayout.ROWS,
+        unused_grad_is_none=True,
         frontend=FRONTEND,
         notes=notes,
     )

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import threading
 import weakref
 from typing import Any, Callable, Optional, Union
 
@@ -49,7 +50,12 @@ CONFIG = "_fsdp_bridge_fsdp2"  # per fully_shard-ed module: its FullyShardCall
 SHARDED = "_fsdp_bridge_row_sharded"  # on each DTensor parameter fully_shard made
 REPLACED_BY = "_fsdp_bridge_replaced_by"  # on an original parameter: its DTensor
 LOAD_HOOKED = "_fsdp_bridge_load_hooked"  # on a module whose loads are converted
-_INITIALIZING = [False]
+# Whether this thread is building a model's runtime: the hooks of the modules being sharded then
+# stand aside. Per thread, not per process: ranks of torch's threaded process group (one thread
+# each) shard their models at the same time.
+_BUILDING = threading.local()
+# FSDP2's default mesh per (device type, default process group): each rank of a threaded world
+# has a default group of its own, and a mesh records the rank that built it.
 _DEFAULT_MESHES: dict = {}
 
 
@@ -216,14 +222,14 @@ def _fully_sharded_below(root: nn.Module):
 
 def _lazy_init(module: nn.Module) -> None:
     """Shard the model rooted at `module` unless it already is (see [Note: lazy application])."""
-    if _INITIALIZING[0]:
+    if _building():
         return
     call: FullyShardCall = getattr(module, CONFIG)
     if call.root_of is not None and call.root_of() is not None:
         root = call.root_of()
         if engine.get_sharded(root) is not None:
             return
-    _INITIALIZING[0] = True
+    _BUILDING.active = True
     try:
         below = _fully_sharded_below(module)
         for _, sub in below:  # release submodules that were sharded as roots of their own
@@ -239,14 +245,18 @@ def _lazy_init(module: nn.Module) -> None:
         for _, call_ in calls:
             call_.root_of = ref
     finally:
-        _INITIALIZING[0] = False
+        _BUILDING.active = False
+
+
+def _building() -> bool:
+    return getattr(_BUILDING, "active", False)
 
 
 # Building the runtime is plain Python over the model's tensors, once: under torch.compile it
 # runs eagerly (tracing it would fake the parameters it re-points at the engine's shards).
 @torch.compiler.disable
 def _lazy_init_hook(module, args, kwargs):
-    if _INITIALIZING[0]:
+    if _building():
         return None
     already = _root_sharded(module) is not None
     if already:
@@ -347,7 +357,9 @@ def _default_mesh() -> DeviceMesh:
                     "Call torch.distributed.init_process_group() before fully_shard.",
                     exc=RuntimeError)
     device_type = engine.default_device().type
-    key = (device_type, dist.get_world_size())
+    # The key holds the group itself, so that a group torn down and replaced by a new one (at
+    # the same address) never finds the old group's mesh.
+    key = (device_type, dist.group.WORLD)
     if key not in _DEFAULT_MESHES:
         _DEFAULT_MESHES[key] = init_device_mesh(device_type, (dist.get_world_size(),))
     return _DEFAULT_MESHES[key]
@@ -374,11 +386,22 @@ def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params) -> None:
                 new = converted.get(id(param))
                 if new is None:
                     name = f"{owner_name}.{attr}" if owner_name else attr
+                    _check_not_shared_with_earlier_call(param, name)
                     new = converted[id(param)] = _row_sharded(param, name, mesh)
                     setattr(param, REPLACED_BY, new)
                     mark_replaced(param, name)
                 owner._parameters[attr] = new
                 _convert_loads_of(owner)
+
+
+def _check_not_shared_with_earlier_call(param: nn.Parameter, name: str) -> None:
+    """A parameter tied between the modules of two fully_shard calls would be sharded twice,
+    as two parameters that train apart: refuse it, as FSDP2 does (at its first forward)."""
+    if hasattr(param, REPLACED_BY):
+        raise T.bad(f"parameter {name!r}", "a parameter shared with one an earlier fully_shard "
+                    "call already manages (a tied weight)", "tied parameters inside one "
+                    "fully_shard call", "Shard the modules that share it together: "
+                    "fully_shard([module_a, module_b]), or in their common parent's call.")
 
 
 def _check_one_dtype(modules, mp_policy: MixedPrecisionPolicy, ignored_params) -> None:

@@ -1,0 +1,191 @@
+"""FSDP2 at its edges: rank functions run once with `torch.distributed.fsdp` and once with
+`fsdp_bridge.fsdp` in one spawned world (see test_fsdp2_edges.py), each returning what a user
+can see (losses, which parameters hold a gradient after each backward, final full parameters).
+
+The model is a small MLP with an optional branch, so that a step can leave parameters without a
+gradient: a branch not taken, a module skipped, two partial forwards.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.frontends.parity_cases import dialect
+from tests.world import device, run_case_table
+
+WHICH = ("native", "ours")
+STEPS = 4
+GLOBAL_BATCH = 8
+DIM = 16
+
+
+class Branchy(nn.Module):
+    """trunk -> (aux on the steps that ask for it) -> head; `side` is a second head that only
+    `side_loss` reaches."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, DIM))
+        self.aux = nn.Linear(DIM, DIM)
+        self.head = nn.Linear(DIM, 1)
+        self.side = nn.Linear(DIM, 1)
+
+    def forward(self, x, use_aux: bool = True):
+        h = self.trunk(x)
+        if use_aux:
+            h = h + torch.tanh(self.aux(h))
+        return self.head(h)
+
+    def side_loss(self, x):
+        return self.side(self.trunk(x)).pow(2).mean()
+
+
+def _model() -> Branchy:
+    torch.manual_seed(0)
+    return Branchy().to(device())
+
+
+def _batch(step: int, rank: int = 0, world: int = 1) -> torch.Tensor:
+    data = torch.randn(GLOBAL_BATCH, DIM, generator=torch.Generator().manual_seed(100 + step))
+    per_rank = GLOBAL_BATCH // world
+    return data[rank * per_rank:(rank + 1) * per_rank].to(device())
+
+
+def _full(value):
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def _shard(which, model, aux_unit: bool):
+    fsdp = dialect(which)
+    fsdp.fully_shard(model.trunk)
+    if aux_unit:
+        fsdp.fully_shard(model.aux)
+    fsdp.fully_shard(model)
+    return model
+
+
+def _global_mean(value: float, world: int) -> float:
+    if world == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device())
+    dist.all_reduce(t)
+    return t.item() / world
+
+
+def _train(model, rank, world, use_aux_on, micro_steps=1):
+    """AdamW with weight decay (it moves a parameter with a zero gradient, not one without);
+    the loss of step s uses the branch when `use_aux_on(s, micro)` is true. Returns losses,
+    the names holding a gradient after each step's backward, and the final full parameters."""
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses, with_grad = [], []
+    for step in range(STEPS):
+        x = _batch(step, rank, world)
+        chunks = x.chunk(micro_steps)
+        for micro, chunk in enumerate(chunks):
+            last = micro == micro_steps - 1
+            if micro_steps > 1 and hasattr(model, "set_requires_gradient_sync"):
+                model.set_requires_gradient_sync(last)
+            loss = model(chunk, use_aux=use_aux_on(step, micro)).pow(2).mean() / micro_steps
+            loss.backward()
+            losses.append(_global_mean(loss.item(), world))
+        with_grad.append(sorted(n for n, p in model.named_parameters() if p.grad is not None))
+        optim.step()
+        optim.zero_grad()
+    return {"losses": losses, "with_grad": with_grad,
+            "state": {n: _full(p).detach().cpu().clone() for n, p in model.named_parameters()}}
+
+
+def _reference(use_aux_on):
+    """The single-process run on the global batch."""
+    return _train(_model(), 0, 1, use_aux_on)
+
+
+def some_steps(which, rank, world, aux_unit):
+    """A module used on some steps only (`aux` on steps 0 and 2)."""
+    return _train(_shard(which, _model(), aux_unit), rank, world, lambda s, m: s % 2 == 0)
+
+
+def accumulation(which, rank, world):
+    """Two micro-steps per step without gradient sync on the first: `aux` is used on one of
+    them (step 0: the first, step 1: the second), or on neither (steps 2 and 3)."""
+    return _train(_shard(which, _model(), aux_unit=False), rank, world,
+                  lambda s, m: s < 2 and m == s, micro_steps=2)
+
+
+def partial_forwards(which, rank, world):
+    """Two forwards per step, each through part of the model, one backward of their sum:
+    `aux` never runs, `side` does."""
+    model = _shard(which, _model(), aux_unit=True)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses, with_grad = [], []
+    for step in range(STEPS):
+        x = _batch(step, rank, world)
+        loss = model(x, use_aux=False).pow(2).mean() + model.side_loss(x)
+        loss.backward()
+        losses.append(_global_mean(loss.item(), world))
+        with_grad.append(sorted(n for n, p in model.named_parameters() if p.grad is not None))
+        optim.step()
+        optim.zero_grad()
+    return {"losses": losses, "with_grad": with_grad,
+            "state": {n: _full(p).detach().cpu().clone() for n, p in model.named_parameters()}}
+
+
+def rank_dependent(rank, world):
+    """Ours only (native FSDP2 reduce-scatters only the gradients a rank holds, so ranks that
+    disagree break it): `aux` used on rank 0 alone. Every rank must end with its gradient."""
+    model = _shard("ours", _model(), aux_unit=False)
+    loss = model(_batch(0, rank, world), use_aux=rank == 0).pow(2).mean()
+    loss.backward()
+    return {"aux_has_grad": all(p.grad is not None for p in model.aux.parameters())}
+
+
+def tied_across_calls(which, rank, world):
+    """A weight tied between two modules of two fully_shard calls: FSDP2 refuses it."""
+    fsdp = dialect(which)
+    model = _model()
+    model.side.weight = model.head.weight
+    try:
+        fsdp.fully_shard(model.head)
+        fsdp.fully_shard(model)
+        model(_batch(0, rank, world)).sum().backward()
+    except ValueError as error:
+        return {"raised": "ValueError", "message": str(error)}
+    return {"raised": None}
+
+
+def _both(fn, *args, **kwargs):
+    def run(rank, world):
+        out = {}
+        for which in WHICH:
+            torch.manual_seed(0)
+            out[which] = fn(which, rank, world, *args, **kwargs)
+            dist.barrier()
+        return out
+    return run
+
+
+def _with_reference(fn, use_aux_on, **kwargs):
+    def run(rank, world):
+        out = _both(fn, **kwargs)(rank, world)
+        out["reference"] = _reference(use_aux_on)
+        return out
+    return run
+
+
+def cases() -> dict:
+    return {
+        "some_steps_in_root": _with_reference(some_steps, lambda s, m: s % 2 == 0,
+                                              aux_unit=False),
+        "some_steps_own_unit": _with_reference(some_steps, lambda s, m: s % 2 == 0,
+                                               aux_unit=True),
+        "accumulation": _both(accumulation),
+        "partial_forwards": _both(partial_forwards),
+        "rank_dependent": rank_dependent,
+        "tied_across_calls": _both(tied_across_calls),
+    }
+
+
+def run_cases(rank, world, names=None):
+    return run_case_table(cases(), names)

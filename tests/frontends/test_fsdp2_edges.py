@@ -1,0 +1,92 @@
+"""FSDP2 at its edges, against native `fully_shard` in the same CPU/gloo world of two ranks (see
+fsdp2_edge_cases.py): parameters a step leaves without a gradient keep `.grad` None as natively
+(so AdamW's momentum and weight decay skip them), and a weight tied across two `fully_shard`
+calls is refused with a ValueError, as natively. fp32 everywhere: rtol 1e-5 / atol 1e-6 against
+native and against the single-process reference on the global batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.frontends import fsdp2_edge_cases as C
+from tests.world import case_result as case
+from tests.world import run_world
+
+FP32 = dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def world():
+    return run_world(C.run_cases, 2)
+
+
+def same_training(actual: dict, expected: dict) -> None:
+    torch.testing.assert_close(torch.tensor(actual["losses"]), torch.tensor(expected["losses"]),
+                               **FP32)
+    assert actual["with_grad"] == expected["with_grad"], "parameters holding a gradient differ"
+    assert list(actual["state"]) == list(expected["state"])
+    for name, value in expected["state"].items():
+        torch.testing.assert_close(actual["state"][name], value, msg=lambda m: f"{name}: {m}",
+                                   **FP32)
+
+
+@pytest.mark.parametrize("name", ["some_steps_in_root", "some_steps_own_unit"])
+def test_a_module_used_on_some_steps_keeps_grad_none_as_native(world, name):
+    for rank in (0, 1):
+        result = case(world, name, rank)
+        # The steps that skip `aux` leave its gradient None natively: AdamW then skips it.
+        assert not any(n.startswith("aux") for n in result["native"]["with_grad"][1])
+        same_training(result["ours"], result["native"])
+        same_training(result["ours"], result["reference"])
+
+
+def test_gradient_accumulation_gives_a_gradient_to_what_any_micro_step_reached(world):
+    result = case(world, "accumulation")
+    aux = [any(n.startswith("aux") for n in names) for names in result["native"]["with_grad"]]
+    assert aux == [True, True, False, False]
+    same_training(result["ours"], result["native"])
+
+
+def test_two_partial_forwards_leave_the_skipped_module_without_gradient(world):
+    result = case(world, "partial_forwards")
+    assert all(not any(n.startswith("aux") for n in names)
+               for names in result["ours"]["with_grad"])
+    assert all(any(n.startswith("side") for n in names) for names in result["ours"]["with_grad"])
+    same_training(result["ours"], result["native"])
+
+
+def test_a_parameter_reached_on_one_rank_has_a_gradient_on_every_rank(world):
+    assert case(world, "rank_dependent", 0)["aux_has_grad"]
+    assert case(world, "rank_dependent", 1)["aux_has_grad"]
+
+
+def test_a_weight_tied_across_two_fully_shard_calls_is_refused_as_native(world):
+    result = case(world, "tied_across_calls")
+    assert result["native"]["raised"] == "ValueError"
+    assert result["ours"]["raised"] == "ValueError", result["ours"]
+    message = result["ours"]["message"]
+    assert "'side.weight'" in message and "fully_shard([module_a, module_b])" in message
+
+
+def test_two_models_in_a_threaded_world_train_as_native(tmp_path):
+    """No process-global state: two ranks as threads of one process, each training two
+    independently sharded models alternately, give native FSDP2's numbers."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "threaded.pt"
+    run = subprocess.run([sys.executable, "-m", "tests.frontends.threaded_world", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = torch.load(out)
+    assert "error" not in results, results["error"]
+    for rank in (0, 1):
+        assert "error" not in results[rank], results[rank]["error"]
+        ours, native = results[rank]["ours"], results[rank]["native"]
+        torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(native["losses"]),
+                                   **FP32)
+        for mine, theirs in zip(ours["states"], native["states"]):
+            for name, value in theirs.items():
+                torch.testing.assert_close(mine[name], value, msg=lambda m: f"{name}: {m}",
+                                           **FP32)
