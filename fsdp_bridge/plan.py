@@ -50,6 +50,9 @@ class UnitSpec:
     # ZeRO-3 frees the gathered parameters after forward and gathers again in backward;
     # ZeRO-2 keeps them until backward ends. The root unit is never resharded after forward.
     reshard_after_forward: bool = True
+    # This unit's own precision (FSDP2: each fully_shard call's policy); None: the plan's.
+    # Only the plan's output_dtype is applied, to the root's outputs.
+    mixed_precision: Optional[MixedPrecision] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +116,7 @@ class Plan:
         lines = [
             f"frontend: {self.frontend}",
             f"mode: {self.mode.value}",
-            "mixed_precision: "
-            + ", ".join(f"{f.name}={getattr(mp, f.name)}" for f in dataclasses.fields(mp)),
+            "mixed_precision: " + _describe_precision(mp),
             f"gradient_accumulation_steps: {self.gradient_accumulation_steps}",
             f"sync_module_states: {self.sync_module_states}",
             f"cpu_offload: {self.cpu_offload}",
@@ -124,6 +126,8 @@ class Plan:
         ]
         for unit in self.units:
             policy = "reshard-after-forward" if unit.reshard_after_forward else "keep-gathered"
+            if unit.mixed_precision is not None and unit.mixed_precision != mp:
+                policy += ", " + _describe_precision(unit.mixed_precision)
             lines.append(f"  {unit.name or '<root>'} ({policy})")
         if self.norm_modules:
             lines.append("norm group: " + ", ".join(self.norm_modules))
@@ -138,3 +142,7 @@ class Plan:
         """A 63-bit hash of the plan (plus `extra`, e.g. the parameter layout)."""
         digest = hashlib.sha256((self.describe() + "\n" + extra).encode()).digest()
         return int.from_bytes(digest[:8], "little") >> 1
+
+
+def _describe_precision(mp: MixedPrecision) -> str:
+    return ", ".join(f"{f.name}={getattr(mp, f.name)}" for f in dataclasses.fields(mp))

@@ -40,6 +40,7 @@ from fsdp_bridge.engine.unit_verbs import (
     run_as_forward,
     run_pre_forward,
     set_gradient_divide_factor,
+    set_reduce_unused_params,
     unshard_unit,
 )
 from fsdp_bridge.plan import Plan
@@ -58,6 +59,7 @@ __all__ = [
     "optim_state_dict_to_load",
     "owner_of",
     "release",
+    "set_reduce_unused_params",
     "reshard_unit",
     "restored_on_failure",
     "run_as_forward",

@@ -25,16 +25,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_leaves
 
 from fsdp_bridge.engine import init as engine_init
 from fsdp_bridge.engine.autograd import Unflatten
 from fsdp_bridge.engine.buffers import GatherBuffer
+from fsdp_bridge.engine.casting import cast_floating
 from fsdp_bridge.engine.comm import Comm
 from fsdp_bridge.engine.flat_group import FlatGroup, local_part
 from fsdp_bridge.engine.layout import assign_groups, describe_layout
 from fsdp_bridge.engine.row_group import RowGroup
-from fsdp_bridge.plan import ParamLayout, Plan, UnitSpec
+from fsdp_bridge.plan import MixedPrecision, ParamLayout, Plan, UnitSpec
 
 
 class StepPhase(enum.Enum):
@@ -62,8 +63,10 @@ class PendingReduce:
 class Unit:
     """A module named in the Plan, with the flat groups of the parameters it owns."""
 
-    def __init__(self, spec: UnitSpec, module: nn.Module, groups: list[FlatGroup], is_root: bool):
+    def __init__(self, spec: UnitSpec, module: nn.Module, groups: list[FlatGroup], is_root: bool,
+                 plan_precision: MixedPrecision):
         self.name = spec.name
+        self.mp = spec.mixed_precision or plan_precision
         self.module = module
         self.groups = groups
         self.is_root = is_root
@@ -73,6 +76,9 @@ class Unit:
         self.backward_groups_left = 0
         # FSDP2's per-module `set_gradient_divide_factor`; None: the model's divisor.
         self.gradient_divide_factor: Optional[float] = None
+        # FSDP2's `set_reduce_scatter_unused_params(True)`: unreached parameters of this unit
+        # get a zero gradient even where the plan leaves `.grad` None.
+        self.reduce_unused_params = False
 
     @property
     def trainable_groups(self) -> list[FlatGroup]:
@@ -121,20 +127,21 @@ class ShardedModel:
         units = []
         group_class = RowGroup if self.plan.param_layout is ParamLayout.ROWS else FlatGroup
         for spec in self.plan.units:
+            mp = spec.mixed_precision or self.mp
             groups = [
                 group_class(
                     layout,
                     self.comm,
                     self.device,
-                    compute_dtype=self.mp.param_dtype or layout.dtype,
-                    reduce_dtype=self.mp.effective_reduce_dtype(layout.dtype),
+                    compute_dtype=mp.param_dtype or layout.dtype,
+                    reduce_dtype=mp.effective_reduce_dtype(layout.dtype),
                     sync_module_states=self.plan.sync_module_states,
                 )
                 for layout in layouts
                 if layout.unit_name == spec.name
             ]
             module = self.module.get_submodule(spec.name)
-            units.append(Unit(spec, module, groups, is_root=spec.name == ""))
+            units.append(Unit(spec, module, groups, spec.name == "", self.mp))
         return units
 
     def _is_leaf(self, unit: Unit) -> bool:
@@ -157,8 +164,9 @@ class ShardedModel:
         """The model was cast after wrapping (see FlatGroup.adopt_replaced_params): gather
         and reduce in the new master dtype, unless MixedPrecision fixes them."""
         dtype = group.master.dtype
-        group.compute_dtype = self.mp.param_dtype or dtype
-        group.reduce_dtype = self.mp.effective_reduce_dtype(dtype)
+        mp = self.unit_of_group[id(group)].mp
+        group.compute_dtype = mp.param_dtype or dtype
+        group.reduce_dtype = mp.effective_reduce_dtype(dtype)
         old = group.buffer
         group.buffer = GatherBuffer(group.padded_numel, group.compute_dtype, self.device)
         group.buffer.release()  # allocated at its next gather
@@ -223,7 +231,7 @@ class ShardedModel:
                 # through the turn to backward.
                 self._release_transient_buffers()
                 if self.mp.output_dtype is not None:
-                    output = self._cast_floating(output, self.mp.output_dtype)
+                    output = cast_floating(output, self.mp.output_dtype)
             return output
 
         return post_forward
@@ -273,17 +281,11 @@ class ShardedModel:
                     owner.__dict__.pop(attr, None)
 
     def _cast_inputs(self, unit: Unit, args, kwargs):
-        dtype = self.mp.param_dtype
-        cast = self.mp.cast_root_forward_inputs if unit.is_root else self.mp.cast_forward_inputs
+        dtype = unit.mp.param_dtype
+        cast = unit.mp.cast_root_forward_inputs if unit.is_root else unit.mp.cast_forward_inputs
         if dtype is None or not cast:
             return args, kwargs
-        return self._cast_floating((args, kwargs), dtype)
-
-    @staticmethod
-    def _cast_floating(tree, dtype: torch.dtype):
-        return tree_map_only(
-            torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree
-        )
+        return cast_floating((args, kwargs), dtype)
 
     # -- gathering and prefetch ---------------------------------------------------------------
 
@@ -474,7 +476,8 @@ class ShardedModel:
         rank holds.)"""
         if not self.plan.unused_grad_is_none:
             return {}
-        groups = [group for unit in self.units for group in unit.trainable_groups]
+        groups = [group for unit in self.units if not unit.reduce_unused_params
+                  for group in unit.trainable_groups]
         seen = [flag for group in groups for flag in group.grads_seen or [False] * len(group.slots)]
         if not seen:
             return {}

@@ -28,6 +28,12 @@ def set_gradient_divide_factor(sharded: ShardedModel, name: str, factor: Optiona
     _unit(sharded, name).gradient_divide_factor = None if factor is None else float(factor)
 
 
+def set_reduce_unused_params(sharded: ShardedModel, name: str, reduce: bool) -> None:
+    """Whether parameters of unit `name` that no backward reached get a zero gradient (True)
+    instead of the plan's choice (FSDP2's `set_reduce_scatter_unused_params`)."""
+    _unit(sharded, name).reduce_unused_params = bool(reduce)
+
+
 def unshard_unit(sharded: ShardedModel, name: str) -> list:
     """Start gathering unit `name` (FSDP2's `unshard`): the next forward finds it gathered.
     Returns the groups whose gathers are in flight (wait with `group.wait_gather()`)."""

@@ -16,7 +16,6 @@ from fsdp_bridge.topology import resolve_topology
 from fsdp_bridge.translation import (
     ArgumentTable,
     bad_argument,
-    check_own_params,
     ignored,
     register_table,
     rejected,
@@ -24,6 +23,12 @@ from fsdp_bridge.translation import (
 )
 
 FRONTEND = "fully_shard"
+
+SCHEDULING_HINTS = ("set_reshard_after_forward / set_reshard_after_backward / "
+                    "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch / "
+                    "set_is_last_backward / set_unshard_in_backward / set_requires_all_reduce")
+COMM_TUNING = ("set_reduce_scatter_max_input_buffers / set_separate_reduce_scatter_group / "
+               "set_allocate_memory_from_process_group_for_comm / set_symm_mem_for_comm")
 
 TABLE = register_table(
     ArgumentTable(
@@ -40,15 +45,19 @@ TABLE = register_table(
             ignored("reshard_after_forward=<int>", "hpZ (resharding to a smaller group after "
                     "forward) is a memory / communication trade-off; units reshard fully, "
                     "numerics are identical"),
-            translated("mp_policy", "MixedPrecision(param_dtype, reduce_dtype (None -> "
-                       "param_dtype, as FSDP2), cast_forward_inputs for every unit; output_dtype "
-                       "of the root)"),
-            rejected("mp_policy per unit", "every call must use the same param_dtype, "
-                     "reduce_dtype and cast_forward_inputs; output_dtype only on the root"),
+            translated("mp_policy", "each call's unit gathers in its param_dtype, reduces in "
+                       "its reduce_dtype (None -> param_dtype, as FSDP2), casts its floating "
+                       "inputs (cast_forward_inputs; inside tuples, lists, dicts, namedtuples and "
+                       "dataclasses) and its outputs (output_dtype); calls may differ"),
+            rejected("mp_policy of a list call differing from its enclosing unit's",
+                     "a list call's modules are gathered with the unit that encloses them, in "
+                     "its param_dtype and reduce_dtype: refused at the first forward"),
             translated("offload_policy", "CPUOffloadPolicy -> Plan.cpu_offload (on a CPU "
                        "device nothing moves; on an accelerator offload is not implemented yet "
                        "and the engine warns by name); OffloadPolicy() / None -> no offload"),
-            translated("ignored_params", "Plan.ignored_params: neither sharded nor reduced"),
+            translated("ignored_params", "Plan.ignored_params: neither sharded nor reduced "
+                       "(parameters outside the call's modules are accepted and change nothing, "
+                       "as in FSDP2)"),
             translated("shard_placement_fn", "None, or a function returning None / Shard(0) for "
                        "every parameter (parameters are DTensors sharded by rows)"),
             rejected("shard_placement_fn=<other placements>", "refused at fully_shard time: "
@@ -67,11 +76,13 @@ TABLE = register_table(
                        "its modules then hold the unsharded parameters (compute dtype) until "
                        "reshard(), the next forward or the end of backward / drop the "
                        "gathered copy"),
-            ignored("set_reshard_after_forward / set_reshard_after_backward / "
-                    "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch / "
-                    "set_is_last_backward / set_unshard_in_backward / set_requires_all_reduce",
-                    "memory and scheduling hints: the engine's buffers and prefetch order are "
-                    "fixed at init; numerics are identical"),
+            ignored(SCHEDULING_HINTS, "memory and scheduling hints: the engine's buffers and "
+                    "prefetch order are fixed at init; numerics are identical"),
+            ignored(COMM_TUNING, "tuning of FSDP2's own communication buffers, streams and "
+                    "allocators: the engine runs its own collectives; numerics are identical"),
+            translated("set_reduce_scatter_unused_params", "True: parameters no backward reached "
+                       "get a zero gradient in the units of this module (and below, with "
+                       "recurse); False (the default): their .grad stays None"),
             translated("set_post_optim_event", "accepted: the engine's gathers are issued "
                        "after the optimizer's work on its stream, which is what the event "
                        "orders"),
@@ -101,10 +112,8 @@ def check_bool(method: str, name: str, value) -> None:
 
 def accepted_no_op(method: str, value, default) -> None:
     if value != default:
-        TABLE.warn_ignored("set_reshard_after_forward / set_reshard_after_backward / "
-                           "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch / "
-                           "set_is_last_backward / set_unshard_in_backward / "
-                           "set_requires_all_reduce", f"{method}({value!r})")
+        key = COMM_TUNING if method in COMM_TUNING.split(" / ") else SCHEDULING_HINTS
+        TABLE.warn_ignored(key, f"{method}({value!r})")
 
 
 def check_fsdp_modules(method: str, modules, fsdp_module_cls) -> None:
@@ -175,8 +184,6 @@ def check_call(module, mesh, reshard_after_forward, shard_placement_fn, mp_polic
         ):
             raise bad("ignored_params", ignored_params, "None or a set of nn.Parameter",
                       "e.g. ignored_params={model.embed.weight}.", exc=TypeError)
-        # Ignoring a parameter that is not sharded by this call would silently do nothing.
-        check_own_params(FRONTEND, "ignored_params", list(ignored_params), nn.ModuleList(modules))
     if dp_mesh_dims is not None:
         raise bad("dp_mesh_dims", dp_mesh_dims, "None", "SPMD meshes with DTensor parameters "
                   "are not supported; pass the data-parallel mesh as mesh=.")
@@ -215,27 +222,36 @@ def _reshard(value, is_root: bool, shard_size: int) -> tuple[bool, tuple]:
     return True, (TABLE.warn_ignored("reshard_after_forward=<int>", value),)
 
 
-def _mixed_precision(calls) -> MixedPrecision:
-    root_policy: MixedPrecisionPolicy = calls[-1][1].mp_policy
-    for path, call in calls[:-1]:
-        policy: MixedPrecisionPolicy = call.mp_policy
-        for field in ("param_dtype", "reduce_dtype", "cast_forward_inputs"):
-            if getattr(policy, field) != getattr(root_policy, field):
-                raise bad(f"mp_policy.{field} (of {path!r})", getattr(policy, field),
-                          f"the root's value {getattr(root_policy, field)!r}",
-                          "Give every fully_shard call the same MixedPrecisionPolicy "
-                          "(per-unit precision is not supported yet).")
-        if policy.output_dtype is not None:
-            raise bad(f"mp_policy.output_dtype (of {path!r})", policy.output_dtype,
-                      "None below the root", "Set output_dtype on the root's policy only.")
-    param = root_policy.param_dtype
+def _precision(policy: MixedPrecisionPolicy) -> MixedPrecision:
+    """One fully_shard call's policy as the engine's precision of its unit. Its output_dtype
+    is applied by a hook fully_shard registers (see _cast_like_fsdp2), not by the engine."""
+    param = policy.param_dtype
     return MixedPrecision(
         param_dtype=param,
-        reduce_dtype=root_policy.reduce_dtype or param,  # FSDP2: None -> param_dtype
-        output_dtype=root_policy.output_dtype,
-        cast_forward_inputs=root_policy.cast_forward_inputs,
-        cast_root_forward_inputs=root_policy.cast_forward_inputs,
+        reduce_dtype=policy.reduce_dtype or param,  # FSDP2: None -> param_dtype
+        cast_forward_inputs=policy.cast_forward_inputs,
+        cast_root_forward_inputs=policy.cast_forward_inputs,
     )
+
+
+def _check_list_call_precision(path: str, call, enclosing_path: str, enclosing) -> None:
+    """A list call's modules join the enclosing unit's flat groups, so they gather and reduce
+    in that unit's dtypes: their policy must agree on those."""
+    for field in ("param_dtype", "reduce_dtype"):
+        mine, theirs = getattr(call.mp_policy, field), getattr(enclosing.mp_policy, field)
+        if mine != theirs:
+            raise bad(f"mp_policy.{field} (of the list call at {path!r})", mine,
+                      f"the value of the enclosing fully_shard call at {enclosing_path!r}: "
+                      f"{theirs!r} (a list call's modules are gathered with that unit)",
+                      "Give the list call the same param_dtype and reduce_dtype as the module "
+                      "that encloses it, or fully_shard its modules one by one.")
+
+
+def _enclosing_call(path: str, calls):
+    """(path, call) of the innermost single-module call that encloses module `path`."""
+    single = [(p, c) for p, c in calls if len(c.modules) == 1 or p == ""]
+    enclosing = [(p, c) for p, c in single if p == "" or path.startswith(p + ".")]
+    return max(enclosing, key=lambda pc: len(pc[0]))
 
 
 def build_plan(root: nn.Module, calls: list[tuple[str, Any]]):
@@ -254,14 +270,14 @@ def build_plan(root: nn.Module, calls: list[tuple[str, Any]]):
     shard_size = root_mesh.size(root_mesh.ndim - 1) if root_mesh is not None else _world()
     notes: tuple = ()
     units = []
-    seen_call_ids = set()
     for path, call in calls:
-        if len(call.modules) > 1:  # a list call: one group, joined to the enclosing unit
-            seen_call_ids.add(id(call))
+        if len(call.modules) > 1 and path != "":  # a list call: joined to the enclosing unit
+            enclosing_path, enclosing = _enclosing_call(path, calls)
+            _check_list_call_precision(path, call, enclosing_path, enclosing)
             continue
         reshard, more = _reshard(call.reshard_after_forward, path == "", shard_size)
         notes += more
-        units.append(UnitSpec(path, reshard))
+        units.append(UnitSpec(path, reshard, _precision(call.mp_policy)))
     offload = any(isinstance(call.offload_policy, CPUOffloadPolicy) for _, call in calls)
     names = {id(p): n for n, p in root.named_parameters(remove_duplicate=False)}
     ignored_names = sorted({names[id(p)] for _, call in calls for p in call.ignored_params
@@ -269,7 +285,7 @@ def build_plan(root: nn.Module, calls: list[tuple[str, Any]]):
     plan = Plan(
         units=tuple(units),
         mode=mode,
-        mixed_precision=_mixed_precision(calls),
+        mixed_precision=_precision(calls[-1][1].mp_policy),
         ignored_params=tuple(ignored_names),
         cpu_offload=offload,
         param_layout=ParamLayout.ROWS,

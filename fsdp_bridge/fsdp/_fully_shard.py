@@ -38,10 +38,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_bridge import engine
+from fsdp_bridge.engine.casting import cast_floating
 from fsdp_bridge.engine.row_group import chunk_rows
 from fsdp_bridge.fsdp import _fsdp2_translate as T
 from fsdp_bridge.fsdp._stale_optimizer import mark_replaced
@@ -89,8 +91,18 @@ class UnshardHandle:
             self._on_done = None
 
 
-class FSDPModule:
-    """Mixed into the class of every `fully_shard`-ed module (`FSDP<Class>`)."""
+class FSDPModule(TorchFSDPModule):
+    """Mixed into the class of every `fully_shard`-ed module (`FSDP<Class>`).
+
+    [Note: isinstance checks] It subclasses torch's FSDPModule, so the test libraries and
+    frameworks use to find FSDP2 modules (`isinstance(m, torch.distributed.fsdp.FSDPModule)`)
+    finds ours, and their FSDP-only code paths run. Every public method of torch's class is
+    defined here, so none of torch's implementations (which read torch's private FSDPState)
+    is ever reached; code that reaches for that private state gets an error saying so."""
+
+    # torch's `__new__` (used when a container is indexed: `self.__class__(...)`) builds the
+    # original class found at this index of the MRO: FSDP<Class>, ours, torch's, Class.
+    _orig_cls_mro_index = 3
 
     # -- lazy sharding ------------------------------------------------------------------------
 
@@ -168,9 +180,57 @@ class FSDPModule:
         # The engine issues the next step's gathers from the stream the optimizer ran on,
         # after its work (NCCL orders them behind it; gloo runs after the host code): they
         # never read parameters the optimizer is still writing, which is all the event is for.
-        if not hasattr(event, "wait"):
+        # None (what `record_event()` returns on a device without events) asks for nothing.
+        if event is not None and not hasattr(event, "wait"):
             raise T.bad("event", event, "a torch.Event (e.g. torch.cuda.Event)",
                         "Pass the event recorded after optimizer.step().", exc=TypeError)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
+                                         recurse: bool = True) -> None:
+        """True: parameters no backward reached get a zero gradient (reduced with the rest)
+        instead of keeping `.grad` None, for the units of this module (and below it when
+        `recurse`), as FSDP2 includes them in its reduce-scatter."""
+        T.check_bool("set_reduce_scatter_unused_params", "reduce_scatter_unused_params",
+                     reduce_scatter_unused_params)
+        sharded = self._fsdp_root_state()
+        for path in _paths_of_units(self, sharded, recurse):
+            engine.set_reduce_unused_params(sharded, path, reduce_scatter_unused_params)
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
+                                             recurse: bool = True) -> None:
+        # The engine holds one unit's gradient on the network at a time; a larger cap is a
+        # CUDA-stream tuning of FSDP2's own buffers.
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int) \
+                or max_input_buffers < 1:
+            raise T.bad("max_input_buffers", max_input_buffers, "an int >= 1",
+                        "e.g. set_reduce_scatter_max_input_buffers(2).")
+        T.accepted_no_op("set_reduce_scatter_max_input_buffers", max_input_buffers, 1)
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True):
+        T.check_bool("set_separate_reduce_scatter_group", "enable", enable)
+        T.accepted_no_op("set_separate_reduce_scatter_group", enable, False)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        T.check_bool("set_allocate_memory_from_process_group_for_comm", "enable", enable)
+        T.accepted_no_op("set_allocate_memory_from_process_group_for_comm", enable, False)
+
+    def set_symm_mem_for_comm(self, backend="NCCL") -> None:
+        T.accepted_no_op("set_symm_mem_for_comm", backend, None)
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        T.check_bool("_set_unshard_async_op", "async_op", async_op)
+
+    def _get_fsdp_state(self):
+        raise AttributeError(
+            f"{type(self).__name__} was sharded by fsdp_bridge's fully_shard, which keeps no torch "
+            "FSDPState: torch's private FSDP2 internals (_get_fsdp_state, fully_shard.state(m)'s "
+            "param groups) do not exist for it. Use the public FSDPModule methods, or native "
+            "torch.distributed.fsdp.fully_shard where that code needs torch's internals.")
+
+    def _apply(self, *args, **kwargs):
+        # nn.Module's own `_apply` (torch's FSDPModule override reads its private state); the
+        # engine checks casts and moves on its own at the next forward.
+        return super(TorchFSDPModule, self)._apply(*args, **kwargs)
 
     def set_force_sum_reduction_for_comms(self, enable: bool):
         # The engine always reduces with SUM and divides once afterwards: the numbers FSDP2
@@ -199,6 +259,13 @@ def _root_sharded(module: nn.Module):
     call: FullyShardCall = getattr(module, CONFIG)
     root = call.root_of() if call.root_of is not None else None
     return engine.get_sharded(root) if root is not None else None
+
+
+def _paths_of_units(module: nn.Module, sharded, recurse: bool) -> list[str]:
+    """The paths in the root of `module` and, when `recurse`, of the fully_shard-ed modules
+    below it (FSDP2's recursive setters)."""
+    below = [m for m in module.modules() if isinstance(m, FSDPModule)] if recurse else [module]
+    return [_path_in_root(m, sharded) for m in below]
 
 
 def _path_in_root(module: nn.Module, sharded) -> str:
@@ -323,7 +390,23 @@ def fully_shard(
             object.__setattr__(m, CONFIG, call)
             _swap_class(m)
             m.register_forward_pre_hook(_lazy_init_hook, with_kwargs=True, prepend=True)
+            _cast_like_fsdp2(m, mp_policy, inputs=len(modules) > 1)
     return module
+
+
+def _cast_like_fsdp2(module: nn.Module, policy: MixedPrecisionPolicy, inputs: bool) -> None:
+    """FSDP2 casts each fully_shard-ed module's outputs to `output_dtype` in a forward hook
+    registered by fully_shard itself: one here too, so that hooks the user registers later
+    see the cast outputs, as natively. `inputs`: a module of a list call, which runs inside
+    the unit that gathers it, also gets FSDP2's cast of its inputs (the engine casts the
+    inputs of units)."""
+    if inputs and policy.param_dtype is not None and policy.cast_forward_inputs:
+        dtype = policy.param_dtype
+        module.register_forward_pre_hook(
+            lambda _, args, kwargs: cast_floating((args, kwargs), dtype), with_kwargs=True)
+    if policy.output_dtype is not None:
+        out_dtype = policy.output_dtype
+        module.register_forward_hook(lambda _, args, output: cast_floating(output, out_dtype))
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

@@ -8,6 +8,8 @@ gradient: a branch not taken, a module skipped, two partial forwards.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -155,6 +157,147 @@ def tied_across_calls(which, rank, world):
     return {"raised": None}
 
 
+def unused_as_zero(which, rank, world):
+    """`set_reduce_scatter_unused_params(True)`: a skipped module gets a zero gradient."""
+    model = _shard(which, _model(), aux_unit=False)
+    model.set_reduce_scatter_unused_params(True)
+    return _train(model, rank, world, lambda s, m: s % 2 == 0)
+
+
+class FeedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(DIM, DIM)
+        self.down = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        return self.down(torch.tanh(self.up(x)))
+
+
+@dataclasses.dataclass
+class Inputs:
+    hidden: torch.Tensor
+    scale: float = 1.0
+
+
+class Stack(nn.Module):
+    """Three blocks; the middle one takes its input inside a dataclass."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = FeedForward()
+        self.middle = DataclassBlock()
+        self.last = FeedForward()
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x):
+        h = x + self.first(x)
+        h = h + self.middle(Inputs(h, 0.5))
+        h = h + self.last(h)
+        return self.head(h.to(self.head.weight.dtype))  # blocks may return another dtype
+
+
+class DataclassBlock(FeedForward):
+    def forward(self, inputs: Inputs):
+        return super().forward(inputs.hidden) * inputs.scale
+
+
+def _stack() -> Stack:
+    torch.manual_seed(0)
+    return Stack().to(device())
+
+
+def _policy(param, reduce=None, output=None):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce, output_dtype=output)
+
+
+def per_call_precision(which, rank, world, layout):
+    """`fully_shard` calls with different MixedPrecisionPolicy: `layout` names the policies."""
+    fsdp = dialect(which)
+    model = _stack()
+    bf16, fp32 = torch.bfloat16, torch.float32
+    policies = {
+        # one block in fp32, the rest in bf16 (a numerically sensitive block kept high)
+        "fp32_block": dict(first=_policy(bf16, fp32), middle=_policy(fp32),
+                           last=_policy(bf16, fp32), root=_policy(bf16, fp32)),
+        # every block's outputs cast back to fp32 (output_dtype per call)
+        "output_fp32": dict(first=_policy(bf16, fp32, fp32), middle=_policy(bf16, fp32, fp32),
+                            last=_policy(bf16, fp32, fp32), root=_policy(bf16, fp32, fp32)),
+    }[layout]
+    for name in ("first", "middle", "last"):
+        fsdp.fully_shard(getattr(model, name), mp_policy=policies[name])
+    fsdp.fully_shard(model, mp_policy=policies["root"])
+    dtypes = {}
+    for name in ("first", "middle", "last"):
+        getattr(model, name).register_forward_hook(_recorder(dtypes, name, lambda out: out))
+    out = _train_stack(model, rank, world)
+    out["output_dtypes"] = dtypes
+    return out
+
+
+def _recorder(into: dict, name: str, tensor_of):
+    """A forward (pre-)hook recording the dtype of `tensor_of(args or output)` under `name`."""
+    def hook(module, value, *rest):
+        into.setdefault(name, str(tensor_of(rest[0] if rest else value).dtype))
+    return hook
+
+
+def _train_stack(model, rank, world):
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for step in range(STEPS):
+        loss = model(_batch(step, rank, world)).float().pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(_global_mean(loss.item(), world))
+    return {"losses": losses,
+            "state": {n: _full(p).detach().cpu().clone() for n, p in model.named_parameters()}}
+
+
+def list_call(which, rank, world):
+    """`fully_shard([first, last])` with bf16: both modules' inputs are cast (the dtype each
+    receives is recorded), and `unshard()` on the grouped module works before any forward."""
+    fsdp = dialect(which)
+    model = _stack()
+    policy = _policy(torch.bfloat16, torch.float32)
+    fsdp.fully_shard([model.first, model.last], mp_policy=policy)
+    fsdp.fully_shard(model.middle, mp_policy=policy)
+    fsdp.fully_shard(model, mp_policy=policy)
+    seen = {}
+    for name in ("first", "last"):
+        getattr(model, name).register_forward_pre_hook(_recorder(seen, name, lambda args: args[0]))
+    model.last.unshard()
+    model.last.reshard()
+    out = _train_stack(model, rank, world)
+    out["input_dtypes"] = seen
+    return out
+
+
+def surface(which, rank, world):
+    """What third-party code checks and calls on a fully_shard-ed module."""
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+    fsdp = dialect(which)
+    model = _model()
+    outside = nn.Linear(2, 2)
+    fsdp.fully_shard(model.trunk, ignored_params={outside.weight})  # outside the module
+    fsdp.fully_shard(model)
+    facts = {"isinstance_torch": isinstance(model, TorchFSDPModule),
+             "trunk_isinstance_torch": isinstance(model.trunk, TorchFSDPModule)}
+    model.set_post_optim_event(torch.cpu.current_stream().record_event())  # None on the CPU
+    model.set_reduce_scatter_max_input_buffers(1)
+    model.set_separate_reduce_scatter_group(False)
+    model.set_allocate_memory_from_process_group_for_comm(False)
+    out = _train(model, rank, world, lambda s, m: True)
+    # Indexing a container builds the original class (torch's FSDPModule.__new__).
+    facts["sequential_slice"] = type(model.trunk[0:2]).__name__
+    out["facts"] = facts
+    return out
+
+
 def _both(fn, *args, **kwargs):
     def run(rank, world):
         out = {}
@@ -184,6 +327,11 @@ def cases() -> dict:
         "partial_forwards": _both(partial_forwards),
         "rank_dependent": rank_dependent,
         "tied_across_calls": _both(tied_across_calls),
+        "unused_as_zero": _both(unused_as_zero),
+        "precision_fp32_block": _both(per_call_precision, "fp32_block"),
+        "precision_output_fp32": _both(per_call_precision, "output_fp32"),
+        "list_call": _both(list_call),
+        "surface": _both(surface),
     }
 
 

@@ -14,6 +14,7 @@ from tests.world import case_result as case
 from tests.world import run_world
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
+BF16 = dict(rtol=1.6e-2, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -21,14 +22,14 @@ def world():
     return run_world(C.run_cases, 2)
 
 
-def same_training(actual: dict, expected: dict) -> None:
+def same_training(actual: dict, expected: dict, tol=FP32) -> None:
     torch.testing.assert_close(torch.tensor(actual["losses"]), torch.tensor(expected["losses"]),
-                               **FP32)
-    assert actual["with_grad"] == expected["with_grad"], "parameters holding a gradient differ"
+                               **tol)
+    assert actual.get("with_grad") == expected.get("with_grad"), "parameters with .grad differ"
     assert list(actual["state"]) == list(expected["state"])
     for name, value in expected["state"].items():
         torch.testing.assert_close(actual["state"][name], value, msg=lambda m: f"{name}: {m}",
-                                   **FP32)
+                                   **tol)
 
 
 @pytest.mark.parametrize("name", ["some_steps_in_root", "some_steps_own_unit"])
@@ -67,6 +68,39 @@ def test_a_weight_tied_across_two_fully_shard_calls_is_refused_as_native(world):
     assert result["ours"]["raised"] == "ValueError", result["ours"]
     message = result["ours"]["message"]
     assert "'side.weight'" in message and "fully_shard([module_a, module_b])" in message
+
+
+def test_set_reduce_scatter_unused_params_gives_zero_gradients_as_native(world):
+    result = case(world, "unused_as_zero")
+    assert all(any(n.startswith("aux") for n in names) for names in result["native"]["with_grad"])
+    same_training(result["ours"], result["native"])
+
+
+@pytest.mark.parametrize("layout", ["fp32_block", "output_fp32"])
+def test_mixed_precision_may_differ_between_fully_shard_calls(world, layout):
+    for rank in (0, 1):
+        result = case(world, f"precision_{layout}", rank)
+        assert result["ours"]["output_dtypes"] == result["native"]["output_dtypes"]
+        same_training(result["ours"], result["native"], BF16)
+    if layout == "fp32_block":
+        assert result["native"]["output_dtypes"]["middle"] == "torch.float32"
+    else:
+        assert set(result["native"]["output_dtypes"].values()) == {"torch.float32"}
+
+
+def test_a_list_call_casts_every_module_and_unshards_before_forward(world):
+    result = case(world, "list_call")
+    assert result["native"]["input_dtypes"] == {"first": "torch.bfloat16",
+                                                "last": "torch.bfloat16"}
+    assert result["ours"]["input_dtypes"] == result["native"]["input_dtypes"]
+    same_training(result["ours"], result["native"], BF16)
+
+
+def test_third_party_checks_and_calls_work_as_on_native(world):
+    result = case(world, "surface")
+    assert result["ours"]["facts"] == result["native"]["facts"]
+    assert result["ours"]["facts"]["isinstance_torch"]
+    same_training(result["ours"], result["native"])
 
 
 def test_two_models_in_a_threaded_world_train_as_native(tmp_path):

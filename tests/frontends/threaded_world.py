@@ -19,13 +19,16 @@ WORLD = 2
 STEPS = 3
 
 
-def _two_models(which: str, rank: int) -> dict:
+def _two_models(which: str, rank: int, initial: list) -> dict:
+    """`initial`: the two models' starting weights, drawn before the threads start (torch's
+    random generator is one per process: threads drawing from it at once get mixed draws)."""
     from tests.frontends import fsdp2_edge_cases as C
 
-    models = [C._shard(which, C._model(), aux_unit=False) for _ in range(2)]
-    with torch.no_grad():  # the second model starts elsewhere, so the two cannot be confused
-        for p in models[1].parameters():
-            p.mul_(0.5)
+    models = []
+    for weights in initial:
+        model = C.Branchy().to(C.device())
+        model.load_state_dict(weights)
+        models.append(C._shard(which, model, aux_unit=False))
     optims = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in models]
     losses = []
     for step in range(STEPS):
@@ -50,11 +53,17 @@ def main(out: str) -> None:
     _install_threaded_pg()
     store = dist.HashStore()
     results: dict = {}
+    from tests.frontends import fsdp2_edge_cases as C
+
+    first = C._model().state_dict()
+    # The second model starts elsewhere, so that the two cannot be confused.
+    initial = [first, {name: value * 0.5 for name, value in first.items()}]
 
     def rank_main(rank: int) -> None:
         dist.init_process_group("threaded", rank=rank, world_size=WORLD, store=store)
         try:
-            results[rank] = {which: _two_models(which, rank) for which in ("native", "ours")}
+            results[rank] = {which: _two_models(which, rank, initial)
+                             for which in ("native", "ours")}
         except BaseException as error:  # noqa: BLE001 - reported to the test
             results[rank] = {"error": traceback.format_exc()}
             ProcessLocalGroup.exception_handle(error)  # wake the other rank up
