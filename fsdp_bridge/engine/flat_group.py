@@ -290,7 +290,8 @@ class FlatGroup:
                 if at > filled:
                     parts.append(zeros(at - filled))
                 grad = grads[index]
-                parts.append(zeros(hi - lo) if grad is None else grad.reshape(-1)[lo:hi])
+                parts.append(zeros(hi - lo) if grad is None
+                             else self._flat_piece(grad, index, lo, hi))
                 filled = at + hi - lo
             if filled < self.shard_numel:
                 parts.append(zeros(self.shard_numel - filled))
@@ -308,14 +309,18 @@ class FlatGroup:
             grad = grads[index]
             if grad is None:
                 continue
-            flat = grad.reshape(-1)
-            if torch.promote_types(flat.dtype, self.reduce_dtype) != self.reduce_dtype:
-                kept.append((at, flat[lo:hi].to(self.reduce_dtype)))
-            elif hi - lo == flat.numel():
-                kept.append((at, flat))
+            piece = self._flat_piece(grad, index, lo, hi)
+            if torch.promote_types(piece.dtype, self.reduce_dtype) != self.reduce_dtype:
+                kept.append((at, piece.to(self.reduce_dtype)))
+            elif hi - lo == grad.numel():
+                kept.append((at, piece))
             else:
-                kept.append((at, flat[lo:hi].clone()))
+                kept.append((at, piece.clone()))
         return kept
+
+    def _flat_piece(self, grad: torch.Tensor, index: int, lo: int, hi: int) -> torch.Tensor:
+        """Elements lo:hi of parameter `index`'s gradient as the parts lay it out."""
+        return grad.reshape(-1)[lo:hi]
 
     def accumulate_unsynced(self, grads: tuple) -> None:
         """Inside no_sync: add this backward's full gradient to a local, unreduced sum."""

@@ -48,15 +48,21 @@ class RowGroup(FlatGroup):
 
     def _init_layout(self) -> None:
         ranks, rank = self.comm.shard_size, self.comm.shard_rank
-        self.row_numels = []  # elements in one row of each parameter
+        # [Note: other shard dims] A parameter may be split along another dim d (FSDP2's
+        # `shard_placement_fn` returning Shard(d)): its "rows" are then its slices along d, and
+        # its chunk is the contiguous local tensor of shape[d] -> local rows. Chunks keep their
+        # place in the shards; only the copies between a rank-ordered buffer and a full
+        # parameter place them along d (see _place_along_dims, _flat_piece, shard_of).
+        self.shard_dims = [_shard_dim_of(slot.param) for slot in self.slots]
+        self.row_numels = []  # elements in one row (slice along the shard dim) of each parameter
         self.chunk_numels = []  # elements of one (padded) chunk of each parameter
         self.local_rows = []  # rows of each parameter held by this rank
-        for slot in self.slots:
+        for slot, dim in zip(self.slots, self.shard_dims):
             if len(slot.shape) == 0:
                 raise ValueError(
                     f"fsdp_bridge: parameter {slot.fqn!r} is a scalar (shape ()); it cannot be "
                     "split by rows. Give it shape (1,), or pass it in ignored_params.")
-            rows = slot.shape[0]
+            rows = slot.shape[dim]
             row = slot.numel // rows if rows else 0
             self.row_numels.append(row)
             self.chunk_numels.append((-(-rows // ranks) if rows else 0) * row)
@@ -80,15 +86,21 @@ class RowGroup(FlatGroup):
             master[start : start + local.numel()].copy_(local.reshape(-1))
         return master
 
+    def _local_shape(self, index: int, rows: Optional[int] = None) -> tuple:
+        """Parameter `index`'s shape with `rows` (default: this rank's) along its shard dim."""
+        shape = list(self.slots[index].shape)
+        shape[self.shard_dims[index]] = self.local_rows[index] if rows is None else rows
+        return tuple(shape)
+
     def _checked_local(self, index: int) -> torch.Tensor:
         slot = self.slots[index]
         local = getattr(slot.param, "_local_tensor", None)
-        expected = (self.local_rows[index],) + tuple(slot.shape[1:])
+        expected = self._local_shape(index)
         if local is None or tuple(local.shape) != expected:
             got = "a plain tensor" if local is None else f"local shape {tuple(local.shape)}"
             raise ValueError(
-                f"fsdp_bridge: parameter {slot.fqn!r} must be a DTensor sharded by rows over "
-                f"the shard group (local shape {expected}); got {got}. Assign parameters of "
+                f"fsdp_bridge: parameter {slot.fqn!r} must be a DTensor sharded over the shard "
+                f"group on dim {self.shard_dims[index]} (local shape {expected}); got {got}. Assign parameters of "
                 "a fully_shard-ed module only from DTensors of its layout (e.g. "
                 "distribute_tensor(full, param.device_mesh, param.placements)).")
         return local.detach()
@@ -112,8 +124,7 @@ class RowGroup(FlatGroup):
         """Parameter `index`'s rows in a tensor laid out as this rank's shard."""
         start = self.chunk_offsets[index]
         rows = self.local_rows[index]
-        shape = (rows,) + tuple(self.slots[index].shape[1:])
-        return shard[start : start + rows * self.row_numels[index]].view(shape)
+        return shard[start : start + rows * self.row_numels[index]].view(self._local_shape(index))
 
     def adopt_replaced_params(self) -> bool:
         """Take in parameters the user replaced since the group was built (`load_state_dict(
@@ -189,6 +200,23 @@ class RowGroup(FlatGroup):
                    for offset, size in zip(self.offsets, sizes)]
         torch.split_with_sizes_copy(by_rank.view(ranks, self.shard_numel), sizes, dim=1,
                                     out=targets)
+        self._place_along_dims(by_rank, out)
+
+    def _place_along_dims(self, by_rank: torch.Tensor, out: torch.Tensor) -> None:
+        """Parameters split on a dim other than 0: their chunks, copied whole above, are
+        placed again along that dim (see [Note: other shard dims])."""
+        ranks = self.comm.shard_size
+        rows_by_rank = by_rank.view(ranks, self.shard_numel)
+        for index, dim in enumerate(self.shard_dims):
+            if dim == 0:
+                continue
+            slot = self.slots[index]
+            full = out[self.offsets[index] : self.offsets[index] + slot.numel].view(slot.shape)
+            for rank in range(ranks):
+                start, rows = chunk_rows(slot.shape[dim], ranks, rank)
+                at = self.chunk_offsets[index]
+                chunk = rows_by_rank[rank, at : at + rows * self.row_numels[index]]
+                full.narrow(dim, start, rows).copy_(chunk.view(self._local_shape(index, rows)))
 
     def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
         by_rank = super().gather_full(shard)
@@ -198,8 +226,15 @@ class RowGroup(FlatGroup):
 
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         rank = self.comm.shard_rank
-        parts = [full[offset + rank * size : offset + (rank + 1) * size]
-                 for offset, size in zip(self.offsets, self.chunk_numels)]
+        parts = []
+        for index, (offset, size) in enumerate(zip(self.offsets, self.chunk_numels)):
+            if self.shard_dims[index] == 0:
+                parts.append(full[offset + rank * size : offset + (rank + 1) * size])
+                continue
+            slot = self.slots[index]
+            mine = self._flat_piece(full[offset : offset + slot.numel].view(slot.shape), index,
+                                    rank * size, 0)
+            parts += [mine, full.new_zeros(size - mine.numel())]
         return torch.cat(parts) if parts else full[:0]
 
     # -- gradients ----------------------------------------------------------------------------
@@ -215,6 +250,17 @@ class RowGroup(FlatGroup):
                 pieces.append((index, lo, hi, offset))
         return pieces
 
+    def _flat_piece(self, grad: torch.Tensor, index: int, lo: int, hi: int) -> torch.Tensor:
+        """The elements of a rank's chunk of parameter `index` that start at `lo` of the
+        part-after-part layout, from its full-shaped `grad`: a slice of the flattened tensor
+        on dim 0, the rank's slice along the dim otherwise (see [Note: other shard dims])."""
+        dim = self.shard_dims[index]
+        if dim == 0:
+            return super()._flat_piece(grad, index, lo, hi)
+        rank = lo // self.chunk_numels[index]
+        start, rows = chunk_rows(grad.shape[dim], self.comm.shard_size, rank)
+        return grad.narrow(dim, start, rows).reshape(-1)
+
     def _grad_of(self, index: int) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
@@ -229,3 +275,10 @@ class RowGroup(FlatGroup):
             f"fsdp_bridge: {self.slots[index].fqn!r} is a row-sharded DTensor parameter "
             "(fully_shard); this operation handles FSDP1-style flat shards only. Use the "
             "DTensor API (full_tensor(), torch.distributed.checkpoint) instead.")
+
+
+def _shard_dim_of(param) -> int:
+    """The tensor dim a DTensor parameter is split on over the shard group (its last mesh
+    dim's placement): 0 for `Shard(0)`."""
+    placements = getattr(param, "placements", None)
+    return getattr(placements[-1], "dim", 0) if placements else 0

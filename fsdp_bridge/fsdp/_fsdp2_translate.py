@@ -58,11 +58,11 @@ TABLE = register_table(
             translated("ignored_params", "Plan.ignored_params: neither sharded nor reduced "
                        "(parameters outside the call's modules are accepted and change nothing, "
                        "as in FSDP2)"),
-            translated("shard_placement_fn", "None, or a function returning None / Shard(0) for "
-                       "every parameter (parameters are DTensors sharded by rows)"),
+            translated("shard_placement_fn", "None, or a function returning None (Shard(0)) or "
+                       "Shard(d) per parameter: its DTensor is split on dim d; a unit's "
+                       "parameters are still gathered as one buffer"),
             rejected("shard_placement_fn=<other placements>", "refused at fully_shard time: "
-                     "each unit's parameters are gathered as one buffer of row chunks; other "
-                     "dims are not supported yet"),
+                     "only Shard(d) placements split a parameter over the shard group"),
             rejected("tensor-parallel (DTensor) parameters", "refused at fully_shard time: "
                      "composing with parallelize_module is not supported yet"),
             rejected("dp_mesh_dims", "SPMD meshes with DTensor parameters are not supported"),
@@ -187,21 +187,33 @@ def check_call(module, mesh, reshard_after_forward, shard_placement_fn, mp_polic
     if dp_mesh_dims is not None:
         raise bad("dp_mesh_dims", dp_mesh_dims, "None", "SPMD meshes with DTensor parameters "
                   "are not supported; pass the data-parallel mesh as mesh=.")
-    if shard_placement_fn is not None:
-        from torch.distributed.tensor import Shard
-
-        if not callable(shard_placement_fn):
-            raise bad("shard_placement_fn", shard_placement_fn, "None or a callable",
-                      "Drop it to shard on dim 0.", exc=TypeError)
-        for m in modules:
-            for name, param in m.named_parameters():
-                placement = shard_placement_fn(param)
-                if placement is not None and placement != Shard(0):
-                    raise bad("shard_placement_fn", shard_placement_fn, "a function returning "
-                              f"None or Shard(0) (it returned {placement!r} for {name!r})",
-                              "Parameters are sharded by rows (Shard(0)); other placements "
-                              "are not supported yet: drop shard_placement_fn.")
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise bad("shard_placement_fn", shard_placement_fn, "None or a callable",
+                  "Drop it to shard on dim 0.", exc=TypeError)
     return modules
+
+
+def shard_dim(shard_placement_fn, param: nn.Parameter, name: str, ranks: int) -> int:
+    """The dim `param` is split on over a shard group of `ranks`: what `shard_placement_fn`
+    returns for it (a Shard, or None for dim 0), checked."""
+    from torch.distributed.tensor import Shard
+
+    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
+    if placement is None:
+        return 0
+    if type(placement) is not Shard or not -param.dim() <= placement.dim < param.dim():
+        raise bad("shard_placement_fn", shard_placement_fn, f"a function returning None or "
+                  f"Shard(d) with d a dim of the parameter (it returned {placement!r} for "
+                  f"{name!r}, of shape {tuple(param.shape)})", "Return Shard(d) for a dim d "
+                  "of each parameter, or None for Shard(0).")
+    dim = placement.dim % param.dim()
+    if dim > 0 and param.shape[dim] % ranks:
+        raise bad("shard_placement_fn", shard_placement_fn, f"Shard(d) on a dim whose size "
+                  f"divides the shard-group size {ranks} when d > 0, as FSDP2 requires (it "
+                  f"returned {placement!r} for {name!r}, of shape {tuple(param.shape)})",
+                  "Split that parameter on dim 0, or on a dim whose size is a multiple of "
+                  "the shard group.", exc=NotImplementedError)
+    return dim
 
 
 def _world() -> int:

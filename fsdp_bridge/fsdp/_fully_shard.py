@@ -385,7 +385,7 @@ def fully_shard(
     with contextlib.ExitStack() as stack:
         for m in modules:
             stack.enter_context(engine.restored_on_failure(m))
-        _to_dtensor_params(modules, mesh, ignored_params or ())
+        _to_dtensor_params(modules, mesh, ignored_params or (), shard_placement_fn)
         for m in modules:
             object.__setattr__(m, CONFIG, call)
             _swap_class(m)
@@ -448,7 +448,7 @@ def _default_mesh() -> DeviceMesh:
     return _DEFAULT_MESHES[key]
 
 
-def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params) -> None:
+def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params, shard_placement_fn) -> None:
     """Replace every parameter this call manages by a row-sharded DTensor parameter (see
     [Note: sharding at fully_shard time]). Parameters tied to modules outside the call are
     re-tied when the root is built (`_restore_ties`)."""
@@ -470,7 +470,9 @@ def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params) -> None:
                 if new is None:
                     name = f"{owner_name}.{attr}" if owner_name else attr
                     _check_not_shared_with_earlier_call(param, name)
-                    new = converted[id(param)] = _row_sharded(param, name, mesh)
+                    dim = T.shard_dim(shard_placement_fn, param, name,
+                                      mesh.size(mesh.ndim - 1))
+                    new = converted[id(param)] = _row_sharded(param, name, mesh, dim)
                     setattr(param, REPLACED_BY, new)
                     mark_replaced(param, name)
                 owner._parameters[attr] = new
@@ -505,11 +507,11 @@ def _check_one_dtype(modules, mp_policy: MixedPrecisionPolicy, ignored_params) -
                     "mp_policy=MixedPrecisionPolicy(param_dtype=...).")
 
 
-def _placements(mesh: DeviceMesh) -> tuple:
-    return (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))
+def _placements(mesh: DeviceMesh, dim: int) -> tuple:
+    return (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
 
 
-def _row_sharded(param: nn.Parameter, name: str, mesh: DeviceMesh) -> nn.Parameter:
+def _row_sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, dim: int) -> nn.Parameter:
     if param.dim() == 0:
         raise T.bad(f"parameter {name!r}", "a scalar (shape ())", "parameters of at least one "
                     "dimension (they are split by rows)", "Give the parameter shape (1,), or "
@@ -519,11 +521,13 @@ def _row_sharded(param: nn.Parameter, name: str, mesh: DeviceMesh) -> nn.Paramet
                     f"{tuple(param.shape)}", "contiguous parameters",
                     "Make the parameter contiguous before fully_shard.")
     shard_dim = mesh.ndim - 1
-    start, rows = chunk_rows(param.shape[0], mesh.size(shard_dim), mesh.get_local_rank(shard_dim))
-    local = param.detach()[start : start + rows]
+    start, rows = chunk_rows(param.shape[dim], mesh.size(shard_dim),
+                             mesh.get_local_rank(shard_dim))
+    local = param.detach().narrow(dim, start, rows)
     if not local.is_meta:
-        local = local.clone()  # a storage of its own: the full tensor can be freed
-    dtensor = DTensor.from_local(local, mesh, _placements(mesh), run_check=False,
+        # A contiguous storage of its own: the full tensor can be freed.
+        local = local.clone(memory_format=torch.contiguous_format)
+    dtensor = DTensor.from_local(local, mesh, _placements(mesh, dim), run_check=False,
                                  shape=param.shape, stride=param.stride())
     new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
     setattr(new, SHARDED, True)
@@ -584,7 +588,10 @@ def _in_layout_of(param: DTensor, key: str, value):
         return value
     mesh = param.device_mesh
     shard_dim = mesh.ndim - 1
-    start, rows = chunk_rows(value.shape[0], mesh.size(shard_dim), mesh.get_local_rank(shard_dim))
-    local = value.detach()[start : start + rows].to(param.device).clone()
+    dim = param.placements[-1].dim
+    start, rows = chunk_rows(value.shape[dim], mesh.size(shard_dim),
+                             mesh.get_local_rank(shard_dim))
+    local = value.detach().narrow(dim, start, rows).to(param.device)
+    local = local.clone(memory_format=torch.contiguous_format)
     return DTensor.from_local(local, mesh, param.placements, run_check=False,
                               shape=param.shape, stride=param.stride())

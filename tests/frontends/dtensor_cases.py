@@ -596,8 +596,8 @@ def bad_inputs(rank, world):
     value = distribute_tensor(torch.zeros(model.get_parameter(key).shape), other_mesh,
                               [Shard(0), Shard(0)])
     out["other_mesh"] = error(lambda: model.load_state_dict({key: value}, strict=False))
-    out["shard_dim1"] = error(lambda: fsdp.fully_shard(
-        nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(1)))
+    out["shard_dim2"] = error(lambda: fsdp.fully_shard(
+        nn.Linear(4, 4), shard_placement_fn=lambda p: Shard(2)))
     tp = nn.Linear(4, 4)
     mesh = init_device_mesh("cpu", (world,))
     tp.weight = nn.Parameter(distribute_tensor(tp.weight.detach(), mesh, [Shard(1)]))

@@ -298,6 +298,57 @@ def surface(which, rank, world):
     return out
 
 
+class Experts(nn.Module):
+    """Expert weights of shape (experts, in, out), as MoE layers hold them, split across ranks
+    on dim 1 or 2 (FSDP2's `shard_placement_fn` returning Shard(d))."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(DIM, 3)
+        self.w_in = nn.Parameter(torch.randn(3, DIM, 8) * 0.2)
+        self.w_out = nn.Parameter(torch.randn(3, 8, DIM) * 0.2)
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x):
+        gate = torch.softmax(self.router(x), dim=-1)  # (batch, experts)
+        hidden = torch.tanh(torch.einsum("bd,edh->beh", x, self.w_in))
+        mixed = torch.einsum("beh,ehd,be->bd", hidden, self.w_out, gate)
+        return self.head(mixed)
+
+
+def shard_dims(which, rank, world):
+    """Expert weights split on dims 2 and 1, a Linear's weight on dim 1, the rest on dim 0
+    (uneven: 3 rows over 2 ranks): layouts, training and the sharded state dict as natively;
+    a split on a dim>0 of odd size is refused, as natively."""
+    from torch.distributed.tensor import Shard
+
+    fsdp = dialect(which)
+    torch.manual_seed(0)
+    model = Experts().to(device())
+    dims = {"w_in": 2, "w_out": 1, "router.weight": 1}
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def placement(param):
+        dim = dims.get(names[id(param)])
+        return None if dim is None else Shard(dim)
+
+    fsdp.fully_shard(model, shard_placement_fn=placement)
+    layouts = {n: (str(p.placements), tuple(p.to_local().shape)) for n, p in model.named_parameters()}
+    out = _train_stack(model, rank, world)
+    out["layouts"] = layouts
+    model(_batch(0, rank, world)).pow(2).mean().backward()
+    out["grads_local"] = {n: tuple(p.grad.to_local().shape) for n, p in model.named_parameters()}
+    out["grads"] = {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()}
+    out["state_dict_local"] = {k: v.to_local().clone() for k, v in model.state_dict().items()}
+    try:
+        odd = nn.Linear(7, DIM).to(device())  # weight (16, 7): dim 1 of odd size
+        fsdp.fully_shard(odd, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+        out["uneven"] = None
+    except NotImplementedError:
+        out["uneven"] = "NotImplementedError"
+    return out
+
+
 def _both(fn, *args, **kwargs):
     def run(rank, world):
         out = {}
@@ -332,6 +383,7 @@ def cases() -> dict:
         "precision_output_fp32": _both(per_call_precision, "output_fp32"),
         "list_call": _both(list_call),
         "surface": _both(surface),
+        "shard_dims": _both(shard_dims),
     }
 
 

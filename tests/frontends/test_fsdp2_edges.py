@@ -103,6 +103,21 @@ def test_third_party_checks_and_calls_work_as_on_native(world):
     same_training(result["ours"], result["native"])
 
 
+def test_parameters_split_on_other_dims_train_as_native(world):
+    for rank in (0, 1):
+        result = case(world, "shard_dims", rank)
+        ours, native = result["ours"], result["native"]
+        assert ours["layouts"] == native["layouts"]
+        assert "Shard(dim=2)" in ours["layouts"]["w_in"][0]
+        assert ours["uneven"] == native["uneven"] == "NotImplementedError"
+        assert ours["grads_local"] == {n: shape for n, (_, shape) in native["layouts"].items()}
+        same_training(ours, native)
+        for name, grad in native["grads"].items():
+            torch.testing.assert_close(ours["grads"][name], grad, **FP32)
+        for key, value in native["state_dict_local"].items():
+            torch.testing.assert_close(ours["state_dict_local"][key], value, **FP32)
+
+
 def test_two_models_in_a_threaded_world_train_as_native(tmp_path):
     """No process-global state: two ranks as threads of one process, each training two
     independently sharded models alternately, give native FSDP2's numbers."""
