@@ -248,6 +248,10 @@ class FlatGroup:
     def full_views(self) -> list[torch.Tensor]:
         return [view for _, view in self.split(self.gathered_flat())]
 
+    def compute_views(self, views) -> list:
+        """The gathered views as modules compute with them (a row group may wrap some)."""
+        return list(views)
+
     # -- gradients ----------------------------------------------------------------------------
 
     def note_grads(self, grads: tuple) -> None:

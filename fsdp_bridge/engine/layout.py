@@ -10,11 +10,40 @@ frozen parameters never get gradient memory and one flat buffer has one dtype.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from fsdp_bridge.plan import Plan
+
+# On a DTensor parameter a front-end sharded: its GatheredForm (see below).
+GATHERED_FORM = "_fsdp_bridge_gathered_form"
+
+
+@dataclasses.dataclass(frozen=True)
+class GatheredForm:
+    """What the shard group's pieces of a DTensor parameter make up once gathered, and how
+    modules compute with it.
+
+    [Note: gathered form] Without tensor parallelism a parameter gathers into its full tensor,
+    split on `shard_dim`. With it (a parameter that was already a DTensor on a tensor-parallel
+    mesh before data-parallel sharding) the shard group gathers this rank's tensor-parallel
+    local tensor, of `shape`, and modules compute with it as the DTensor it was:
+    `compute_mesh` / `compute_placements`."""
+
+    shape: torch.Size
+    shard_dim: int = 0
+    compute_mesh: Optional[Any] = None  # a DeviceMesh, for tensor-parallel parameters
+    compute_placements: tuple = ()
+    compute_shape: Optional[torch.Size] = None  # the tensor-parallel DTensor's global shape
+    compute_stride: Optional[tuple] = None
+
+
+def gathered_form(param: torch.Tensor) -> GatheredForm:
+    """`param`'s GatheredForm: the one its front-end attached, else its own full shape."""
+    form = getattr(param, GATHERED_FORM, None)
+    return form if form is not None else GatheredForm(param.shape)
 
 
 @dataclasses.dataclass
@@ -30,8 +59,8 @@ class ParamSlot:
     numel: int = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        self.shape = self.param.shape
-        self.numel = self.param.numel()
+        self.shape = gathered_form(self.param).shape
+        self.numel = self.shape.numel()
 
 
 @dataclasses.dataclass

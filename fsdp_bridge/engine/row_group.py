@@ -33,6 +33,7 @@ from typing import Any, Optional
 import torch
 
 from fsdp_bridge.engine.flat_group import FlatGroup
+from fsdp_bridge.engine.layout import gathered_form
 
 
 def chunk_rows(rows: int, ranks: int, rank: int) -> tuple[int, int]:
@@ -53,7 +54,8 @@ class RowGroup(FlatGroup):
         # its chunk is the contiguous local tensor of shape[d] -> local rows. Chunks keep their
         # place in the shards; only the copies between a rank-ordered buffer and a full
         # parameter place them along d (see _place_along_dims, _flat_piece, shard_of).
-        self.shard_dims = [_shard_dim_of(slot.param) for slot in self.slots]
+        self.forms = [gathered_form(slot.param) for slot in self.slots]
+        self.shard_dims = [form.shard_dim for form in self.forms]
         self.row_numels = []  # elements in one row (slice along the shard dim) of each parameter
         self.chunk_numels = []  # elements of one (padded) chunk of each parameter
         self.local_rows = []  # rows of each parameter held by this rank
@@ -154,11 +156,26 @@ class RowGroup(FlatGroup):
             self.invalidate()
         return False  # a change of dtype is refused above
 
+    def compute_views(self, views) -> list:
+        """The gathered views as modules compute with them: a tensor-parallel parameter's as
+        the DTensor it was (see [Note: gathered form]); differentiable, so gradients reach the
+        views as this rank's local gradients."""
+        from torch.distributed.tensor import DTensor
+
+        out = []
+        for form, view in zip(self.forms, views):
+            if form.compute_mesh is not None:
+                view = DTensor.from_local(view, form.compute_mesh, form.compute_placements,
+                                          run_check=False, shape=form.compute_shape,
+                                          stride=form.compute_stride)
+            out.append(view)
+        return out
+
     def expose_full(self) -> None:
         """FSDP2's `unshard()`: the owner modules hold the gathered parameters (compute dtype)
         as ordinary Parameters until the gathered copy goes (`invalidate`)."""
         self.wait_gather()
-        for slot, view in zip(self.slots, self.full_views()):
+        for slot, view in zip(self.slots, self.compute_views(self.full_views())):
             full = torch.nn.Parameter(view, requires_grad=self.requires_grad)
             for module, attr in slot.owners:
                 module._parameters[attr] = full
@@ -275,10 +292,3 @@ class RowGroup(FlatGroup):
             f"fsdp_bridge: {self.slots[index].fqn!r} is a row-sharded DTensor parameter "
             "(fully_shard); this operation handles FSDP1-style flat shards only. Use the "
             "DTensor API (full_tensor(), torch.distributed.checkpoint) instead.")
-
-
-def _shard_dim_of(param) -> int:
-    """The tensor dim a DTensor parameter is split on over the shard group (its last mesh
-    dim's placement): 0 for `Shard(0)`."""
-    placements = getattr(param, "placements", None)
-    return getattr(placements[-1], "dim", 0) if placements else 0

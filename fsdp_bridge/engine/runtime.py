@@ -270,7 +270,7 @@ class ShardedModel:
                 unit.backward_groups_left += counted
             else:
                 views = group.full_views()
-            for slot, view in zip(group.slots, views):
+            for slot, view in zip(group.slots, group.compute_views(views)):
                 for owner, attr in slot.owners:
                     owner.__dict__[attr] = view
 

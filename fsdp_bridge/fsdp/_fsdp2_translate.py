@@ -63,8 +63,12 @@ TABLE = register_table(
                        "parameters are still gathered as one buffer"),
             rejected("shard_placement_fn=<other placements>", "refused at fully_shard time: "
                      "only Shard(d) placements split a parameter over the shard group"),
-            rejected("tensor-parallel (DTensor) parameters", "refused at fully_shard time: "
-                     "composing with parallelize_module is not supported yet"),
+            translated("tensor-parallel (DTensor) parameters", "a parameter parallelize_module "
+                       "made a DTensor on a 1-D tensor-parallel mesh is split further over the "
+                       "1-D data-parallel mesh: a DTensor on both (FSDP2's placements, "
+                       "_StridedShard included), gathered back into the tensor-parallel DTensor "
+                       "for compute; HSDP with tensor parallelism and Partial placements are "
+                       "refused by name"),
             rejected("dp_mesh_dims", "SPMD meshes with DTensor parameters are not supported"),
             translated("set_requires_gradient_sync", "the engine's gradient sync flag (whole model)"),
             translated("set_gradient_divide_factor", "the divisor of this module's unit (per "
@@ -193,24 +197,26 @@ def check_call(module, mesh, reshard_after_forward, shard_placement_fn, mp_polic
     return modules
 
 
-def shard_dim(shard_placement_fn, param: nn.Parameter, name: str, ranks: int) -> int:
+def shard_dim(shard_placement_fn, param: nn.Parameter, name: str, shape: tuple,
+              ranks: int) -> int:
     """The dim `param` is split on over a shard group of `ranks`: what `shard_placement_fn`
-    returns for it (a Shard, or None for dim 0), checked."""
+    returns for it (a Shard, or None for dim 0), checked against `shape`, the shape the
+    group splits (under tensor parallelism: this rank's local part)."""
     from torch.distributed.tensor import Shard
 
     placement = shard_placement_fn(param) if shard_placement_fn is not None else None
     if placement is None:
         return 0
-    if type(placement) is not Shard or not -param.dim() <= placement.dim < param.dim():
+    if type(placement) is not Shard or not -len(shape) <= placement.dim < len(shape):
         raise bad("shard_placement_fn", shard_placement_fn, f"a function returning None or "
                   f"Shard(d) with d a dim of the parameter (it returned {placement!r} for "
                   f"{name!r}, of shape {tuple(param.shape)})", "Return Shard(d) for a dim d "
                   "of each parameter, or None for Shard(0).")
-    dim = placement.dim % param.dim()
-    if dim > 0 and param.shape[dim] % ranks:
+    dim = placement.dim % len(shape)
+    if dim > 0 and shape[dim] % ranks:
         raise bad("shard_placement_fn", shard_placement_fn, f"Shard(d) on a dim whose size "
                   f"divides the shard-group size {ranks} when d > 0, as FSDP2 requires (it "
-                  f"returned {placement!r} for {name!r}, of shape {tuple(param.shape)})",
+                  f"returned {placement!r} for {name!r}, of shape {tuple(shape)})",
                   "Split that parameter on dim 0, or on a dim whose size is a multiple of "
                   "the shard group.", exc=NotImplementedError)
     return dim

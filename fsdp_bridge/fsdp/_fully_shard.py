@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import threading
 import weakref
 from typing import Any, Callable, Optional, Union
@@ -40,10 +41,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp_bridge import engine
 from fsdp_bridge.engine.casting import cast_floating
+from fsdp_bridge.engine.layout import GATHERED_FORM, GatheredForm
 from fsdp_bridge.engine.row_group import chunk_rows
 from fsdp_bridge.fsdp import _fsdp2_translate as T
 from fsdp_bridge.fsdp._stale_optimizer import mark_replaced
@@ -52,6 +55,7 @@ CONFIG = "_fsdp_bridge_fsdp2"  # per fully_shard-ed module: its FullyShardCall
 SHARDED = "_fsdp_bridge_row_sharded"  # on each DTensor parameter fully_shard made
 REPLACED_BY = "_fsdp_bridge_replaced_by"  # on an original parameter: its DTensor
 LOAD_HOOKED = "_fsdp_bridge_load_hooked"  # on a module whose loads are converted
+FORMS = "_fsdp_bridge_gathered_forms"  # per module: {attribute: GatheredForm}
 # Whether this thread is building a model's runtime: the hooks of the modules being sharded then
 # stand aside. Per thread, not per process: ranks of torch's threaded process group (one thread
 # each) shard their models at the same time.
@@ -304,6 +308,7 @@ def _lazy_init(module: nn.Module) -> None:
             if sub_sharded is not None and sub is not module:
                 engine.release(sub_sharded)
         _restore_ties(module)
+        _attach_forms(module)
         calls = [(path, getattr(sub, CONFIG)) for path, sub in below]
         plan, topology = T.build_plan(module, calls)
         engine.shard_model(module, plan, shard_group=topology.shard_group,
@@ -449,34 +454,52 @@ def _default_mesh() -> DeviceMesh:
 
 
 def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params, shard_placement_fn) -> None:
-    """Replace every parameter this call manages by a row-sharded DTensor parameter (see
-    [Note: sharding at fully_shard time]). Parameters tied to modules outside the call are
-    re-tied when the root is built (`_restore_ties`)."""
+    """Replace every parameter this call manages by a DTensor parameter split over the mesh
+    (see [Note: sharding at fully_shard time]), and record on its owner modules the form it
+    gathers into (see [Note: gathered form] in fsdp_bridge/engine/layout.py). Parameters tied
+    to modules outside the call are re-tied when the root is built (`_restore_ties`)."""
     ignored = {id(p) for p in ignored_params}
-    converted: dict[int, nn.Parameter] = {}
+    converted: dict[int, tuple[nn.Parameter, GatheredForm]] = {}
     for module in modules:
         for owner_name, owner in module.named_modules():
             for attr, param in list(owner._parameters.items()):
                 if param is None or id(param) in ignored or getattr(param, SHARDED, False):
                     continue
-                if isinstance(param, DTensor):
-                    name = f"{owner_name}.{attr}" if owner_name else attr
-                    raise T.bad(f"parameter {name!r}", f"a DTensor with placements "
-                                f"{param.placements}", "plain tensors (fully_shard shards them "
-                                "itself)", "Composing fully_shard with tensor parallelism "
-                                "(DTensor parameters) is not supported: apply fully_shard to "
-                                "a model without parallelize_module, or use native FSDP2.")
-                new = converted.get(id(param))
-                if new is None:
+                if id(param) not in converted:
                     name = f"{owner_name}.{attr}" if owner_name else attr
                     _check_not_shared_with_earlier_call(param, name)
-                    dim = T.shard_dim(shard_placement_fn, param, name,
-                                      mesh.size(mesh.ndim - 1))
-                    new = converted[id(param)] = _row_sharded(param, name, mesh, dim)
-                    setattr(param, REPLACED_BY, new)
+                    converted[id(param)] = _sharded(param, name, mesh, shard_placement_fn)
+                    setattr(param, REPLACED_BY, converted[id(param)][0])
                     mark_replaced(param, name)
+                new, form = converted[id(param)]
                 owner._parameters[attr] = new
+                _forms_of(owner)[attr] = form
                 _convert_loads_of(owner)
+
+
+def _forms_of(owner: nn.Module) -> dict:
+    """{attribute: GatheredForm} of the parameters fully_shard made on `owner`. Kept on the
+    module: torch's `to_empty()` and `load_state_dict(assign=True)` give parameters new
+    attribute dicts, so the forms are attached to them only when the engine is built."""
+    if not hasattr(owner, FORMS):
+        object.__setattr__(owner, FORMS, {})
+    return getattr(owner, FORMS)
+
+
+def _attach_forms(root: nn.Module) -> None:
+    for owner in root.modules():
+        for attr, form in getattr(owner, FORMS, {}).items():
+            param = owner._parameters.get(attr)
+            if param is not None:
+                setattr(param, GATHERED_FORM, form)
+
+
+def _sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, shard_placement_fn):
+    """(the DTensor parameter replacing `param`, its GatheredForm)."""
+    if isinstance(param, DTensor):
+        return _sharded_tensor_parallel(param, name, mesh, shard_placement_fn)
+    dim = T.shard_dim(shard_placement_fn, param, name, tuple(param.shape), mesh.size(-1))
+    return _row_sharded(param, name, mesh, dim), GatheredForm(param.shape, dim)
 
 
 def _check_not_shared_with_earlier_call(param: nn.Parameter, name: str) -> None:
@@ -509,6 +532,44 @@ def _check_one_dtype(modules, mp_policy: MixedPrecisionPolicy, ignored_params) -
 
 def _placements(mesh: DeviceMesh, dim: int) -> tuple:
     return (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
+
+
+def _sharded_tensor_parallel(param: DTensor, name: str, mesh: DeviceMesh, shard_placement_fn):
+    """[Note: FSDP over tensor parallelism] A parameter `parallelize_module` made a DTensor on
+    a tensor-parallel mesh: the data-parallel mesh splits this rank's local part of it, and
+    the result is a DTensor on the two meshes together (data-parallel dim first) with the
+    placements FSDP2 gives it, so its full value, state dict and checkpoints are FSDP2's.
+    Gathered over the data-parallel group, it is the tensor-parallel DTensor again."""
+    tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
+    if mesh.ndim != 1 or tp_mesh.ndim != 1 or any(p.is_partial() for p in tp_placements):
+        raise T.bad(f"parameter {name!r}", f"a DTensor on mesh {tp_mesh} with placements "
+                    f"{tp_placements}, sharded over mesh {mesh}", "a DTensor on a 1-D "
+                    "tensor-parallel mesh (Shard or Replicate), sharded over a 1-D "
+                    "data-parallel mesh of the same device mesh", "Pass mesh=world_mesh['dp'] "
+                    "after parallelize_module(model, world_mesh['tp'], plan).")
+    try:
+        spmd_mesh = DeviceMesh._concatenate([mesh, tp_mesh])
+    except Exception as error:  # noqa: BLE001 - reported with the fix
+        raise T.bad("mesh", mesh, f"the data-parallel dimension of the device mesh whose other "
+                    f"dimension is parameter {name!r}'s tensor-parallel mesh {tp_mesh}",
+                    "Slice both from one mesh: init_device_mesh(..., mesh_dim_names=('dp', "
+                    f"'tp')), then mesh['dp'] and mesh['tp'] ({error}).") from error
+    local = param.to_local().detach()
+    dim = T.shard_dim(shard_placement_fn, param, name, tuple(local.shape), mesh.size(0))
+    start, rows = chunk_rows(local.shape[dim], mesh.size(0), mesh.get_local_rank(0))
+    chunk = local.narrow(dim, start, rows)
+    if not chunk.is_meta:
+        chunk = chunk.clone(memory_format=torch.contiguous_format)
+    # The data-parallel split of a dim tensor parallelism already splits is strided: each
+    # rank's rows are a slice of every tensor-parallel chunk (FSDP2's _StridedShard).
+    splits = math.prod(tp_mesh.size(0) for p in tp_placements if p.is_shard(dim))
+    dp_placement = _StridedShard(dim, split_factor=splits) if splits > 1 else Shard(dim)
+    dtensor = DTensor.from_local(chunk, spmd_mesh, (dp_placement, *tp_placements),
+                                 run_check=False, shape=param.shape, stride=param.stride())
+    new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+    setattr(new, SHARDED, True)
+    form = GatheredForm(local.shape, dim, tp_mesh, tp_placements, param.shape, param.stride())
+    return new, form
 
 
 def _row_sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, dim: int) -> nn.Parameter:
@@ -586,12 +647,6 @@ def _in_layout_of(param: DTensor, key: str, value):
         if tuple(value.placements) != tuple(param.placements):
             value = value.redistribute(param.device_mesh, param.placements)
         return value
-    mesh = param.device_mesh
-    shard_dim = mesh.ndim - 1
-    dim = param.placements[-1].dim
-    start, rows = chunk_rows(value.shape[dim], mesh.size(shard_dim),
-                             mesh.get_local_rank(shard_dim))
-    local = value.detach().narrow(dim, start, rows).to(param.device)
-    local = local.clone(memory_format=torch.contiguous_format)
-    return DTensor.from_local(local, mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())
+    # Every rank cuts its own part of the full value: no communication.
+    return distribute_tensor(value.detach().to(param.device), param.device_mesh, param.placements,
+                             src_data_rank=None)

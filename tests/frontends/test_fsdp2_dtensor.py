@@ -140,7 +140,9 @@ def test_bad_inputs_are_refused_by_name(world):
     assert ".full_tensor()" in result["other_mesh"]
     assert "shard_placement_fn" in result["shard_dim2"] and "Shard(dim=2)" in result["shard_dim2"]
     assert "'weight'" in result["tensor_parallel"]
-    assert "tensor parallelism" in result["tensor_parallel"]
+    # Tensor parallelism on the same mesh as the data-parallel one: no 2-D mesh to build.
+    assert "tensor-parallel mesh" in result["tensor_parallel"] and "mesh['dp']" in result[
+        "tensor_parallel"]
     assert "'scale'" in result["scalar"] and "scalar" in result["scalar"]
     assert "torch.float64" in result["cast_after"] and "before its first forward" in result["cast_after"]
     assert result["post_optim_event"].startswith("TypeError") and "event" in result[

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.frontends import fsdp2_edge_cases as C
+from tests.frontends import tp_cases
 from tests.world import case_result as case
 from tests.world import run_world
 
@@ -139,3 +140,28 @@ def test_two_models_in_a_threaded_world_train_as_native(tmp_path):
             for name, value in theirs.items():
                 torch.testing.assert_close(mine[name], value, msg=lambda m: f"{name}: {m}",
                                            **FP32)
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory):
+    return run_world(tp_cases.run_cases, 4, str(tmp_path_factory.mktemp("dcp")))
+
+
+def test_fsdp_over_tensor_parallel_trains_and_checkpoints_as_native(world4):
+    """2 dp x 2 tp: losses, every parameter's layout and local shard, and the full values
+    equal native's; each implementation's DCP checkpoint loads into the other."""
+    for rank in range(4):
+        result = case(world4, "train", rank)
+        ours, native = result["ours"], result["native"]
+        torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(native["losses"]),
+                                   **FP32)
+        assert ours["layouts"] == native["layouts"]
+        assert any("_StridedShard" in placements for placements, _ in ours["layouts"].values())
+        for key, value in native["local"].items():
+            torch.testing.assert_close(ours["local"][key], value, msg=lambda m: f"{key}: {m}",
+                                       **FP32)
+        loaded = case(world4, "load_other", rank)
+        for which in ("ours", "native"):
+            other = "native" if which == "ours" else "ours"
+            for key, value in result[other]["full"].items():
+                torch.testing.assert_close(loaded[which]["full"][key], value, **FP32)

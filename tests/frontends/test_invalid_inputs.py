@@ -156,7 +156,7 @@ CASES = [
     (_fsdp2(offload_policy=CPUOffload()), "offload_policy", "CPUOffload(", "CPUOffloadPolicy"),
     (_fsdp2(ignored_params=[1, 2]), "ignored_params", "[1, 2]", "a set of nn.Parameter"),
     (_fsdp2(dp_mesh_dims=("dp",)), "dp_mesh_dims", "('dp',)", "None"),
-    (lambda: F2.shard_dim(_shard5, torch.nn.Parameter(torch.zeros(2, 2)), "w", 2),
+    (lambda: F2.shard_dim(_shard5, torch.nn.Parameter(torch.zeros(2, 2)), "w", (2, 2), 2),
      "shard_placement_fn", "_shard5", "Shard(d) with d a dim of the parameter"),
     (lambda: F2.check_factor(0), "factor", "0", "a positive number"),
     (lambda: F2.check_bool("set_requires_gradient_sync", "requires_gradient_sync", "no"),
