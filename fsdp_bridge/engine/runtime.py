@@ -79,6 +79,8 @@ class Unit:
         # FSDP2's `set_reduce_scatter_unused_params(True)`: unreached parameters of this unit
         # get a zero gradient even where the plan leaves `.grad` None.
         self.reduce_unused_params = False
+        # FSDP2's `set_all_reduce_hook`: called on each reduced shard (see _finish_reduce).
+        self.all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
 
     @property
     def trainable_groups(self) -> list[FlatGroup]:
@@ -389,7 +391,9 @@ class ShardedModel:
     def _track_reduce(self, group: FlatGroup, work, output: torch.Tensor,
                       source: torch.Tensor) -> None:
         pending = PendingReduce(group, work, output, source)
-        if work is not None and self.comm.wait_on_futures and self.comm.replicate_size == 1:
+        hooked = self.unit_of_group[id(group)].all_reduce_hook is not None
+        if (work is not None and self.comm.wait_on_futures and self.comm.replicate_size == 1
+                and not hooked):  # a user's hook runs on the main thread
             # [Note: reductions land early] On gloo the reduction runs on the process group's
             # thread while backward goes on. Its result is added to the gradient shard there,
             # as soon as it is summed, and what it read from freed with it, rather than held
@@ -417,10 +421,29 @@ class ShardedModel:
             assert pending.output is not None
             if self.comm.shard_size > 1:  # hybrid: shards are summed across replicas too
                 self.comm.all_reduce_replicas(pending.output, async_op=False)
+            self._run_all_reduce_hook(pending.group, pending.output)
             pending.group.accumulate(pending.output)
         # Drop the work handle, the reduced shard and its source now: gloo's work
         # keeps a full-size scratch copy of its input alive as long as the handle lives.
         pending.work = pending.output = pending.source = None
+
+    def _run_all_reduce_hook(self, group: FlatGroup, output: torch.Tensor) -> None:
+        """[Note: all-reduce hook] FSDP2 calls the hook on each reduced shard, averaged over
+        the data-parallel ranks (or divided by the module's divide factor), before it joins
+        the gradient. A unit with a hook is divided here, micro-step by micro-step as FSDP2
+        divides, so the hook sees FSDP2's values; `finalize_grads` then divides it by 1."""
+        unit = self.unit_of_group[id(group)]
+        if unit.all_reduce_hook is None:
+            return
+        output.div_(self._divisor_of(unit))
+        unit.all_reduce_hook(output)
+
+    def _divisor_of(self, unit: Unit) -> float:
+        """What a unit's summed gradients are divided by: its divide factor, the model's, or
+        the data-parallel size times the micro-steps."""
+        steps = self.plan.gradient_accumulation_steps
+        return (unit.gradient_divide_factor or self.gradient_divide_factor
+                or self.comm.data_parallel_size * steps)
 
     def _queue_end_of_backward(self) -> None:
         if self.phase is StepPhase.FORWARD:
@@ -441,10 +464,10 @@ class ShardedModel:
         self.micro_step += 1
         steps = self.plan.gradient_accumulation_steps
         if self.requires_sync and self.micro_step % steps == 0:
-            default = self.gradient_divide_factor or self.comm.data_parallel_size * steps
             without_grad = self._params_without_grad()
             for unit in self.units:
-                divisor = unit.gradient_divide_factor or default
+                # See [Note: all-reduce hook].
+                divisor = 1.0 if unit.all_reduce_hook is not None else self._divisor_of(unit)
                 for group in unit.trainable_groups:
                     group.finalize_grads(divisor, without_grad.get(id(group), frozenset()))
             self.micro_step = 0

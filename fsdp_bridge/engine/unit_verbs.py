@@ -34,6 +34,12 @@ def set_reduce_unused_params(sharded: ShardedModel, name: str, reduce: bool) -> 
     _unit(sharded, name).reduce_unused_params = bool(reduce)
 
 
+def set_all_reduce_hook(sharded: ShardedModel, name: str, hook) -> None:
+    """Call `hook(reduced_shard)` on each reduced gradient shard of unit `name`, averaged as
+    FSDP2 averages it (see [Note: all-reduce hook] in runtime.py)."""
+    _unit(sharded, name).all_reduce_hook = hook
+
+
 def unshard_unit(sharded: ShardedModel, name: str) -> list:
     """Start gathering unit `name` (FSDP2's `unshard`): the next forward finds it gathered.
     Returns the groups whose gathers are in flight (wait with `group.wait_gather()`)."""

@@ -90,7 +90,15 @@ TABLE = register_table(
             translated("set_post_optim_event", "accepted: the engine's gathers are issued "
                        "after the optimizer's work on its stream, which is what the event "
                        "orders"),
-            rejected("set_all_reduce_hook / set_custom_all_gather / set_custom_reduce_scatter",
+            translated("fully_shard.state(module)", "the call's record (modules, mesh, "
+                       "policies) or None; FSDP2's private FSDPState members do not exist, so "
+                       "code reading them (torch.distributed.pipelining's FSDP path) fails"),
+            translated("set_all_reduce_hook", "the hook runs on each reduced gradient shard of "
+                       "the module's unit (FSDP2's layout: each parameter's chunk, padded), "
+                       "averaged as FSDP2 averages it, before it joins the gradient"),
+            ignored("set_all_reduce_hook(stream=...)", "the hook runs on the current stream "
+                    "once the reduction has finished; numerics are identical"),
+            rejected("set_custom_all_gather / set_custom_reduce_scatter",
                      "the engine runs its own collectives"),
         ),
     )

@@ -76,6 +76,10 @@ class FullyShardCall:
     offload_policy: Any
     ignored_params: frozenset
     root_of: Optional[weakref.ref] = None  # the root module once sharded
+    # Per-module settings made by FSDPModule's setters ({setting: value}), applied to the
+    # call's unit whenever the engine's runtime is built: they may come before the first
+    # forward, and a runtime built early for a submodule is rebuilt by its root.
+    unit_settings: dict = dataclasses.field(default_factory=dict)
 
 
 class UnshardHandle:
@@ -162,8 +166,7 @@ class FSDPModule(TorchFSDPModule):
         """This module's reduced gradients are divided by `factor` (FSDP2: per module, not
         recursive; a module of a list call shares the factor of the unit it joined)."""
         T.check_factor(factor)
-        sharded = self._fsdp_root_state()
-        engine.set_gradient_divide_factor(sharded, _path_in_root(self, sharded), float(factor))
+        _set_on_unit(self, "gradient_divide_factor", float(factor))
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         self.set_gradient_divide_factor(factor)
@@ -172,7 +175,14 @@ class FSDPModule(TorchFSDPModule):
         pass
 
     def set_all_reduce_hook(self, hook, *, stream=None):
-        raise T.unsupported("set_all_reduce_hook")
+        """`hook(reduced)` runs on each of this module's reduced gradient shards (after the
+        replicas' all-reduce under HSDP), averaged as FSDP2 averages them."""
+        if not callable(hook):
+            raise T.bad("hook", hook, "a callable taking the reduced gradient shard",
+                        "e.g. set_all_reduce_hook(lambda reduced: ...).", exc=TypeError)
+        if stream is not None:
+            T.TABLE.warn_ignored("set_all_reduce_hook(stream=...)", stream)
+        _set_on_unit(self, "all_reduce_hook", hook)
 
     def set_custom_all_gather(self, comm):
         raise T.unsupported("set_custom_all_gather")
@@ -196,9 +206,9 @@ class FSDPModule(TorchFSDPModule):
         `recurse`), as FSDP2 includes them in its reduce-scatter."""
         T.check_bool("set_reduce_scatter_unused_params", "reduce_scatter_unused_params",
                      reduce_scatter_unused_params)
-        sharded = self._fsdp_root_state()
-        for path in _paths_of_units(self, sharded, recurse):
-            engine.set_reduce_unused_params(sharded, path, reduce_scatter_unused_params)
+        below = [m for m in self.modules() if isinstance(m, FSDPModule)] if recurse else [self]
+        for module in below:
+            _set_on_unit(module, "reduce_unused_params", reduce_scatter_unused_params)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
                                              recurse: bool = True) -> None:
@@ -265,11 +275,26 @@ def _root_sharded(module: nn.Module):
     return engine.get_sharded(root) if root is not None else None
 
 
-def _paths_of_units(module: nn.Module, sharded, recurse: bool) -> list[str]:
-    """The paths in the root of `module` and, when `recurse`, of the fully_shard-ed modules
-    below it (FSDP2's recursive setters)."""
-    below = [m for m in module.modules() if isinstance(m, FSDPModule)] if recurse else [module]
-    return [_path_in_root(m, sharded) for m in below]
+_UNIT_SETTERS = {
+    "gradient_divide_factor": engine.set_gradient_divide_factor,
+    "reduce_unused_params": engine.set_reduce_unused_params,
+    "all_reduce_hook": engine.set_all_reduce_hook,
+}
+
+
+def _set_on_unit(module: nn.Module, setting: str, value) -> None:
+    """Record a per-module setting on its call and apply it to its unit if the engine's
+    runtime is built already (see FullyShardCall.unit_settings)."""
+    getattr(module, CONFIG).unit_settings[setting] = value
+    sharded = _root_sharded(module)
+    if sharded is not None:
+        _UNIT_SETTERS[setting](sharded, _path_in_root(module, sharded), value)
+
+
+def _apply_unit_settings(sharded, calls) -> None:
+    for path, call in calls:
+        for setting, value in call.unit_settings.items():
+            _UNIT_SETTERS[setting](sharded, path, value)
 
 
 def _path_in_root(module: nn.Module, sharded) -> str:
@@ -311,8 +336,9 @@ def _lazy_init(module: nn.Module) -> None:
         _attach_forms(module)
         calls = [(path, getattr(sub, CONFIG)) for path, sub in below]
         plan, topology = T.build_plan(module, calls)
-        engine.shard_model(module, plan, shard_group=topology.shard_group,
-                           replicate_group=topology.replicate_group)
+        sharded = engine.shard_model(module, plan, shard_group=topology.shard_group,
+                                     replicate_group=topology.replicate_group)
+        _apply_unit_settings(sharded, calls)
         ref = weakref.ref(module)
         for _, call_ in calls:
             call_.root_of = ref
@@ -412,6 +438,17 @@ def _cast_like_fsdp2(module: nn.Module, policy: MixedPrecisionPolicy, inputs: bo
     if policy.output_dtype is not None:
         out_dtype = policy.output_dtype
         module.register_forward_hook(lambda _, args, output: cast_floating(output, out_dtype))
+
+
+def _state(module: nn.Module) -> Optional[FullyShardCall]:
+    """`fully_shard.state(module)`: what the fully_shard call that manages `module` recorded
+    (its modules, mesh and policies), or None for a module no call was made on. FSDP2 returns
+    its private FSDPState here; code that goes on to read that state's private members (its
+    param groups, `_state_ctx`) has no counterpart in this engine."""
+    return getattr(module, CONFIG, None)
+
+
+fully_shard.state = _state  # type: ignore[attr-defined]  # as FSDP2's contract decorator adds
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

@@ -286,7 +286,9 @@ def surface(which, rank, world):
     fsdp.fully_shard(model.trunk, ignored_params={outside.weight})  # outside the module
     fsdp.fully_shard(model)
     facts = {"isinstance_torch": isinstance(model, TorchFSDPModule),
-             "trunk_isinstance_torch": isinstance(model.trunk, TorchFSDPModule)}
+             "trunk_isinstance_torch": isinstance(model.trunk, TorchFSDPModule),
+             "state_of_sharded": fsdp.fully_shard.state(model.trunk) is not None,
+             "state_of_plain": fsdp.fully_shard.state(model.head) is None}
     model.set_post_optim_event(torch.cpu.current_stream().record_event())  # None on the CPU
     model.set_reduce_scatter_max_input_buffers(1)
     model.set_separate_reduce_scatter_group(False)
@@ -349,6 +351,30 @@ def shard_dims(which, rank, world):
     return out
 
 
+def all_reduce_hook(which, rank, world):
+    """A hook on the trunk's reduced shards: it records them and scales them in place (an
+    in-place transform, as a hook that all-reduces over another group is). SGD, so the
+    scale shows in the parameters."""
+    model = _shard(which, _model(), aux_unit=False)
+    seen = []
+
+    def hook(reduced):
+        seen.append(reduced.detach().clone().cpu())
+        reduced.mul_(0.5)
+
+    model.trunk.set_all_reduce_hook(hook)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        loss = model(_batch(step, rank, world)).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(_global_mean(loss.item(), world))
+    return {"losses": losses, "seen": seen,
+            "state": {n: _full(p).detach().cpu().clone() for n, p in model.named_parameters()}}
+
+
 def _both(fn, *args, **kwargs):
     def run(rank, world):
         out = {}
@@ -384,6 +410,7 @@ def cases() -> dict:
         "list_call": _both(list_call),
         "surface": _both(surface),
         "shard_dims": _both(shard_dims),
+        "all_reduce_hook": _both(all_reduce_hook),
     }
 
 

@@ -119,6 +119,16 @@ def test_parameters_split_on_other_dims_train_as_native(world):
             torch.testing.assert_close(ours["state_dict_local"][key], value, **FP32)
 
 
+def test_an_all_reduce_hook_sees_and_changes_what_native_s_does(world):
+    for rank in (0, 1):
+        result = case(world, "all_reduce_hook", rank)
+        ours, native = result["ours"], result["native"]
+        assert len(ours["seen"]) == len(native["seen"]) == C.STEPS
+        for mine, theirs in zip(ours["seen"], native["seen"]):
+            torch.testing.assert_close(mine, theirs, **FP32)
+        same_training(ours, native)
+
+
 def test_two_models_in_a_threaded_world_train_as_native(tmp_path):
     """No process-global state: two ranks as threads of one process, each training two
     independently sharded models alternately, give native FSDP2's numbers."""
