@@ -55,11 +55,14 @@ def available() -> dict[str, tuple[str, str]]:
 def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
     """Every available subcommand with its help line; only `chosen` (when given) is imported
     and gets its arguments and its run function."""
+    from fsdp_bridge import __version__
+
     parser = argparse.ArgumentParser(
         prog="fsdp-bridge",
         description="One sharding engine behind every FSDP dialect, codemods between "
         "dialects, and an equivalence harness.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_line) in available().items():
         sub_parser = sub.add_parser(name, help=help_line, description=help_line)
@@ -77,7 +80,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return int(args._run(args) or 0)
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The subcommand's exit code; a missing optional dependency is one line on stderr."""
+    from fsdp_bridge.extras import MissingExtra, as_missing_extra
+
+    what = f"fsdp-bridge {args.command}"
+    try:
+        return int(args._run(args) or 0)
+    except MissingExtra as exc:
+        print(f"{what}: error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        missing = as_missing_extra(exc, what)
+        if missing is None:
+            raise
+        print(f"{what}: error: {missing}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """`fsdp-bridge demo` (`make demo`): the three promises of fsdp-bridge, end to end, on 2 CPU ranks.
 
-1. Migrate and prove it: the realistic FSDP1 script `examples/fsdp1_train_llama.py` is rewritten
+1. Migrate and prove it: the realistic FSDP1 script `fsdp_bridge/examples/fsdp1_train_llama.py` is rewritten
    by `fsdp-bridge migrate --to bridge` and `--to fsdp2` into a temporary directory, and each
    rewrite is compared with the original step by step by `compare-scripts` (tables and a PNG).
-2. Drop-in engine: YaFSDP's Llama example (`examples/yafsdp_llama.py`) trains
+2. Drop-in engine: YaFSDP's Llama example (`fsdp_bridge/examples/yafsdp_llama.py`) trains
    unmodified on our engine under torchrun, beside a single process trained on the same global
    batches (it reuses the example's model and data factories), both loss columns printed.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fsdp_bridge.harness.torchrun import run_torchrun
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "yafsdp_llama.py"
+EXAMPLE = Path(__file__).resolve().parent / "examples" / "yafsdp_llama.py"
 STEP_LINE = re.compile(r"^step (\d+) loss ([0-9.eE+-]+)$", re.MULTILINE)
 
 
@@ -68,6 +68,11 @@ def sharded_losses(path: Path, steps: int, nproc: int) -> list[float]:
 
 
 def run(args) -> int:
+    from fsdp_bridge.extras import require
+
+    # Both examples train Hugging Face Llamas; the migration part also draws its plot.
+    needs = ("transformers",) if args.only == "yafsdp" else ("transformers", "matplotlib")
+    require("fsdp-bridge demo", *needs)
     codes = []
     if args.only in (None, "migrate"):
         from fsdp_bridge.harness.demo_flow import run_demo_flow

@@ -55,6 +55,9 @@ def run(args) -> int:
         print(f"fsdp-bridge explain: error: {exc}", file=sys.stderr)
         return 2
     if args.demo:
+        from fsdp_bridge.extras import require
+
+        require("fsdp-bridge explain --demo (its model is a tiny Hugging Face Llama)", "transformers")
         print(_demo())
         return 0
     from fsdp_bridge.explain import render_docs

@@ -26,7 +26,8 @@ LAYERS = (
     ("tools", ("fsdp_bridge.checkpoint", "fsdp_bridge.harness", "fsdp_bridge.migrate",
                "fsdp_bridge.codemods", "fsdp_bridge.memory", "fsdp_bridge.explain",
                "fsdp_bridge.explain_cli", "fsdp_bridge.outputs", "fsdp_bridge.bench",
-               "fsdp_bridge.tiny", "fsdp_bridge.demo")),
+               "fsdp_bridge.tiny", "fsdp_bridge.demo", "fsdp_bridge.examples",
+               "fsdp_bridge.extras")),
     ("command line", ("fsdp_bridge.cli", "fsdp_bridge.__main__", "fsdp_bridge")),
 )
 

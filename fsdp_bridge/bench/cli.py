@@ -82,6 +82,12 @@ def _run_sweep(args, s: dict) -> int:
 
 
 def run(args) -> int:
+    import sys
+
+    from fsdp_bridge.extras import require
+
+    # Checked here, not in the ranks: one line instead of a traceback from each of them.
+    require("fsdp-bridge bench (its models are Hugging Face Llamas)", "transformers")
     if getattr(args, "device", "cpu") == "cuda":
         from fsdp_bridge.bench import cuda
 
@@ -93,7 +99,7 @@ def run(args) -> int:
         s = settings(args)
         _check_sweep_options(args)
     except ValueError as exc:
-        print(f"fsdp-bridge bench: {exc}")
+        print(f"fsdp-bridge bench: error: {exc}", file=sys.stderr)
         return 2
     if args.sweep:
         return _run_sweep(args, s)

@@ -45,9 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def checked_arguments(args: argparse.Namespace):
     """(recipe, backends) after checking every argument and output path; ValueError or
     BackendUnavailable naming the first bad one. Starts no process."""
+    from fsdp_bridge.extras import require
     from fsdp_bridge.harness import arguments
     from fsdp_bridge.harness.backends import get_backend
     from fsdp_bridge.harness.launcher import resolve_device
+
+    if args.recipe != "mlp":  # the others are Hugging Face models
+        require(f"fsdp-bridge compare --recipe {args.recipe}", "transformers")
 
     for flag in ("nproc", "steps", "micro_batches"):
         arguments.positive_int(f"--{flag.replace('_', '-')}", getattr(args, flag))
