@@ -91,13 +91,13 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return int(args._run(args) or 0)
     except MissingExtra as exc:
-        print(f"{what}: error: {exc}", file=sys.stderr)
+        print(f"{what}: error: this command {exc}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as exc:
-        missing = as_missing_extra(exc, what)
+        missing = as_missing_extra(exc)
         if missing is None:
             raise
-        print(f"{what}: error: {missing}", file=sys.stderr)
+        print(f"{what}: error: this command {missing}", file=sys.stderr)
         return 2
 
 

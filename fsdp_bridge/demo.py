@@ -72,7 +72,7 @@ def run(args) -> int:
 
     # Both examples train Hugging Face Llamas; the migration part also draws its plot.
     needs = ("transformers",) if args.only == "yafsdp" else ("transformers", "matplotlib")
-    require("fsdp-bridge demo", *needs)
+    require(*needs, why="its examples train Hugging Face Llamas and draw a plot")
     codes = []
     if args.only in (None, "migrate"):
         from fsdp_bridge.harness.demo_flow import run_demo_flow

@@ -57,7 +57,7 @@ def run(args) -> int:
     if args.demo:
         from fsdp_bridge.extras import require
 
-        require("fsdp-bridge explain --demo (its model is a tiny Hugging Face Llama)", "transformers")
+        require("transformers", why="--demo wraps a tiny Hugging Face Llama")
         print(_demo())
         return 0
     from fsdp_bridge.explain import render_docs

@@ -17,10 +17,12 @@ class MissingExtra(RuntimeError):
     """An optional dependency a command needs is not installed."""
 
 
-def missing_message(what: str, modules: list[str]) -> str:
+def missing_message(modules: list[str], why: str = "") -> str:
+    """e.g. "needs transformers (why), which is not installed: pip install 'fsdp-bridge[hf]'"."""
     extras = ",".join(sorted({EXTRA_OF.get(name, name) for name in modules}))
-    return (f"{what} needs {' and '.join(modules)}, which {'is' if len(modules) == 1 else 'are'} "
-            f"not installed: pip install 'fsdp-bridge[{extras}]'")
+    verb = "is" if len(modules) == 1 else "are"
+    return (f"needs {' and '.join(modules)}{f' ({why})' if why else ''}, which {verb} not "
+            f"installed: pip install 'fsdp-bridge[{extras}]'")
 
 
 def installed(module: str) -> bool:
@@ -31,15 +33,15 @@ def installed(module: str) -> bool:
         return False
 
 
-def require(what: str, *modules: str) -> None:
+def require(*modules: str, why: str = "") -> None:
     """Raise MissingExtra naming every module of `modules` that is not installed."""
     missing = [name for name in modules if not installed(name)]
     if missing:
-        raise MissingExtra(missing_message(what, missing))
+        raise MissingExtra(missing_message(missing, why))
 
 
-def as_missing_extra(exc: ModuleNotFoundError, what: str) -> MissingExtra | None:
+def as_missing_extra(exc: ModuleNotFoundError) -> MissingExtra | None:
     """The one-line form of an import of an optional dependency that failed after all (None
     when the missing module is not one of ours to name)."""
     top = (exc.name or "").split(".")[0]
-    return MissingExtra(missing_message(what, [top])) if top in EXTRA_OF else None
+    return MissingExtra(missing_message([top])) if top in EXTRA_OF else None

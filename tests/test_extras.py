@@ -58,5 +58,5 @@ def test_an_import_of_an_extra_that_fails_late_is_still_one_line():
     from fsdp_bridge.extras import as_missing_extra
 
     exc = ModuleNotFoundError("No module named 'safetensors.torch'", name="safetensors.torch")
-    assert "pip install 'fsdp-bridge[hf]'" in str(as_missing_extra(exc, "fsdp-bridge x"))
-    assert as_missing_extra(ModuleNotFoundError("x", name="numpy"), "fsdp-bridge x") is None
+    assert "pip install 'fsdp-bridge[hf]'" in str(as_missing_extra(exc))
+    assert as_missing_extra(ModuleNotFoundError("x", name="numpy")) is None

@@ -87,7 +87,7 @@ def run(args) -> int:
     from fsdp_bridge.extras import require
 
     # Checked here, not in the ranks: one line instead of a traceback from each of them.
-    require("fsdp-bridge bench (its models are Hugging Face Llamas)", "transformers")
+    require("transformers", why="its models are Hugging Face Llamas")
     if getattr(args, "device", "cpu") == "cuda":
         from fsdp_bridge.bench import cuda
 

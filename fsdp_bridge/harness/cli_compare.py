@@ -51,7 +51,8 @@ def checked_arguments(args: argparse.Namespace):
     from fsdp_bridge.harness.launcher import resolve_device
 
     if args.recipe != "mlp":  # the others are Hugging Face models
-        require(f"fsdp-bridge compare --recipe {args.recipe}", "transformers")
+        require("transformers", why=f"--recipe {args.recipe} is a Hugging Face model; "
+                "--recipe mlp is not")
 
     for flag in ("nproc", "steps", "micro_batches"):
         arguments.positive_int(f"--{flag.replace('_', '-')}", getattr(args, flag))
