@@ -20,7 +20,7 @@ def _demo() -> str:
     import torch.distributed as dist
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from fsdp_bridge.explain import explain
+    from fsdp_bridge.explanation import explain
     from fsdp_bridge.fsdp import FullyShardedDataParallel, MixedPrecision
     from fsdp_bridge.fsdp.wrap import transformer_auto_wrap_policy
     from fsdp_bridge.tiny import build_llama, llama_config
@@ -60,7 +60,7 @@ def run(args) -> int:
         require("transformers", why="--demo wraps a tiny Hugging Face Llama")
         print(_demo())
         return 0
-    from fsdp_bridge.explain import render_docs
+    from fsdp_bridge.explanation import render_docs
 
     text = render_docs()
     if args.write_docs:

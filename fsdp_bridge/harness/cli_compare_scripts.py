@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fsdp_bridge.harness.compare import TOLERANCES
+from fsdp_bridge.harness.names import DTYPES
 
 
 class _SplitAtDoubleDash(argparse.ArgumentParser):
@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss-pattern", default=None,
                         help="regex with named groups 'step' and 'loss' (default matches "
                              "lines like 'step 3 loss 4.21')")
-    parser.add_argument("--dtype", default="fp32", choices=sorted(TOLERANCES),
+    parser.add_argument("--dtype", default="fp32", choices=DTYPES,
                         help="dtype whose default tolerance applies (default fp32)")
     parser.add_argument("--rtol", type=float, help="override the dtype's rtol")
     parser.add_argument("--atol", type=float, help="override the dtype's atol")

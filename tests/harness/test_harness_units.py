@@ -3,6 +3,7 @@ CLI errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -93,3 +94,16 @@ def test_compare_cli_reports_errors_with_exit_2(capsys):
     assert main(["compare", "--backends", "reference"]) == 2
     assert main(["compare", "--batch", "3", "--nproc", "2"]) == 2
     assert "global_batch=3" in capsys.readouterr().err
+
+
+def test_the_command_lines_choices_are_the_implemented_names():
+    # names.py lists them without importing torch (fast --help); it must not drift.
+    from fsdp_bridge.harness import names
+    from fsdp_bridge.harness.backends import BACKENDS
+    from fsdp_bridge.harness.compare import TOLERANCES
+    from fsdp_bridge.harness.recipes import BUILTIN, Size
+
+    assert names.BACKENDS == tuple(BACKENDS)
+    assert names.RECIPES == tuple(BUILTIN)
+    assert names.DTYPES == tuple(TOLERANCES)
+    assert names.SIZE_DEFAULTS == dataclasses.asdict(Size())
