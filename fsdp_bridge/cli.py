@@ -54,7 +54,7 @@ def available() -> dict[str, tuple[str, str]]:
 
 def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
     """Every available subcommand with its help line; only `chosen` (when given) is imported
-    and gets its arguments and its run function."""
+    and gets its arguments and its run function (its parser is `parser.chosen_parser`)."""
     from fsdp_bridge import __version__
 
     parser = argparse.ArgumentParser(
@@ -64,19 +64,23 @@ def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.set_defaults(chosen_parser=parser)
     for name, (module_name, help_line) in available().items():
         sub_parser = sub.add_parser(name, help=help_line, description=help_line)
         if name == chosen:
             module = importlib.import_module(module_name)
             module.add_arguments(sub_parser)
             sub_parser.set_defaults(_run=module.run)
+            parser.set_defaults(chosen_parser=sub_parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv[0] if argv and argv[0] in SUBCOMMANDS else None)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said with the subcommand's usage, not the overview's
+        args.chosen_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 2

@@ -23,6 +23,10 @@ class _SplitAtDoubleDash(argparse.ArgumentParser):
         split = args.index("--") if "--" in args else len(args)
         namespace, extras = super().parse_known_args(args[:split], namespace)
         namespace.script_args = args[split + 1:]
+        scripts = [arg for arg in extras if not arg.startswith("-")]
+        if scripts:
+            self.error(f"takes exactly two scripts, A.py and B.py; also got {' '.join(scripts)}. "
+                       "Arguments for the scripts go after --, e.g. A.py B.py -- --steps 5")
         return namespace, extras
 
 
