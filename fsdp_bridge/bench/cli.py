@@ -22,6 +22,8 @@ def add_arguments(parser) -> None:
                              "bf16 on cuda)")
     parser.add_argument("--nproc", type=int, help="ranks (default: 2 on cpu, 1 on cuda)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress lines on stderr (one per repeat), only the report")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: tiny Llama on gloo ranks (default); cuda: a 1.1B Llama on "
                              "NCCL, one GPU per rank, against the plain unsharded model too")
@@ -97,6 +99,7 @@ def run(args) -> int:
             raise ValueError(f"--profile {args.profile!r}: traces are taken on CUDA only; add "
                              "--device cuda, or drop --profile")
         s = settings(args)
+        s["quiet"] = bool(getattr(args, "quiet", False))
         _check_sweep_options(args)
     except ValueError as exc:
         print(f"fsdp-bridge bench: error: {exc}", file=sys.stderr)

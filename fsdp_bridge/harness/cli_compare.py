@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--atol", type=float, help="override the dtype's atol")
     parser.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="write loss and deviation curves")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="no line on stderr saying what is being trained while it runs")
 
 
 def checked_arguments(args: argparse.Namespace):
@@ -101,6 +103,12 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, BackendUnavailable) as exc:
         print(f"fsdp-bridge compare: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    from fsdp_bridge import progress
+
+    # One spawned world trains every backend in turn and reports at the end: say what it does.
+    progress.note(f"fsdp-bridge compare: training {args.recipe} under {len(backends)} backends "
+                  f"({', '.join(backends)}), {args.steps} steps on {args.nproc} ranks...",
+                  args.quiet)
     try:
         report = check_equivalence(recipe, backends, nproc=args.nproc, device=args.device,
                                    rtol=args.rtol, atol=args.atol)

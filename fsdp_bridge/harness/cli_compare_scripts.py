@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per script run")
     parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="write loss and deviation curves")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress bar (it is drawn on stderr, and only on a terminal)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,11 +67,20 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"fsdp-bridge compare-scripts: error: {exc}", file=sys.stderr)
         return 2
+    from fsdp_bridge import progress
+
+    runs = 2 if args.no_determinism_check else 3
     try:
-        report = compare_scripts(
-            args.script_a, [args.script_b], nproc=args.nproc,
-            args=getattr(args, "script_args", []), tolerance=tolerance, pattern=pattern,
-            check_determinism=not args.no_determinism_check, timeout=args.timeout)
+        with progress.bar(runs, "compare-scripts", "run", args.quiet) as runs_done:
+            def show(run) -> None:
+                runs_done.set_postfix_str(f"{run.label} done in {run.seconds:.0f} s")
+                runs_done.update(1)
+
+            report = compare_scripts(
+                args.script_a, [args.script_b], nproc=args.nproc,
+                args=getattr(args, "script_args", []), tolerance=tolerance, pattern=pattern,
+                check_determinism=not args.no_determinism_check, timeout=args.timeout,
+                on_run=show)
     except ValueError as exc:
         print(f"fsdp-bridge compare-scripts: error: {exc}", file=sys.stderr)
         return 2

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from fsdp_bridge.harness import arguments, step_hook
 from fsdp_bridge.harness.compare import (
@@ -213,17 +213,24 @@ def _nan_notes(runs: Sequence[ScriptRun]) -> list[str]:
 def compare_scripts(baseline: str, candidates: Sequence[str], nproc: int = 2,
                     args: Sequence[str] = (), tolerance: Optional[Tolerance] = None,
                     pattern: str = DEFAULT_LOSS_PATTERN, check_determinism: bool = True,
-                    timeout: float = 600.0) -> ScriptReport:
+                    timeout: float = 600.0,
+                    on_run: Callable[[ScriptRun], None] = lambda run: None) -> ScriptReport:
     """Run `baseline` (twice, unless check_determinism=False) and each candidate; compare.
-    Candidates are not run when the baseline failed (nothing to compare them with)."""
+    Candidates are not run when the baseline failed (nothing to compare them with).
+    `on_run` is called after each run (progress)."""
     from fsdp_bridge.harness.compare import tolerance_for
+
+    def run_one(*run_args) -> ScriptRun:
+        done = run_script(*run_args)
+        on_run(done)
+        return done
 
     tolerance = tolerance or tolerance_for("fp32")
     check_arguments(baseline, candidates, nproc, pattern, timeout)
-    first = run_script("A", baseline, nproc, args, pattern, timeout)
+    first = run_one("A", baseline, nproc, args, pattern, timeout)
     runs, notes, errors = [first], [DETERMINISM], []
     if check_determinism and not first.error:
-        repeat = run_script("A (repeat)", baseline, nproc, args, pattern, timeout)
+        repeat = run_one("A (repeat)", baseline, nproc, args, pattern, timeout)
         if repeat.error:
             errors.append(repeat.error)
         else:
@@ -232,7 +239,7 @@ def compare_scripts(baseline: str, candidates: Sequence[str], nproc: int = 2,
         notes.append("the other scripts were not run: A failed or does not repeat, so there is "
                      "nothing to compare them with")
     for index, script in enumerate(candidates if not errors and not first.error else ()):
-        runs.append(run_script(chr(ord("B") + index), script, nproc, args, pattern, timeout))
+        runs.append(run_one(chr(ord("B") + index), script, nproc, args, pattern, timeout))
     errors = [run.error for run in runs if run.error] + errors
     comparisons = [] if errors else [compare_script_runs(first, run, tolerance)
                                      for run in runs[1:]]
