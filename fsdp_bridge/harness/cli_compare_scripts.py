@@ -38,11 +38,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=2, help="ranks per script (default 2)")
     parser.add_argument("--loss-pattern", default=None,
                         help="regex with named groups 'step' and 'loss' (default matches "
-                             "lines like 'step 3 loss 4.21')")
+                             "lines like 'step 3 loss 4.21', and else the Hugging Face "
+                             "Trainer's {'loss': 4.21, ...} lines)")
     parser.add_argument("--dtype", default="fp32", choices=DTYPES,
                         help="dtype whose default tolerance applies (default fp32)")
     parser.add_argument("--rtol", type=float, help="override the dtype's rtol")
     parser.add_argument("--atol", type=float, help="override the dtype's atol")
+    parser.add_argument("--allow-no-fsdp", action="store_true",
+                        help="compare runs even when one engaged no FSDP module (by default "
+                             "that is an error: its agreement would prove nothing about FSDP)")
+    parser.add_argument("--allow-no-loss", action="store_true",
+                        help="compare parameter digests alone when no loss line was read (by "
+                             "default an error)")
     parser.add_argument("--no-determinism-check", action="store_true",
                         help="do not run A twice (faster; a non-deterministic A goes unnoticed)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per script run")
@@ -72,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     runs = 2 if args.no_determinism_check else 3
     try:
         with progress.bar(runs, "compare-scripts", "run", args.quiet) as runs_done:
-            def show(run) -> None:
+            def count_run(run) -> None:
                 runs_done.set_postfix_str(f"{run.label} done in {run.seconds:.0f} s")
                 runs_done.update(1)
 
@@ -80,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
                 args.script_a, [args.script_b], nproc=args.nproc,
                 args=getattr(args, "script_args", []), tolerance=tolerance, pattern=pattern,
                 check_determinism=not args.no_determinism_check, timeout=args.timeout,
-                on_run=show)
+                on_run=count_run, require_fsdp=not args.allow_no_fsdp,
+                require_loss=not args.allow_no_loss)
     except ValueError as exc:
         print(f"fsdp-bridge compare-scripts: error: {exc}", file=sys.stderr)
         return 2
