@@ -107,3 +107,31 @@ def test_the_command_lines_choices_are_the_implemented_names():
     assert names.RECIPES == tuple(BUILTIN)
     assert names.DTYPES == tuple(TOLERANCES)
     assert names.SIZE_DEFAULTS == dataclasses.asdict(Size())
+
+
+def test_the_plot_gives_each_run_one_colour_and_whole_steps():
+    import matplotlib.pyplot as plt
+
+    from fsdp_bridge.harness.compare import Comparison, StepCheck, tolerance_for
+    from fsdp_bridge.harness.report import plot_figure
+
+    class Report:
+        title = "three runs"
+        tolerance = tolerance_for("fp32")
+        comparisons = [Comparison("a", name) for name in ("b", "c")]
+
+        def curves(self):
+            return {name: [(1, 2.0), (2, 1.5), (3, 1.2)] for name in ("a", "b", "c")}
+
+    report = Report()
+    for comparison in report.comparisons:
+        comparison.steps = [StepCheck(s, 1.0, 1.0, 0.5, 0.1, 0.2) for s in (1, 2, 3)]
+    figure = plot_figure(report)
+    top, bottom = figure.axes
+    colour = {line.get_label(): line.get_color() for line in top.get_lines()}
+    assert len(set(colour.values())) == 3
+    for line in bottom.get_lines():
+        if line.get_label() in ("b", "c"):
+            assert line.get_color() == colour[line.get_label()]
+    assert all(float(tick).is_integer() for tick in bottom.get_xticks())
+    plt.close(figure)
