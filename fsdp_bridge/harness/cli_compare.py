@@ -10,7 +10,15 @@ import argparse
 import math
 import sys
 
-from fsdp_bridge.harness.names import BACKENDS, DTYPES, OPTIMIZERS, RECIPES, SIZE_DEFAULTS, STRATEGIES
+from fsdp_bridge.harness.names import (
+    BACKENDS,
+    DTYPES,
+    OPTIMIZERS,
+    RECIPES,
+    SIZE_DEFAULTS,
+    STRATEGIES,
+    TOLERANCE_GROWTH,
+)
 
 # The single-process reference first (the baseline), then each native torch FSDP beside our
 # engine behind the same dialect.
@@ -49,6 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default auto)")
     parser.add_argument("--rtol", type=float, help="override the dtype's rtol")
     parser.add_argument("--atol", type=float, help="override the dtype's atol")
+    parser.add_argument("--tolerance-growth", default="linear", choices=TOLERANCE_GROWTH,
+                        help="linear: step k allows k times the one-step tolerance, since "
+                             "rounding differences between correct implementations compound "
+                             "over training; none: the one-step tolerance at every step "
+                             "(default linear)")
     parser.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="write loss and deviation curves")
     parser.add_argument("-q", "--quiet", action="store_true",
@@ -111,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
                   args.quiet)
     try:
         report = check_equivalence(recipe, backends, nproc=args.nproc, device=args.device,
-                                   rtol=args.rtol, atol=args.atol)
+                                   rtol=args.rtol, atol=args.atol, growth=args.tolerance_growth)
     except (ValueError, BackendUnavailable) as exc:
         print(f"fsdp-bridge compare: error: {exc}", file=sys.stderr)
         return EXIT_ERROR

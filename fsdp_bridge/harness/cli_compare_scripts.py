@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fsdp_bridge.harness.names import DTYPES
+from fsdp_bridge.harness.names import DTYPES, TOLERANCE_GROWTH
 
 
 class _SplitAtDoubleDash(argparse.ArgumentParser):
@@ -44,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dtype whose default tolerance applies (default fp32)")
     parser.add_argument("--rtol", type=float, help="override the dtype's rtol")
     parser.add_argument("--atol", type=float, help="override the dtype's atol")
+    parser.add_argument("--tolerance-growth", default="linear", choices=TOLERANCE_GROWTH,
+                        help="linear: step k allows k times the one-step tolerance (rounding "
+                             "differences compound over training); none: the one-step "
+                             "tolerance at every step (default linear)")
     parser.add_argument("--allow-no-fsdp", action="store_true",
                         help="compare runs even when one engaged no FSDP module (by default "
                              "that is an error: its agreement would prove nothing about FSDP)")
@@ -70,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         arguments.tolerances(args.rtol, args.atol)
         arguments.outputs(args.json, args.plot)
         check_arguments(args.script_a, [args.script_b], args.nproc, pattern, args.timeout)
-        tolerance = tolerance_for(args.dtype, args.rtol, args.atol)
+        tolerance = tolerance_for(args.dtype, args.rtol, args.atol, args.tolerance_growth)
     except ValueError as exc:
         print(f"fsdp-bridge compare-scripts: error: {exc}", file=sys.stderr)
         return 2

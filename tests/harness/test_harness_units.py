@@ -100,12 +100,13 @@ def test_the_command_lines_choices_are_the_implemented_names():
     # names.py lists them without importing torch (fast --help); it must not drift.
     from fsdp_bridge.harness import names
     from fsdp_bridge.harness.backends import BACKENDS
-    from fsdp_bridge.harness.compare import TOLERANCES
+    from fsdp_bridge.harness.compare import GROWTH, TOLERANCES
     from fsdp_bridge.harness.recipes import BUILTIN, Size
 
     assert names.BACKENDS == tuple(BACKENDS)
     assert names.RECIPES == tuple(BUILTIN)
     assert names.DTYPES == tuple(TOLERANCES)
+    assert names.TOLERANCE_GROWTH == GROWTH
     assert names.SIZE_DEFAULTS == dataclasses.asdict(Size())
 
 
@@ -135,3 +136,28 @@ def test_the_plot_gives_each_run_one_colour_and_whole_steps():
             assert line.get_color() == colour[line.get_label()]
     assert all(float(tick).is_integer() for tick in bottom.get_xticks())
     plt.close(figure)
+
+
+def test_linear_tolerance_growth_allows_drift_that_compounds_but_not_a_bug():
+    # [Note: tolerance growth]: deviations that grow with the step (0.5x the one-step
+    # tolerance per step, as rounding differences compound) pass under "linear" and fail
+    # under "none" from step 3; a deviation 100x off at step 1 fails under both.
+    from fsdp_bridge.harness.compare import Comparison, compare_steps
+    from fsdp_bridge.harness.runner import StepRecord
+
+    one_step = 1e-5 + 1.3e-6 * 2.0
+    base = [StepRecord(k, 2.0, None, None) for k in range(1, 11)]
+    drift = [StepRecord(k, 2.0 + 0.5 * k * one_step, None, None) for k in range(1, 11)]
+    bug = [StepRecord(k, 2.0 + 100 * one_step, None, None) for k in range(1, 11)]
+    judged = {}
+    for growth in ("linear", "none"):
+        for name, run in (("drift", drift), ("bug", bug)):
+            comparison = Comparison("reference", name)
+            compare_steps(base, run, tolerance_for("fp32", growth=growth), comparison)
+            judged[growth, name] = comparison.first_diverging_step
+    assert judged == {("linear", "drift"): None, ("none", "drift"): 3,
+                      ("linear", "bug"): 1, ("none", "bug"): 1}
+    assert tolerance_for("fp32", growth="linear").at_step(7).rtol == pytest.approx(7 * 1.3e-6)
+    assert "times k at step k" in tolerance_for("fp32", growth="linear").describe()
+    with pytest.raises(ValueError, match="growth='quadratic'"):
+        tolerance_for("fp32", growth="quadratic")
