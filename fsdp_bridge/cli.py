@@ -25,13 +25,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
               "CUDA (--device cuda)"),
     "explain": ("fsdp_bridge.explain_cli", "show the front-ends' argument tables, or the plan a "
                 "tiny demo model gets"),
-    "migrate": ("fsdp_bridge.migrate.cli", "Rewrite FSDP code between dialects (FSDP1 -> bridge "
-                "/ FSDP2 / YaFSDP) with libcst."),
-    "compare": ("fsdp_bridge.harness.cli_compare", "Train a recipe under several FSDP backends "
-                "and show where they agree or first diverge."),
-    "compare-scripts": ("fsdp_bridge.harness.cli_compare_scripts", "Run two training scripts "
+    "migrate": ("fsdp_bridge.migrate.cli", "rewrite FSDP code between dialects (FSDP1 -> bridge "
+                "/ FSDP2 / YaFSDP) with libcst"),
+    "compare": ("fsdp_bridge.harness.cli_compare", "train a recipe under several FSDP backends "
+                "and show where they agree or first diverge"),
+    "compare-scripts": ("fsdp_bridge.harness.cli_compare_scripts", "run two training scripts "
                         "under torchrun and compare their per-step losses and parameter "
-                        "digests."),
+                        "digests"),
     "convert-checkpoint": ("fsdp_bridge.checkpoint.cli", "convert a checkpoint between "
                            "torch.save, DCP and safetensors, offline (no ranks)"),
 }

@@ -24,10 +24,14 @@ STEP_LINE = re.compile(r"^step (\d+) loss ([0-9.eE+-]+)$", re.MULTILINE)
 
 def add_arguments(parser) -> None:
     parser.add_argument("--only", choices=["migrate", "yafsdp"], help="run one part of the demo")
-    parser.add_argument("--steps", type=int, default=8, help="steps of the YaFSDP example")
-    parser.add_argument("--migrate-steps", type=int, default=3, help="steps of the FSDP1 script")
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--example", type=Path, default=EXAMPLE)
+    parser.add_argument("--steps", type=int, default=8,
+                        help="steps of the YaFSDP example (default 8)")
+    parser.add_argument("--migrate-steps", type=int, default=3,
+                        help="steps of the FSDP1 script (default 3)")
+    parser.add_argument("--nproc", type=int, default=2, help="CPU ranks (default 2)")
+    parser.add_argument("--example", type=Path, default=EXAMPLE,
+                        help="the YaFSDP script of part 2 (default: the one shipped, "
+                             "fsdp_bridge/examples/yafsdp_llama.py)")
     parser.add_argument("--out", help="folder for the rewrites and the plot (default: a temp dir)")
 
 

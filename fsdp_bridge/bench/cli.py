@@ -43,13 +43,13 @@ def add_arguments(parser) -> None:
         "model (defaults: on cpu the tiny Llama hidden 256, 4 layers, 4 heads, vocab 1000, seq "
         "128, batch 4; on cuda hidden 2048, 16 layers, 32 heads (8 kv), intermediate 8192, "
         "vocab 32000, seq 2048, batch 2)")
-    model.add_argument("--hidden", type=int)
-    model.add_argument("--layers", type=int)
+    model.add_argument("--hidden", type=int, help="hidden size")
+    model.add_argument("--layers", type=int, help="decoder layers")
     model.add_argument("--heads", type=int, help="attention heads")
     model.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
     model.add_argument("--intermediate", type=int, help="MLP width (default: 4 x --hidden)")
-    model.add_argument("--vocab", type=int)
-    model.add_argument("--seq", type=int)
+    model.add_argument("--vocab", type=int, help="vocabulary size")
+    model.add_argument("--seq", type=int, help="sequence length")
     model.add_argument("--batch", type=int, help="sequences per rank")
 
 

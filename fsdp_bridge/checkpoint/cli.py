@@ -12,7 +12,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         ".safetensors file or a save_pretrained directory (detected)")
     parser.add_argument("destination", metavar="DST", help="where to write (a file for torch "
                         "and *.safetensors, a directory otherwise)")
-    parser.add_argument("--to", required=True, choices=("torch", "dcp", "safetensors"))
+    parser.add_argument("--to", required=True, choices=("torch", "dcp", "safetensors"),
+                        help="the format to write: a torch.save file, a DCP directory, or "
+                             "safetensors (flat tensors)")
     parser.add_argument("--key", default=None, help="for --to safetensors: the sub-dict whose "
                         "tensors to keep (default: 'model' when the source has one)")
     parser.add_argument("--force", action="store_true", help="replace DST if it exists")
