@@ -27,11 +27,12 @@ WRAPPERS_FILE = "fsdp.json"
 NOT_SHARDED = "DistributedDataParallel"  # a data-parallel wrapper that shards nothing
 
 # (name in the report, module defining the class, class). A module counts for the first match;
-# only modules the script imported are looked at.
+# only modules the script imported are looked at. A wrapper of ours holding a whole model counts
+# the units of its plan (the modules it wraps, as native FSDP1 nests one instance per unit).
 WRAPPER_CLASSES = (
     ("fsdp-bridge fully_shard", "fsdp_bridge.fsdp._fully_shard", "FSDPModule"),
-    ("fsdp-bridge (FSDP1 / YaFSDP / Zeta / TorchAcc front-end)", "fsdp_bridge.wrapper",
-     "ShardedWrapper"),
+    ("fsdp-bridge YaFSDP", "fsdp_bridge.ya_fsdp.ya_fsdp", "YaFSDP"),
+    ("fsdp-bridge (FSDP1 / Zeta / TorchAcc front-end)", "fsdp_bridge.wrapper", "ShardedWrapper"),
     ("torch FSDP1", "torch.distributed.fsdp", "FullyShardedDataParallel"),
     ("torch FSDP2", "torch.distributed.fsdp", "FSDPModule"),
     (NOT_SHARDED, "torch.nn.parallel", "DistributedDataParallel"),
@@ -47,9 +48,14 @@ def wrapped_modules() -> dict[str, int]:
         if isinstance(obj, torch.nn.Module):
             for name, cls in classes:
                 if isinstance(obj, cls):
-                    counts[name] = counts.get(name, 0) + 1
+                    counts[name] = counts.get(name, 0) + _units(obj)
                     break
     return counts
+
+
+def _units(module) -> int:
+    plan = getattr(getattr(module, "_sharded", None), "plan", None)
+    return len(plan.units) if plan is not None else 1
 
 
 def install(out_dir: str) -> None:
