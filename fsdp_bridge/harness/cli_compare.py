@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="write loss and deviation curves")
     parser.add_argument("-q", "--quiet", action="store_true",
-                        help="no line on stderr saying what is being trained while it runs")
+                        help="no progress lines on stderr (what is trained, each backend done)")
 
 
 def checked_arguments(args: argparse.Namespace):
@@ -124,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
                   args.quiet)
     try:
         report = check_equivalence(recipe, backends, nproc=args.nproc, device=args.device,
-                                   rtol=args.rtol, atol=args.atol, growth=args.tolerance_growth)
+                                   rtol=args.rtol, atol=args.atol, growth=args.tolerance_growth,
+                                   announce=not args.quiet)
     except (ValueError, BackendUnavailable) as exc:
         print(f"fsdp-bridge compare: error: {exc}", file=sys.stderr)
         return EXIT_ERROR

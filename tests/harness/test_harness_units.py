@@ -161,3 +161,19 @@ def test_linear_tolerance_growth_allows_drift_that_compounds_but_not_a_bug():
     assert "times k at step k" in tolerance_for("fp32", growth="linear").describe()
     with pytest.raises(ValueError, match="growth='quadratic'"):
         tolerance_for("fp32", growth="quadratic")
+
+
+def test_compare_says_on_stderr_what_it_trains_and_each_backend_done_unless_quiet():
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "fsdp_bridge", "compare", "--recipe", "mlp", "--steps", "1",
+            "--nproc", "1", "--backends", "reference,bridge-fsdp2"]
+    loud, quiet = (subprocess.run(argv + extra, capture_output=True, text=True, timeout=300)
+                   for extra in ([], ["--quiet"]))
+    assert loud.returncode == 0 and quiet.returncode == 0, loud.stderr + quiet.stderr
+    lines = loud.stderr.splitlines()
+    assert lines[0].startswith("fsdp-bridge compare: training mlp under 2 backends"), lines
+    assert any("bridge-fsdp2 trained (2/2 backends" in line for line in lines), lines
+    assert "RESULT: equivalent" in loud.stdout and "trained" not in loud.stdout
+    assert quiet.stderr == "" and "RESULT: equivalent" in quiet.stdout
