@@ -91,18 +91,16 @@ def _run(args: argparse.Namespace) -> int:
     """The subcommand's exit code; a missing optional dependency is one line on stderr."""
     from fsdp_bridge.extras import MissingExtra, as_missing_extra
 
-    what = f"fsdp-bridge {args.command}"
     try:
         return int(args._run(args) or 0)
     except MissingExtra as exc:
-        print(f"{what}: error: this command {exc}", file=sys.stderr)
-        return 2
-    except ModuleNotFoundError as exc:
+        missing: MissingExtra | None = exc
+    except ModuleNotFoundError as exc:  # an import of an extra that no check foresaw
         missing = as_missing_extra(exc)
         if missing is None:
             raise
-        print(f"{what}: error: this command {missing}", file=sys.stderr)
-        return 2
+    print(f"fsdp-bridge {args.command}: error: this command {missing}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
