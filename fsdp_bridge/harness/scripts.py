@@ -274,10 +274,12 @@ def _unproven(runs: Sequence[ScriptRun], require_fsdp: bool, require_loss: bool,
                 "settings (a launcher may fall back to DDP, as accelerate does on CPU), or pass "
                 "--allow-no-fsdp to compare them anyway")
         if require_loss and not run.losses:
+            also = (" (nor the Hugging Face Trainer's log lines)"
+                    if pattern == DEFAULT_LOSS_PATTERN else "")
             errors.append(
                 f"{run.label} ({run.script}): no line of its output matched the loss pattern "
-                f"{pattern!r} (nor the Hugging Face Trainer's log lines); pass --loss-pattern "
-                "for its format, or --allow-no-loss to compare parameter digests alone")
+                f"{pattern!r}{also}; pass --loss-pattern for its format, or --allow-no-loss to "
+                "compare parameter digests alone")
     return errors
 
 
