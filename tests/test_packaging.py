@@ -149,3 +149,14 @@ def test_the_installed_wheel_runs_outside_the_repository(built):
     assert demo.returncode == 2, demo.stdout + demo.stderr
     assert "Traceback" not in demo.stderr
     assert "needs transformers" in demo.stderr and "pip install 'fsdp-bridge[hf]'" in demo.stderr
+
+
+def test_libcst_runner_lists_the_three_commands_of_the_codemods_folder():
+    # .libcst.codemod.yaml points libcst's runner at codemods/: one module per target.
+    done = subprocess.run([sys.executable, "-m", "libcst.tool", "list"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    names = [line.split(" - ")[0] for line in done.stdout.splitlines()]
+    assert names == ["to_bridge.ToBridgeCommand", "to_fsdp2.ToFsdp2Command",
+                     "to_yafsdp.ToYafsdpCommand"], done.stdout
+    assert all(" - No description." not in line for line in done.stdout.splitlines())
