@@ -1,11 +1,24 @@
 # Two entry points: `make demo` and `make test`. Both create or reuse .venv.
-# On a machine without a GPU we install torch's CPU build first (pinned), so the
-# package's own `torch>=` range is already satisfied and pip pulls no CUDA wheels.
+#
+# torch is installed only when .venv has none: a torch already there is left alone (pip keeps it
+# when it meets the package's own `torch>=` floor). Otherwise torch $(TORCH_VERSION) is installed:
+# on a machine with an NVIDIA GPU (a working `nvidia-smi`) the default build from the configured
+# index (CUDA); without one the CPU build (`+cpu`), from the configured sources when they have it
+# (e.g. a local wheel folder), else from PyTorch's CPU index, so that pip pulls no CUDA wheels.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-TORCH_CPU ?= torch==2.13.0
+TORCH_VERSION ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+PIP := $(BIN)/python -m pip install -q
+ifeq ($(HAS_GPU),yes)
+INSTALL_TORCH := $(PIP) torch==$(TORCH_VERSION)
+else
+INSTALL_TORCH := $(PIP) torch==$(TORCH_VERSION)+cpu 2>/dev/null \
+	|| $(PIP) --extra-index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION)+cpu
+endif
 
 .PHONY: demo test test-gpu bench bench-gpu venv clean
 
@@ -13,8 +26,8 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q $(TORCH_CPU)
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/python -c "import torch" 2>/dev/null || $(INSTALL_TORCH)
+	$(PIP) -e '.[test]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -8,9 +8,12 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # `fsdp_bridge.explain(model)`, imported lazily so that `import fsdp_bridge` stays light.
+    # `fsdp_bridge.explain(model)`, imported lazily so that `import fsdp_bridge` stays light. It
+    # lives in `explanation`: a submodule named `explain` would replace this function with
+    # itself on the package the moment it is imported.
     if name == "explain":
-        from fsdp_bridge.explain import explain
+        from fsdp_bridge.explanation import explain
 
+        globals()["explain"] = explain
         return explain
     raise AttributeError(f"module 'fsdp_bridge' has no attribute {name!r}")

@@ -25,13 +25,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
               "CUDA (--device cuda)"),
     "explain": ("fsdp_bridge.explain_cli", "show the front-ends' argument tables, or the plan a "
                 "tiny demo model gets"),
-    "migrate": ("fsdp_bridge.migrate.cli", "Rewrite FSDP code between dialects (FSDP1 -> bridge "
-                "/ FSDP2 / YaFSDP) with libcst."),
-    "compare": ("fsdp_bridge.harness.cli_compare", "Train a recipe under several FSDP backends "
-                "and show where they agree or first diverge."),
-    "compare-scripts": ("fsdp_bridge.harness.cli_compare_scripts", "Run two training scripts "
+    "migrate": ("fsdp_bridge.migrate.cli", "rewrite FSDP code between dialects (FSDP1 -> bridge "
+                "/ FSDP2 / YaFSDP) with libcst"),
+    "compare": ("fsdp_bridge.harness.cli_compare", "train a recipe under several FSDP backends "
+                "and show where they agree or first diverge"),
+    "compare-scripts": ("fsdp_bridge.harness.cli_compare_scripts", "run two training scripts "
                         "under torchrun and compare their per-step losses and parameter "
-                        "digests."),
+                        "digests"),
     "convert-checkpoint": ("fsdp_bridge.checkpoint.cli", "convert a checkpoint between "
                            "torch.save, DCP and safetensors, offline (no ranks)"),
 }
@@ -54,30 +54,53 @@ def available() -> dict[str, tuple[str, str]]:
 
 def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
     """Every available subcommand with its help line; only `chosen` (when given) is imported
-    and gets its arguments and its run function."""
+    and gets its arguments and its run function (its parser is `parser.chosen_parser`)."""
+    from fsdp_bridge import __version__
+
     parser = argparse.ArgumentParser(
         prog="fsdp-bridge",
         description="One sharding engine behind every FSDP dialect, codemods between "
         "dialects, and an equivalence harness.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.set_defaults(chosen_parser=parser)
     for name, (module_name, help_line) in available().items():
         sub_parser = sub.add_parser(name, help=help_line, description=help_line)
         if name == chosen:
             module = importlib.import_module(module_name)
             module.add_arguments(sub_parser)
             sub_parser.set_defaults(_run=module.run)
+            parser.set_defaults(chosen_parser=sub_parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv[0] if argv and argv[0] in SUBCOMMANDS else None)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # said with the subcommand's usage, not the overview's
+        args.chosen_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command is None:
         parser.print_help()
         return 2
-    return int(args._run(args) or 0)
+    return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The subcommand's exit code; a missing optional dependency is one line on stderr."""
+    from fsdp_bridge.extras import MissingExtra, as_missing_extra
+
+    try:
+        return int(args._run(args) or 0)
+    except MissingExtra as exc:
+        missing: MissingExtra | None = exc
+    except ModuleNotFoundError as exc:  # an import of an extra that no check foresaw
+        missing = as_missing_extra(exc)
+        if missing is None:
+            raise
+    print(f"fsdp-bridge {args.command}: error: this command {missing}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ def _demo() -> str:
     import torch.distributed as dist
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from fsdp_bridge.explain import explain
+    from fsdp_bridge.explanation import explain
     from fsdp_bridge.fsdp import FullyShardedDataParallel, MixedPrecision
     from fsdp_bridge.fsdp.wrap import transformer_auto_wrap_policy
     from fsdp_bridge.tiny import build_llama, llama_config
@@ -55,9 +55,12 @@ def run(args) -> int:
         print(f"fsdp-bridge explain: error: {exc}", file=sys.stderr)
         return 2
     if args.demo:
+        from fsdp_bridge.extras import require
+
+        require("transformers", why="--demo wraps a tiny Hugging Face Llama")
         print(_demo())
         return 0
-    from fsdp_bridge.explain import render_docs
+    from fsdp_bridge.explanation import render_docs
 
     text = render_docs()
     if args.write_docs:

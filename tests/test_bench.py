@@ -51,14 +51,14 @@ def test_bench_runs_and_writes_figures(tmp_path, capsys):
 
 def test_bench_rejects_bad_options(capsys, tmp_path):
     assert main(["bench", "--dtype", "fp16"]) == 2
-    assert "--dtype 'fp16'" in capsys.readouterr().out
+    assert "--dtype 'fp16'" in capsys.readouterr().err
     assert main(["bench", "--steps", "0"]) == 2
     assert main(["bench", "--plot", str(tmp_path / "p.png")]) == 2
-    assert "add --sweep" in capsys.readouterr().out
+    assert "add --sweep" in capsys.readouterr().err
     assert main(["bench", "--sweep", "--plot", str(tmp_path / "missing" / "p.png")]) == 2
-    assert "--plot" in capsys.readouterr().out
+    assert "--plot" in capsys.readouterr().err
     assert main(["bench", "--sweep", "--device", "cuda"]) == 2
-    assert "CPU bench only" in capsys.readouterr().out
+    assert "CPU bench only" in capsys.readouterr().err
 
 
 def test_sweep_prints_ratios_per_size_and_draws_the_plot(tmp_path, capsys, monkeypatch):

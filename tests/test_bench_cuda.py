@@ -24,7 +24,7 @@ def _args(*argv):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
 def test_no_cuda_device_is_a_clear_error(capsys, tmp_path):
     assert main(["bench", "--device", "cuda", "--json", str(tmp_path / "x.json")]) == 2
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert "--device cuda: no CUDA device" in out
     assert "use --device cpu" in out
     assert not (tmp_path / "x.json").exists()
@@ -32,14 +32,14 @@ def test_no_cuda_device_is_a_clear_error(capsys, tmp_path):
 
 def test_bad_options_are_refused_before_looking_for_a_gpu(capsys):
     assert main(["bench", "--device", "cuda", "--dtype", "fp16"]) == 2
-    assert "--dtype 'fp16'" in capsys.readouterr().out
+    assert "--dtype 'fp16'" in capsys.readouterr().err
     assert main(["bench", "--device", "cuda", "--hidden", "100", "--heads", "32"]) == 2
-    assert "--hidden 100: must split into 32 attention heads" in capsys.readouterr().out
+    assert "--hidden 100: must split into 32 attention heads" in capsys.readouterr().err
 
 
 def test_profile_is_refused_on_the_cpu(capsys):
     assert main(["bench", "--profile", "traces"]) == 2
-    assert "--profile 'traces': traces are taken on CUDA only" in capsys.readouterr().out
+    assert "--profile 'traces': traces are taken on CUDA only" in capsys.readouterr().err
 
 
 def test_cpu_defaults_are_the_tiny_llama_and_cuda_defaults_a_1b_llama():

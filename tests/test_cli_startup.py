@@ -1,6 +1,7 @@
-"""The command line starts without torch: `fsdp-bridge --help` imports no subcommand and
-`fsdp-bridge migrate --help` only the migrate command, so neither imports torch (which takes
-seconds); the overview still lists every subcommand. Imports are read from `-X importtime`."""
+"""The command line starts without torch: `fsdp-bridge --help` imports no subcommand;
+`migrate --help`, `compare --help` and `compare-scripts --help` import only their command, and
+none imports torch (which takes seconds); the overview still lists every subcommand. Imports are
+read from `-X importtime`."""
 
 from __future__ import annotations
 
@@ -36,8 +37,24 @@ def test_help_lists_every_subcommand_without_importing_torch():
 
 
 @pytest.mark.parametrize("argv", [["-m", "fsdp_bridge", "migrate", "--help"],
+                                  ["-m", "fsdp_bridge", "compare", "--help"],
+                                  ["-m", "fsdp_bridge", "compare-scripts", "--help"],
+                                  ["-m", "fsdp_bridge", "--version"],
                                   ["-c", "import fsdp_bridge"]])
-def test_migrate_help_and_the_package_import_no_torch(argv):
+def test_help_of_light_commands_and_the_package_import_no_torch(argv):
     done, imported = _run(*argv)
     assert done.returncode == 0, done.stderr[-2000:]
     assert _torch_modules(imported) == []
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["compare-scripts", "a.py", "b.py", "c.py"], "takes exactly two scripts, A.py and B.py; also got c.py"),
+    (["compare", "--bogus"], "unrecognized arguments: --bogus"),
+    (["migrate", "src", "--to", "fsdp2", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_a_subcommand_usage_error_shows_the_subcommand_usage(argv, said):
+    done = subprocess.run([sys.executable, "-m", "fsdp_bridge", *argv], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"usage: fsdp-bridge {argv[0]} "), done.stderr
+    assert f"fsdp-bridge {argv[0]}: error: {said}" in done.stderr, done.stderr

@@ -18,7 +18,7 @@ def test_demo_yafsdp_example_matches_reference():
     assert len(rows) == 4, completed.stdout
     first, last = (float(rows[i].split()[1]) for i in (0, -1))
     assert last < first, "the example must actually train"
-    assert "equivalent (fp32 tolerance" in completed.stdout
+    assert "of the tolerance: equivalent (fp32: |a-b| <= 1e-05 + 1.3e-06*|b|" in completed.stdout
 
 
 def test_demo_migrate_flow(tmp_path):

@@ -78,7 +78,7 @@ def _materialised_shard_by_shard(rank, world):
 
 def _prediction_case(frontend: str, bf16: bool):
     def case(rank, world):
-        from fsdp_bridge.explain import explain, find_sharded
+        from fsdp_bridge.explanation import explain, find_sharded
         from fsdp_bridge.memory import estimate_step_memory
 
         gc.collect()

@@ -22,6 +22,8 @@ def add_arguments(parser) -> None:
                              "bf16 on cuda)")
     parser.add_argument("--nproc", type=int, help="ranks (default: 2 on cpu, 1 on cuda)")
     parser.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress lines on stderr (one per repeat), only the report")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cpu: tiny Llama on gloo ranks (default); cuda: a 1.1B Llama on "
                              "NCCL, one GPU per rank, against the plain unsharded model too")
@@ -41,13 +43,13 @@ def add_arguments(parser) -> None:
         "model (defaults: on cpu the tiny Llama hidden 256, 4 layers, 4 heads, vocab 1000, seq "
         "128, batch 4; on cuda hidden 2048, 16 layers, 32 heads (8 kv), intermediate 8192, "
         "vocab 32000, seq 2048, batch 2)")
-    model.add_argument("--hidden", type=int)
-    model.add_argument("--layers", type=int)
+    model.add_argument("--hidden", type=int, help="hidden size")
+    model.add_argument("--layers", type=int, help="decoder layers")
     model.add_argument("--heads", type=int, help="attention heads")
     model.add_argument("--kv-heads", type=int, help="key/value heads (default: --heads)")
     model.add_argument("--intermediate", type=int, help="MLP width (default: 4 x --hidden)")
-    model.add_argument("--vocab", type=int)
-    model.add_argument("--seq", type=int)
+    model.add_argument("--vocab", type=int, help="vocabulary size")
+    model.add_argument("--seq", type=int, help="sequence length")
     model.add_argument("--batch", type=int, help="sequences per rank")
 
 
@@ -82,6 +84,12 @@ def _run_sweep(args, s: dict) -> int:
 
 
 def run(args) -> int:
+    import sys
+
+    from fsdp_bridge.extras import require
+
+    # Checked here, not in the ranks: one line instead of a traceback from each of them.
+    require("transformers", why="its models are Hugging Face Llamas")
     if getattr(args, "device", "cpu") == "cuda":
         from fsdp_bridge.bench import cuda
 
@@ -91,9 +99,10 @@ def run(args) -> int:
             raise ValueError(f"--profile {args.profile!r}: traces are taken on CUDA only; add "
                              "--device cuda, or drop --profile")
         s = settings(args)
+        s["quiet"] = bool(getattr(args, "quiet", False))
         _check_sweep_options(args)
     except ValueError as exc:
-        print(f"fsdp-bridge bench: {exc}")
+        print(f"fsdp-bridge bench: error: {exc}", file=sys.stderr)
         return 2
     if args.sweep:
         return _run_sweep(args, s)

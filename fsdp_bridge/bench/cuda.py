@@ -321,7 +321,9 @@ def run(args) -> int:
             raise ValueError(problem)
         s = settings(args)
     except ValueError as exc:
-        print(f"fsdp-bridge bench: {exc}")
+        import sys
+
+        print(f"fsdp-bridge bench: error: {exc}", file=sys.stderr)
         return 2
     report = summarize(s, schedule.run_world(s, _rank_program, CUDA_RANKS))
     print(format_report(report))

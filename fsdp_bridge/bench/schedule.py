@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import statistics
+import sys
 import time
 
 from fsdp_bridge.bench.models import CONFIGS, batch, build, step
@@ -81,9 +82,10 @@ def _measured_step(config: str, dtype_name: str, s: dict, ids) -> dict:
     return result
 
 
-def log(rank: int, message: str) -> None:
-    if rank == 0:
-        print(f"[bench] {message}", flush=True)
+def log(rank: int, message: str, quiet: bool = False) -> None:
+    """Progress of the bench, from rank 0, on stderr (the report goes to stdout)."""
+    if rank == 0 and not quiet:
+        print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
 def rank_program(rank: int, world: int, s: dict) -> dict:
@@ -100,11 +102,12 @@ def rank_program(rank: int, world: int, s: dict) -> dict:
             medians = ", ".join(
                 f"{c} {1000 * statistics.median(t):.0f}" for c, t in repeat.items()
             )
-            log(rank, f"repeat {repeat_index + 1}/{s['repeats']} {dtype_name}: median ms {medians}")
+            log(rank, f"repeat {repeat_index + 1}/{s['repeats']} {dtype_name}: median ms {medians}",
+                s.get("quiet", False))
     # After the timed repeats on purpose: the first use of some torch internals allocates
     # for good, which would otherwise be charged to whichever config is measured first.
     measured = {d: {c: _measured_step(c, d, s, ids) for c in CONFIGS} for d in s["dtypes"]}
-    log(rank, "memory and collectives measured")
+    log(rank, "memory and collectives measured", s.get("quiet", False))
     return {"times": times, "measured": measured}
 
 

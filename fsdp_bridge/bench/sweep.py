@@ -9,6 +9,8 @@ come from different runs and are compared only through their ratios.
 
 from __future__ import annotations
 
+import sys
+
 from fsdp_bridge import tiny
 from fsdp_bridge.bench import models, schedule
 from fsdp_bridge.bench import report as bench_report
@@ -31,7 +33,8 @@ def run_sweep(s: dict, run_world=schedule.run_world) -> list[dict]:
     reports = []
     for hidden, layers, vocab in SIZES:
         settings = size_settings(s, hidden, layers, vocab)
-        print(f"[bench] sweep: hidden {hidden}, {layers} layers, vocab {vocab}", flush=True)
+        print(f"[bench] sweep: hidden {hidden}, {layers} layers, vocab {vocab}", file=sys.stderr,
+              flush=True)
         report = bench_report.summarize(settings, run_world(settings))
         report["parameters"] = tiny.parameter_count(models.llama_config(settings))
         reports.append(report)

@@ -21,6 +21,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 from torch.distributed.checkpoint.state_dict import (  # noqa: F401  (re-exported)
     StateDictOptions,
     get_model_state_dict,
@@ -57,3 +59,13 @@ __all__ = [
     "set_state_dict",
     "training_state",
 ]
+
+# Submodules reached as attributes (`from fsdp_bridge import checkpoint; checkpoint.hf...`),
+# imported on first use: `hf` reads safetensors, which only the `hf` extra installs.
+_SUBMODULES = ("hf", "convert")
+
+
+def __getattr__(name: str):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fsdp_bridge.harness.compare import TOLERANCES
+from fsdp_bridge.harness.names import DTYPES, TOLERANCE_GROWTH
 
 
 class _SplitAtDoubleDash(argparse.ArgumentParser):
@@ -23,6 +23,10 @@ class _SplitAtDoubleDash(argparse.ArgumentParser):
         split = args.index("--") if "--" in args else len(args)
         namespace, extras = super().parse_known_args(args[:split], namespace)
         namespace.script_args = args[split + 1:]
+        scripts = [arg for arg in extras if not arg.startswith("-")]
+        if scripts:
+            self.error(f"takes exactly two scripts, A.py and B.py; also got {' '.join(scripts)}. "
+                       "Arguments for the scripts go after --, e.g. A.py B.py -- --steps 5")
         return namespace, extras
 
 
@@ -34,16 +38,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=2, help="ranks per script (default 2)")
     parser.add_argument("--loss-pattern", default=None,
                         help="regex with named groups 'step' and 'loss' (default matches "
-                             "lines like 'step 3 loss 4.21')")
-    parser.add_argument("--dtype", default="fp32", choices=sorted(TOLERANCES),
+                             "lines like 'step 3 loss 4.21', and else the Hugging Face "
+                             "Trainer's {'loss': 4.21, ...} lines)")
+    parser.add_argument("--dtype", default="fp32", choices=DTYPES,
                         help="dtype whose default tolerance applies (default fp32)")
     parser.add_argument("--rtol", type=float, help="override the dtype's rtol")
     parser.add_argument("--atol", type=float, help="override the dtype's atol")
+    parser.add_argument("--tolerance-growth", default="linear", choices=TOLERANCE_GROWTH,
+                        help="linear: step k allows k times the one-step tolerance (rounding "
+                             "differences compound over training); none: the one-step "
+                             "tolerance at every step (default linear)")
+    parser.add_argument("--allow-no-fsdp", action="store_true",
+                        help="compare runs even when one engaged no FSDP module (by default "
+                             "that is an error: its agreement would prove nothing about FSDP)")
+    parser.add_argument("--allow-no-loss", action="store_true",
+                        help="compare parameter digests alone when no loss line was read (by "
+                             "default an error)")
     parser.add_argument("--no-determinism-check", action="store_true",
                         help="do not run A twice (faster; a non-deterministic A goes unnoticed)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per script run")
     parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="write loss and deviation curves")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress bar (it is drawn on stderr, and only on a terminal)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,15 +74,25 @@ def run(args: argparse.Namespace) -> int:
         arguments.tolerances(args.rtol, args.atol)
         arguments.outputs(args.json, args.plot)
         check_arguments(args.script_a, [args.script_b], args.nproc, pattern, args.timeout)
-        tolerance = tolerance_for(args.dtype, args.rtol, args.atol)
+        tolerance = tolerance_for(args.dtype, args.rtol, args.atol, args.tolerance_growth)
     except ValueError as exc:
         print(f"fsdp-bridge compare-scripts: error: {exc}", file=sys.stderr)
         return 2
+    from fsdp_bridge import progress
+
+    runs = 2 if args.no_determinism_check else 3
     try:
-        report = compare_scripts(
-            args.script_a, [args.script_b], nproc=args.nproc,
-            args=getattr(args, "script_args", []), tolerance=tolerance, pattern=pattern,
-            check_determinism=not args.no_determinism_check, timeout=args.timeout)
+        with progress.bar(runs, "compare-scripts", "run", args.quiet) as runs_done:
+            def count_run(run) -> None:
+                runs_done.set_postfix_str(f"{run.label} done in {run.seconds:.0f} s")
+                runs_done.update(1)
+
+            report = compare_scripts(
+                args.script_a, [args.script_b], nproc=args.nproc,
+                args=getattr(args, "script_args", []), tolerance=tolerance, pattern=pattern,
+                check_determinism=not args.no_determinism_check, timeout=args.timeout,
+                on_run=count_run, require_fsdp=not args.allow_no_fsdp,
+                require_loss=not args.allow_no_loss)
     except ValueError as exc:
         print(f"fsdp-bridge compare-scripts: error: {exc}", file=sys.stderr)
         return 2

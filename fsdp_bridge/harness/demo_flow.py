@@ -1,7 +1,7 @@
 """The equivalence part of `make demo`, ready to be wired into `fsdp_bridge/demo.py`.
 
 1. `fsdp-bridge migrate --to bridge` and `--to fsdp2` rewrite the realistic FSDP1 example
-   (`examples/fsdp1_train_llama.py`) into a temporary directory;
+   (`fsdp_bridge/examples/fsdp1_train_llama.py`) into a temporary directory;
 2. `compare-scripts` runs the original (twice: determinism) and both rewrites on 2 CPU ranks;
 3. the tables are printed and the loss/deviation plot is written.
 
@@ -16,8 +16,8 @@ import shutil
 import tempfile
 from typing import Callable, Optional
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-EXAMPLE = os.path.join(ROOT, "examples", "fsdp1_train_llama.py")
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(PACKAGE, "examples", "fsdp1_train_llama.py")
 TARGETS = ("bridge", "fsdp2")
 
 

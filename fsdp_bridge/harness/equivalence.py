@@ -67,14 +67,16 @@ def judge(runs: list[RunRecord], tolerance: Tolerance, baseline: int = 0) -> lis
 
 def check_equivalence(recipe: Recipe, backends: Sequence[Union[str, Backend]], nproc: int = 2,
                       device: str = "auto", rtol: Optional[float] = None,
-                      atol: Optional[float] = None) -> Report:
-    """Train `recipe` under every backend (the first is the baseline) and compare them."""
+                      atol: Optional[float] = None, growth: str = "none",
+                      announce: bool = False) -> Report:
+    """Train `recipe` under every backend (the first is the baseline) and compare them;
+    `growth`: see [Note: tolerance growth] in compare.py."""
     if len(backends) < 2:
         raise ValueError(f"backends={list(backends)!r}: name at least two backends to compare "
                          "(the first is the baseline), e.g. reference,torch-fsdp2.")
     started = time.perf_counter()
-    tolerance = tolerance_for(recipe.mp, rtol, atol)
-    runs = run_backends(recipe, backends, nproc=nproc, device=device)
+    tolerance = tolerance_for(recipe.mp, rtol, atol, growth)
+    runs = run_backends(recipe, backends, nproc=nproc, device=device, announce=announce)
     return Report(title=f"{recipe.name}, {nproc} ranks, {recipe.steps} steps",
                   settings=recipe_settings(recipe, nproc), tolerance=tolerance, runs=runs,
                   comparisons=judge(runs, tolerance), seconds=time.perf_counter() - started)

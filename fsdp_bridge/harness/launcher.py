@@ -7,6 +7,8 @@ while the other ranks wait at a barrier). gloo on CPU, NCCL on GPU (one GPU per 
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import Sequence, Union
 
 import torch
@@ -41,12 +43,14 @@ def rank_env(rank: int, world_size: int, device_type: str) -> RankEnv:
 
 
 def run_on_rank(recipe: Recipe, backends: Sequence[Union[str, Backend]],
-                env: RankEnv) -> list[RunRecord]:
-    """Every rank of an initialised world calls this; rank 0 gets every backend's record."""
+                env: RankEnv, announce: bool = False) -> list[RunRecord]:
+    """Every rank of an initialised world calls this; rank 0 gets every backend's record, and
+    with `announce` says on stderr when each backend is done (the progress of `compare`)."""
     records = []
     backends = [get_backend(backend) for backend in backends]
     threads = max(1, cpu_count() // env.world_size)
-    for backend in backends:
+    started = time.perf_counter()
+    for index, backend in enumerate(backends, start=1):
         if backend.distributed:
             torch.set_num_threads(threads)
             records.append(train(backend, recipe, env))
@@ -54,19 +58,26 @@ def run_on_rank(recipe: Recipe, backends: Sequence[Union[str, Backend]],
             torch.set_num_threads(max(threads, cpu_count()))
             records.append(train(backend, recipe, env))
         dist.barrier()
+        if announce and env.rank == 0:
+            print(f"fsdp-bridge compare: {backend.name} trained ({index}/{len(backends)} "
+                  f"backends, {time.perf_counter() - started:.0f} s so far)", file=sys.stderr,
+                  flush=True)
     torch.set_num_threads(threads)
     return records
 
 
-def _rank_records(rank, world_size, recipe, backends, device_type) -> list[RunRecord] | None:
+def _rank_records(rank, world_size, recipe, backends, device_type,
+                  announce) -> list[RunRecord] | None:
     """What one rank of the world runs: every backend in turn; rank 0 returns the records."""
-    records = run_on_rank(recipe, backends, rank_env(rank, world_size, device_type))
+    records = run_on_rank(recipe, backends, rank_env(rank, world_size, device_type), announce)
     return records if rank == 0 else None
 
 
 def run_backends(recipe: Recipe, backends: Sequence[Union[str, Backend]], nproc: int = 2,
-                 device: str = "auto", timeout: float = 300.0) -> list[RunRecord]:
-    """Train `recipe` under each backend on `nproc` spawned ranks; one record per backend."""
+                 device: str = "auto", timeout: float = 300.0,
+                 announce: bool = False) -> list[RunRecord]:
+    """Train `recipe` under each backend on `nproc` spawned ranks; one record per backend
+    (`announce`: rank 0 says on stderr when each backend is done)."""
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc={nproc!r}: expected a positive int (ranks to spawn).")
     backends = [get_backend(backend) for backend in backends]
@@ -77,4 +88,4 @@ def run_backends(recipe: Recipe, backends: Sequence[Union[str, Backend]], nproc:
     # run_on_rank sets the threads per rank itself; rank_env picks each rank's GPU.
     setup = RankSetup(backend="nccl" if device_type == "cuda" else "gloo",
                       group_timeout_s=timeout, threads=None)
-    return spawn(_rank_records, nproc, (recipe, backends, device_type), setup)[0]
+    return spawn(_rank_records, nproc, (recipe, backends, device_type, announce), setup)[0]

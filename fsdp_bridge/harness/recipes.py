@@ -26,9 +26,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from fsdp_bridge.harness.names import OPTIMIZERS, SIZE_DEFAULTS, STRATEGIES  # noqa: F401
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
-OPTIMIZERS = ("adamw", "sgd")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,12 +148,12 @@ def reference_micro_batches(recipe: Recipe, batch: Any, shards: int) -> list:
 class Size:
     """Options that size a built-in recipe (`fsdp-bridge compare --layers ... --hidden ...`)."""
 
-    layers: int = 2
-    hidden: int = 64
-    vocab: int = 128
-    seq: int = 16
-    batch: int = 8  # global batch
-    heads: int = 4
+    layers: int = SIZE_DEFAULTS["layers"]
+    hidden: int = SIZE_DEFAULTS["hidden"]
+    vocab: int = SIZE_DEFAULTS["vocab"]
+    seq: int = SIZE_DEFAULTS["seq"]
+    batch: int = SIZE_DEFAULTS["batch"]  # global batch
+    heads: int = SIZE_DEFAULTS["heads"]
 
     def check(self, recipe: str) -> None:
         """Refuse sizes the recipe's model cannot be built with, naming the option."""

@@ -109,15 +109,30 @@ def _finite(value):
 
 def save_plot(report, path: str) -> None:
     """Loss curves (top) and per-step deviation / tolerance on a log scale (bottom)."""
+    import matplotlib.pyplot as plt
+
+    figure = plot_figure(report)
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, dpi=100)
+    plt.close(figure)
+
+
+def plot_figure(report):
+    """The figure `save_plot` writes (a matplotlib Figure; close it when done)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
+    # One colour per run in both panels: a run keeps the colour of its loss curve below.
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colour_of = {name: colours[i % len(colours)] for i, name in enumerate(report.curves())}
     for name, curve in report.curves().items():
         points = [(step, loss) for step, loss in curve if loss is not None]
-        top.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        top.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name,
+                 color=colour_of[name])
     top.set_ylabel("loss")
     # Long titles (script paths) are wrapped rather than cut at the figure's edge.
     top.set_title(textwrap.fill(report.title, 70), fontsize=10)
@@ -126,16 +141,16 @@ def save_plot(report, path: str) -> None:
         steps = [c.step for c in comparison.steps]
         ratios = [max(c.ratio, 1e-12) if math.isfinite(c.ratio) else 1e12
                   for c in comparison.steps]
-        bottom.semilogy(steps, ratios, marker="o", label=comparison.candidate)
+        bottom.semilogy(steps, ratios, marker="o", label=comparison.candidate,
+                        color=colour_of.get(comparison.candidate))
     bottom.axhline(1.0, color="red", linestyle="--", label="tolerance")
+    bottom.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     bottom.set_xlabel("step")
     # Exact agreement (deviation 0) is drawn at the bottom of the axis, 1e-12.
     bottom.set_ylabel(f"deviation / tolerance ({report.tolerance.dtype}; 0 shown as 1e-12)")
     bottom.legend()
     figure.tight_layout()
-    with atomic_path(path) as tmp:
-        figure.savefig(tmp, dpi=100)
-    plt.close(figure)
+    return figure
 
 
 def show(report, json_path: Optional[str], plot_path: Optional[str], error_prefix: str) -> None:

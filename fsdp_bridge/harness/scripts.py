@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from fsdp_bridge.harness import arguments, step_hook
 from fsdp_bridge.harness.compare import (
@@ -40,8 +40,12 @@ from fsdp_bridge.harness.digest import Digest
 from fsdp_bridge.harness.runner import StepRecord
 from fsdp_bridge.harness.torchrun import run_torchrun
 
-DEFAULT_LOSS_PATTERN = (r"step\s*[:=#]?\s*(?P<step>\d+).*?loss\s*[:=]?\s*"
-                        r"(?P<loss>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)")
+_NUMBER = r"(?P<loss>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"
+DEFAULT_LOSS_PATTERN = r"step\s*[:=#]?\s*(?P<step>\d+).*?loss\s*[:=]?\s*" + _NUMBER
+# The Hugging Face Trainer's log lines, `{'loss': 2.31, 'grad_norm': ..., 'epoch': 0.1}`: no step
+# in them, so the k-th such line is taken as step k (right for `logging_steps=1`, said in the
+# report). Tried when the default pattern matches no line.
+HF_TRAINER_LOSS_PATTERN = r"""^\s*\{['"]loss['"]:\s*""" + _NUMBER
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OUTPUT_TAIL = 3000
@@ -56,6 +60,9 @@ class ScriptRun:
     losses: dict[int, float]
     digests: list[Digest]
     seconds: float
+    wrappers: dict[str, int] = dataclasses.field(default_factory=dict)  # see step_hook
+    retried: bool = False  # run again after torch's gloo exit abort
+    pattern: str = DEFAULT_LOSS_PATTERN  # the one its losses were read with
 
     @property
     def error(self) -> Optional[str]:
@@ -84,7 +91,7 @@ class ScriptRun:
 
 def parse_losses(output: str, pattern: str) -> dict[int, float]:
     """Step -> loss from the output; the first line per step wins (ranks may repeat it)."""
-    regex = re.compile(pattern, re.IGNORECASE)
+    regex = re.compile(pattern, re.IGNORECASE | re.MULTILINE)
     if "loss" not in regex.groupindex:
         raise ValueError(f"loss pattern {pattern!r} has no named group 'loss': write it like "
                          f"{DEFAULT_LOSS_PATTERN!r}.")
@@ -96,6 +103,25 @@ def parse_losses(output: str, pattern: str) -> dict[int, float]:
         step = int(match.group("step")) if "step" in regex.groupindex else len(losses) + 1
         losses.setdefault(step, float(match.group("loss")))
     return losses
+
+
+def read_losses(output: str, pattern: str) -> tuple[dict[int, float], str]:
+    """(step -> loss, the pattern that read them): the default pattern falls back to the
+    Hugging Face Trainer's log lines when it matches nothing."""
+    losses = parse_losses(output, pattern)
+    if not losses and pattern == DEFAULT_LOSS_PATTERN:
+        hf = parse_losses(output, HF_TRAINER_LOSS_PATTERN)
+        if hf:
+            return hf, HF_TRAINER_LOSS_PATTERN
+    return losses, pattern
+
+
+def _read_wrappers(out_dir: str) -> dict[str, int]:
+    path = os.path.join(out_dir, step_hook.WRAPPERS_FILE)
+    if not os.path.exists(path):
+        return {}
+    with open(path) as handle:
+        return json.load(handle)
 
 
 def _read_digests(out_dir: str) -> list[Digest]:
@@ -126,15 +152,17 @@ def run_script(label: str, script: str, nproc: int, args: Sequence[str], pattern
                f"--nproc_per_node={nproc}", script, *args]
     with tempfile.TemporaryDirectory(prefix="fsdp-bridge-script-") as out_dir:
         started = time.perf_counter()
+        retried = False
         try:
-            returncode, output, _ = run_torchrun(command, child_env(out_dir), timeout,
-                                                 before_retry=lambda: _clear(out_dir))
+            returncode, output, retried = run_torchrun(command, child_env(out_dir), timeout,
+                                                       before_retry=lambda: _clear(out_dir))
         except subprocess.TimeoutExpired as exc:
             returncode = 124
             output = (f"{exc.output or ''}\n[timed out after {timeout:g} s: torchrun and all "
                       "of its ranks were stopped]")
-        return ScriptRun(label, script, returncode, output, parse_losses(output, pattern),
-                         _read_digests(out_dir), time.perf_counter() - started)
+        losses, used = read_losses(output, pattern)
+        return ScriptRun(label, script, returncode, output, losses, _read_digests(out_dir),
+                         time.perf_counter() - started, _read_wrappers(out_dir), retried, used)
 
 
 def _clear(folder: str) -> None:
@@ -210,20 +238,74 @@ def _nan_notes(runs: Sequence[ScriptRun]) -> list[str]:
     return notes
 
 
+def _wrapper_note(run: ScriptRun) -> str:
+    if not run.digests:
+        return f"{run.label}: took no optimizer step, so which FSDP it used is unknown"
+    found = ", ".join(f"{name} wrapped {count} module{'s' * (count != 1)}"
+                      for name, count in sorted(run.wrappers.items()))
+    return f"{run.label}: {found or 'no FSDP or DDP module found'}"
+
+
+def _run_notes(runs: Sequence[ScriptRun]) -> list[str]:
+    """What each run used (FSDP implementation, loss pattern) and any re-run it needed."""
+    notes = [_wrapper_note(run) for run in runs]
+    for run in runs:
+        if run.pattern == HF_TRAINER_LOSS_PATTERN:
+            notes.append(f"{run.label}: losses read from the Hugging Face Trainer's log lines "
+                         "({'loss': ...}); the k-th line is taken as step k, which holds for "
+                         "logging_steps=1")
+        if run.retried:
+            notes.append(f"{run.label} was run again: a previous run printed everything, then "
+                         "exited with torch's gloo teardown abort (a known race at exit, not a "
+                         "failure of the script)")
+    return notes
+
+
+def _unproven(runs: Sequence[ScriptRun], require_fsdp: bool, require_loss: bool,
+              pattern: str) -> list[str]:
+    """Why these runs cannot be called equivalent even if every number agrees."""
+    errors = []
+    for run in runs:
+        sharded = {name for name in run.wrappers if name != step_hook.NOT_SHARDED}
+        if require_fsdp and run.digests and not sharded:
+            errors.append(
+                f"{run.label} ({run.script}) engaged no FSDP: {_wrapper_note(run)}. Agreement "
+                "of runs that shard nothing says nothing about FSDP; check the script's FSDP "
+                "settings (a launcher may fall back to DDP, as accelerate does on CPU), or pass "
+                "--allow-no-fsdp to compare them anyway")
+        if require_loss and not run.losses:
+            also = (" (nor the Hugging Face Trainer's log lines)"
+                    if pattern == DEFAULT_LOSS_PATTERN else "")
+            errors.append(
+                f"{run.label} ({run.script}): no line of its output matched the loss pattern "
+                f"{pattern!r}{also}; pass --loss-pattern for its format, or --allow-no-loss to "
+                "compare parameter digests alone")
+    return errors
+
+
 def compare_scripts(baseline: str, candidates: Sequence[str], nproc: int = 2,
                     args: Sequence[str] = (), tolerance: Optional[Tolerance] = None,
                     pattern: str = DEFAULT_LOSS_PATTERN, check_determinism: bool = True,
-                    timeout: float = 600.0) -> ScriptReport:
+                    timeout: float = 600.0,
+                    on_run: Callable[[ScriptRun], None] = lambda run: None,
+                    require_fsdp: bool = True, require_loss: bool = True) -> ScriptReport:
     """Run `baseline` (twice, unless check_determinism=False) and each candidate; compare.
-    Candidates are not run when the baseline failed (nothing to compare them with)."""
+    Candidates are not run when the baseline failed (nothing to compare them with).
+    `on_run` is called after each run (progress). Runs in which no FSDP module was found
+    (`require_fsdp`) or no loss was read (`require_loss`) are an error, not "equivalent"."""
     from fsdp_bridge.harness.compare import tolerance_for
+
+    def run_one(*run_args) -> ScriptRun:
+        done = run_script(*run_args)
+        on_run(done)
+        return done
 
     tolerance = tolerance or tolerance_for("fp32")
     check_arguments(baseline, candidates, nproc, pattern, timeout)
-    first = run_script("A", baseline, nproc, args, pattern, timeout)
+    first = run_one("A", baseline, nproc, args, pattern, timeout)
     runs, notes, errors = [first], [DETERMINISM], []
     if check_determinism and not first.error:
-        repeat = run_script("A (repeat)", baseline, nproc, args, pattern, timeout)
+        repeat = run_one("A (repeat)", baseline, nproc, args, pattern, timeout)
         if repeat.error:
             errors.append(repeat.error)
         else:
@@ -232,11 +314,12 @@ def compare_scripts(baseline: str, candidates: Sequence[str], nproc: int = 2,
         notes.append("the other scripts were not run: A failed or does not repeat, so there is "
                      "nothing to compare them with")
     for index, script in enumerate(candidates if not errors and not first.error else ()):
-        runs.append(run_script(chr(ord("B") + index), script, nproc, args, pattern, timeout))
+        runs.append(run_one(chr(ord("B") + index), script, nproc, args, pattern, timeout))
     errors = [run.error for run in runs if run.error] + errors
+    errors += [] if errors else _unproven(runs, require_fsdp, require_loss, pattern)
     comparisons = [] if errors else [compare_script_runs(first, run, tolerance)
                                      for run in runs[1:]]
-    notes += _nan_notes(runs)
+    notes += _run_notes(runs) + _nan_notes(runs)
     for run in runs:
         notes.append(f"{run.label} = {run.script}: {len(run.losses)} loss lines, "
                      f"{len(run.digests)} optimizer steps, {run.seconds:.1f} s")

@@ -12,12 +12,11 @@ import os
 import sys
 import time
 
+from fsdp_bridge import progress
 from fsdp_bridge.codemods import rules
 from fsdp_bridge.migrate import report
 from fsdp_bridge.migrate.driver import TARGETS, FileResult, Writer, run_all, settle_type_checks, write_problem
 from fsdp_bridge.migrate.files import walk
-
-PROGRESS_MIN_FILES = 200  # below this a progress bar is noise
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,23 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip paths matching this gitignore-style glob (repeatable)")
     parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
                         help="worker processes for the files that need parsing (default: all cores)")
-
-
-class _Progress:
-    """A one-line progress bar on stderr, only on a terminal and only for large trees."""
-
-    def __init__(self, total: int) -> None:
-        self.total, self.done = total, 0
-        self.enabled = sys.stderr.isatty() and total >= PROGRESS_MIN_FILES
-
-    def __call__(self) -> None:
-        self.done += 1
-        if self.enabled and (self.done % 25 == 0 or self.done == self.total):
-            filled = 30 * self.done // self.total
-            sys.stderr.write(f"\r[{'#' * filled}{' ' * (30 - filled)}] {self.done}/{self.total} files")
-            if self.done == self.total:
-                sys.stderr.write("\r" + " " * 60 + "\r")
-            sys.stderr.flush()
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress bar (it is drawn on stderr, and only on a terminal)")
 
 
 def _diff(result: FileResult) -> str:
@@ -106,8 +90,8 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"fsdp-bridge migrate: {exc}", file=sys.stderr)
         return 2
-    progress = _Progress(len(paths))
-    results = run_all(paths, args.target, args.jobs, progress)
+    with progress.bar(len(paths), "migrate", "file", args.quiet) as files_done:
+        results = run_all(paths, args.target, args.jobs, lambda: files_done.update(1))
     if args.mode == "write":
         results = _write(results, args.target, args.jobs)
     for result in results:

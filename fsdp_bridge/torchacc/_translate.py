@@ -151,11 +151,7 @@ def build_plan(model: nn.Module, config, world: int) -> Plan:
         notes += (TABLE.warn_ignored("compute.acc_scaled_dot_attn", True),)
     if config.memory.gc:
         notes += (TABLE.warn_ignored("memory.gc", True),)
-    names = fc.wrap_layer_cls
-    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-        raise bad_argument(FRONTEND, "dist.fsdp.wrap_layer_cls", names, "a set of class names "
-                           "(strings)", "e.g. config.dist.fsdp.wrap_layer_cls = {'GPT2Block'}.",
-                           exc=TypeError)
+    names = _wrap_layer_names(fc.wrap_layer_cls)
     present = {type(m).__name__ for m in model.modules()}
     unknown = sorted(set(names) - present)
     if unknown:
@@ -174,3 +170,22 @@ def build_plan(model: nn.Module, config, world: int) -> Plan:
     return Plan(units=tuple(units) + (UnitSpec("", mode is not ShardingMode.REPLICATE),),
                 mode=mode, mixed_precision=precision,
                 sync_module_states=bool(fc.sync_module_states), frontend=FRONTEND, notes=notes)
+
+
+
+def _wrap_layer_names(value) -> set:
+    """`dist.fsdp.wrap_layer_cls` as a set of class names, or a TypeError naming the fix. A
+    class (or a set of classes) is the usual slip: TorchAcc takes the classes' names."""
+    collection = isinstance(value, (set, frozenset, list, tuple))
+    if collection and all(isinstance(name, str) for name in value):
+        return set(value)
+    items = value if collection else [value]
+    classes = sorted(item.__name__ for item in items if isinstance(item, type))
+    if classes:
+        fix = f"Pass the classes' names: config.dist.fsdp.wrap_layer_cls = {set(classes)}."
+    elif isinstance(value, str):
+        fix = f"Put the name in a set: config.dist.fsdp.wrap_layer_cls = { {value} }."
+    else:
+        fix = "e.g. config.dist.fsdp.wrap_layer_cls = {'GPT2Block'}."
+    raise bad_argument(FRONTEND, "dist.fsdp.wrap_layer_cls", value,
+                       "a set of class names (strings)", fix, exc=TypeError)

@@ -1,7 +1,7 @@
 """Runnable fixtures give the same numbers before and after `migrate --to fsdp2` (and the
 example also after `--to yafsdp`), on 2 CPU ranks.
 
-- examples/fsdp1_train_llama.py (tiny Llama, wrap policy, MixedPrecision, no_sync accumulation,
+- fsdp_bridge/examples/fsdp1_train_llama.py (tiny Llama, wrap policy, MixedPrecision, no_sync accumulation,
   clip_grad_norm_, full state dict) under torchrun, once as FSDP1 and once rewritten;
 - runnable/fsdp1_kwargs_model.py (settings in variables and **kwargs: the runtime helpers), both
   variants inside one spawned world.
@@ -21,7 +21,7 @@ from fsdp_bridge.migrate.driver import transform_source
 from tests.world import run_world
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "fsdp1_train_llama.py"
+EXAMPLE = ROOT / "fsdp_bridge" / "examples" / "fsdp1_train_llama.py"
 KWARGS_FIXTURE = pathlib.Path(__file__).parent / "runnable" / "fsdp1_kwargs_model.py"
 
 

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from fsdp_bridge.explain import render_docs
+from fsdp_bridge.explanation import render_docs
 from fsdp_bridge.translation import all_tables
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

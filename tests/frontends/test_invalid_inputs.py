@@ -183,6 +183,11 @@ CASES = [
      "GPT2Blok", "names of module classes in the model"),
     (_torchacc(dist__fsdp__wrap_layer_cls="GPT2Block"), "dist.fsdp.wrap_layer_cls",
      "'GPT2Block'", "a set of class names"),
+    # A class, or a set of classes, where TorchAcc takes names: the fix names them.
+    (_torchacc(dist__fsdp__wrap_layer_cls=type(GPT2.transformer.h[0])), "dist.fsdp.wrap_layer_cls",
+     "GPT2Block", "Pass the classes' names: config.dist.fsdp.wrap_layer_cls = {'GPT2Block'}"),
+    (_torchacc(dist__fsdp__wrap_layer_cls={type(GPT2.transformer.h[0])}), "dist.fsdp.wrap_layer_cls",
+     "GPT2Block", "Pass the classes' names: config.dist.fsdp.wrap_layer_cls = {'GPT2Block'}"),
     (_torchacc(dist__dp__size=3), "dist.dp.size", "3", "world / fsdp.size"),
     (lambda: TA.build_plan(GPT2, {"fsdp": 2}, 2), "config", "{'fsdp': 2}", "a torchacc.Config"),
 ]

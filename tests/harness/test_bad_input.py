@@ -148,10 +148,55 @@ def test_nan_equals_nan_when_a_run_is_repeated_and_the_step_is_named():
 
 def test_a_script_that_turns_nan_is_deterministic_and_its_nan_step_reported(user_dir):
     directory, before = user_dir
+    # The script trains without FSDP: what is checked here is its NaN step.
     report = scripts.compare_scripts(NAN_SCRIPT, [], nproc=1, args=["--steps", "3"],
-                                     timeout=300)
+                                     timeout=300, require_fsdp=False)
     notes = "\n".join(report.notes)
     assert report.errors == [], report.errors
     assert "is deterministic" in notes
     assert "is not finite from step 2 (loss nan)" in notes
     assert user_files.digests(directory) == before
+
+
+# -- runs that prove nothing are not called equivalent ----------------------------------------
+
+
+def test_a_run_without_fsdp_or_without_losses_cannot_be_equivalent():
+    fsdp = _run("A", {1: 0.5}, [1.0])
+    fsdp.wrappers = {"torch FSDP2": 3}
+    ddp = _run("B", {1: 0.5}, [1.0])
+    ddp.wrappers = {"DistributedDataParallel": 1}
+    silent = _run("C", {}, [1.0])
+    silent.wrappers = {"torch FSDP1": 2}
+    pattern = scripts.DEFAULT_LOSS_PATTERN
+    assert scripts._unproven([fsdp], True, True, pattern) == []
+    errors = scripts._unproven([fsdp, ddp, silent], True, True, pattern)
+    assert len(errors) == 2
+    assert "B (train.py) engaged no FSDP: B: DistributedDataParallel wrapped 1 module" in errors[0]
+    assert "--allow-no-fsdp" in errors[0]
+    assert "C (train.py): no line of its output matched the loss pattern" in errors[1]
+    assert "--allow-no-loss" in errors[1]
+    assert scripts._unproven([fsdp, ddp, silent], False, False, pattern) == []
+    notes = scripts._run_notes([fsdp, ddp])
+    assert notes[:2] == ["A: torch FSDP2 wrapped 3 modules",
+                         "B: DistributedDataParallel wrapped 1 module"]
+
+
+def test_a_rerun_after_the_gloo_exit_abort_is_reported():
+    run = _run("A", {1: 0.5}, [1.0])
+    run.retried = True
+    assert any("A was run again" in note and "gloo teardown abort" in note
+               for note in scripts._run_notes([run]))
+
+
+def test_hf_trainer_log_lines_are_read_when_the_default_pattern_finds_nothing():
+    output = ("***** Running training *****\n"
+              "{'loss': 2.3125, 'grad_norm': 1.5, 'learning_rate': 5e-05, 'epoch': 0.5}\n"
+              "{'loss': 2.25, 'grad_norm': 1.25, 'learning_rate': 2.5e-05, 'epoch': 1.0}\n"
+              "{'train_runtime': 1.2, 'train_loss': 2.28, 'epoch': 1.0}\n")
+    losses, used = scripts.read_losses(output, scripts.DEFAULT_LOSS_PATTERN)
+    assert losses == {1: 2.3125, 2: 2.25} and used == scripts.HF_TRAINER_LOSS_PATTERN
+    assert scripts.read_losses("step 1 loss 0.5\n", scripts.DEFAULT_LOSS_PATTERN) == (
+        {1: 0.5}, scripts.DEFAULT_LOSS_PATTERN)
+    # A pattern of the user's own is never replaced.
+    assert scripts.read_losses(output, r"step (?P<step>\d+) loss (?P<loss>\S+)")[0] == {}

@@ -1,5 +1,6 @@
 """`fsdp-bridge compare-scripts` on tiny scripts: identical -> 0, changed learning rate -> 1
-naming step 1, an unseeded script -> 2 (not deterministic)."""
+naming step 1, an unseeded script -> 2 (not deterministic), a script that shards nothing (DDP)
+-> 2 unless --allow-no-fsdp; the report names the FSDP each run used."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def test_changed_learning_rate_differs_from_step_1(tmp_path, capsys):
     assert "first diverging step 1" in out
     assert "is deterministic" in out
     assert "3 optimizer steps" in out  # digests came from the injected hook
+    assert "A: torch FSDP2 wrapped 1 module" in out and "B: torch FSDP2 wrapped 1 module" in out
     assert (tmp_path / "r.json").exists()
 
 
@@ -46,3 +48,15 @@ def test_unseeded_script_is_refused(tmp_path, capsys):
     captured = capsys.readouterr()
     assert code == 2, captured.out
     assert "is not deterministic" in captured.err
+
+
+def test_a_script_that_shards_nothing_is_not_called_equivalent(tmp_path, capsys):
+    ddp = _variant(tmp_path, "ddp.py", "fully_shard(model)",
+                   "model = torch.nn.parallel.DistributedDataParallel(model)")
+    argv = ["compare-scripts", ddp, ddp, "--no-determinism-check", "--", "--steps", "2"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "A (" in captured.err and "engaged no FSDP: A: DistributedDataParallel wrapped 1 " \
+        "module" in captured.err, captured.err
+    assert main([*argv[:4], "--allow-no-fsdp", *argv[4:]]) == 0
+    assert "RESULT: equivalent" in capsys.readouterr().out

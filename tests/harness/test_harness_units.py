@@ -3,6 +3,7 @@ CLI errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -93,3 +94,86 @@ def test_compare_cli_reports_errors_with_exit_2(capsys):
     assert main(["compare", "--backends", "reference"]) == 2
     assert main(["compare", "--batch", "3", "--nproc", "2"]) == 2
     assert "global_batch=3" in capsys.readouterr().err
+
+
+def test_the_command_lines_choices_are_the_implemented_names():
+    # names.py lists them without importing torch (fast --help); it must not drift.
+    from fsdp_bridge.harness import names
+    from fsdp_bridge.harness.backends import BACKENDS
+    from fsdp_bridge.harness.compare import GROWTH, TOLERANCES
+    from fsdp_bridge.harness.recipes import BUILTIN, Size
+
+    assert names.BACKENDS == tuple(BACKENDS)
+    assert names.RECIPES == tuple(BUILTIN)
+    assert names.DTYPES == tuple(TOLERANCES)
+    assert names.TOLERANCE_GROWTH == GROWTH
+    assert names.SIZE_DEFAULTS == dataclasses.asdict(Size())
+
+
+def test_the_plot_gives_each_run_one_colour_and_whole_steps():
+    import matplotlib.pyplot as plt
+
+    from fsdp_bridge.harness.compare import Comparison, StepCheck, tolerance_for
+    from fsdp_bridge.harness.report import plot_figure
+
+    class Report:
+        title = "three runs"
+        tolerance = tolerance_for("fp32")
+        comparisons = [Comparison("a", name) for name in ("b", "c")]
+
+        def curves(self):
+            return {name: [(1, 2.0), (2, 1.5), (3, 1.2)] for name in ("a", "b", "c")}
+
+    report = Report()
+    for comparison in report.comparisons:
+        comparison.steps = [StepCheck(s, 1.0, 1.0, 0.5, 0.1, 0.2) for s in (1, 2, 3)]
+    figure = plot_figure(report)
+    top, bottom = figure.axes
+    colour = {line.get_label(): line.get_color() for line in top.get_lines()}
+    assert len(set(colour.values())) == 3
+    for line in bottom.get_lines():
+        if line.get_label() in ("b", "c"):
+            assert line.get_color() == colour[line.get_label()]
+    assert all(float(tick).is_integer() for tick in bottom.get_xticks())
+    plt.close(figure)
+
+
+def test_linear_tolerance_growth_allows_drift_that_compounds_but_not_a_bug():
+    # [Note: tolerance growth]: deviations that grow with the step (0.5x the one-step
+    # tolerance per step, as rounding differences compound) pass under "linear" and fail
+    # under "none" from step 3; a deviation 100x off at step 1 fails under both.
+    from fsdp_bridge.harness.compare import Comparison, compare_steps
+    from fsdp_bridge.harness.runner import StepRecord
+
+    one_step = 1e-5 + 1.3e-6 * 2.0
+    base = [StepRecord(k, 2.0, None, None) for k in range(1, 11)]
+    drift = [StepRecord(k, 2.0 + 0.5 * k * one_step, None, None) for k in range(1, 11)]
+    bug = [StepRecord(k, 2.0 + 100 * one_step, None, None) for k in range(1, 11)]
+    judged = {}
+    for growth in ("linear", "none"):
+        for name, run in (("drift", drift), ("bug", bug)):
+            comparison = Comparison("reference", name)
+            compare_steps(base, run, tolerance_for("fp32", growth=growth), comparison)
+            judged[growth, name] = comparison.first_diverging_step
+    assert judged == {("linear", "drift"): None, ("none", "drift"): 3,
+                      ("linear", "bug"): 1, ("none", "bug"): 1}
+    assert tolerance_for("fp32", growth="linear").at_step(7).rtol == pytest.approx(7 * 1.3e-6)
+    assert "times k at step k" in tolerance_for("fp32", growth="linear").describe()
+    with pytest.raises(ValueError, match="growth='quadratic'"):
+        tolerance_for("fp32", growth="quadratic")
+
+
+def test_compare_says_on_stderr_what_it_trains_and_each_backend_done_unless_quiet():
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "fsdp_bridge", "compare", "--recipe", "mlp", "--steps", "1",
+            "--nproc", "1", "--backends", "reference,bridge-fsdp2"]
+    loud, quiet = (subprocess.run(argv + extra, capture_output=True, text=True, timeout=300)
+                   for extra in ([], ["--quiet"]))
+    assert loud.returncode == 0 and quiet.returncode == 0, loud.stderr + quiet.stderr
+    lines = loud.stderr.splitlines()
+    assert lines[0].startswith("fsdp-bridge compare: training mlp under 2 backends"), lines
+    assert any("bridge-fsdp2 trained (2/2 backends" in line for line in lines), lines
+    assert "RESULT: equivalent" in loud.stdout and "trained" not in loud.stdout
+    assert quiet.stderr == "" and "RESULT: equivalent" in quiet.stdout

@@ -5,7 +5,7 @@ Two typos of the guide's snippet are fixed, nothing else: the rogue norm of a
 `LlamaForCausalLM` is `model.model.norm` (the guide writes `model.norm`), and a comma was
 missing after that argument. Run it on 2 CPU ranks:
 
-    python -m torch.distributed.run --nproc_per_node 2 examples/yafsdp_llama.py --steps 5
+    python -m torch.distributed.run --nproc_per_node 2 fsdp_bridge/examples/yafsdp_llama.py --steps 5
 
 Every rank trains on its slice of one global batch; rank 0 prints `step N loss X` (the mean
 loss over the global batch) after each optimizer step.

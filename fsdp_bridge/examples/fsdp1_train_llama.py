@@ -4,7 +4,7 @@ accumulation with no_sync, gradient clipping, and a full state dict saved at the
 It is the input of `fsdp-bridge migrate --to fsdp2` in the tests and the demo script of the
 equivalence harness. Run it on 2 CPU ranks:
 
-    python -m torch.distributed.run --nproc_per_node 2 examples/fsdp1_train_llama.py --steps 3
+    python -m torch.distributed.run --nproc_per_node 2 fsdp_bridge/examples/fsdp1_train_llama.py --steps 3
 
 Prints one line per optimizer step: `step 1 loss 4.123456`.
 """
