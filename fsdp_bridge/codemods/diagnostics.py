@@ -20,6 +20,7 @@ from fsdp_bridge.codemods.facts import FileFacts
 from fsdp_bridge.codemods.helpers import code
 from fsdp_bridge.codemods.names import (
     ACCELERATE_PLUGIN,
+    DTENSOR_MARKERS,
     FSDP1,
     FSDP2_MARKERS,
     FSDP2_NAMES,
@@ -184,6 +185,17 @@ class DiagnosticsRules:
 
     def is_library_config(self, qualified: set[str]) -> bool:
         return bool(qualified & (HF_CONFIG_CALLS | ACCELERATE_PLUGIN))
+
+    def speaks_fsdp2(self, node: cst.FunctionDef) -> bool:
+        """True if the function names FSDP2 (`fully_shard`, `FSDPModule`...) or DTensor's
+        `full_tensor`: the modules it handles are FSDP2's already, and an unproven receiver's
+        `state_dict()` there is left as written."""
+        if not (self.has_fsdp2 or DTENSOR_MARKERS & self.names_in_file):
+            return False
+        facts = FileFacts()
+        node.visit(facts)
+        return any(self.fsdp(n) in FSDP2_NAMES or (isinstance(n, cst.Name) and n.value in DTENSOR_MARKERS)
+                   for n in facts.names)
 
     def handles_both_dialects(self, node: cst.FunctionDef) -> bool:
         """True (and reported, FB410) if the function already names both FSDP1 and FSDP2."""

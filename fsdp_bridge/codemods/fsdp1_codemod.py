@@ -33,6 +33,7 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
         self.in_import = 0
         self.in_constructor = 0  # inside the arguments of an FSDP(...) call (or its rewrite)
         self.constructor_calls: set[int] = set()
+        self.fsdp2_functions: list[bool] = []  # per enclosing function: does it speak FSDP2?
 
     # -- hooks: what a command translates ---------------------------------------------------
 
@@ -75,7 +76,20 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
     # -- definitions ------------------------------------------------------------------------
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        return not self.handles_both_dialects(node)  # such a function is left as it is
+        if self.handles_both_dialects(node):
+            self.fsdp2_functions.append(True)  # popped by leave_FunctionDef all the same
+            return False  # such a function is left as it is
+        self.fsdp2_functions.append(self.speaks_fsdp2(node))
+        return True
+
+    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
+        self.fsdp2_functions.pop()
+        return updated
+
+    @property
+    def in_fsdp2_function(self) -> bool:
+        """Inside a function that works on FSDP2 modules (see `speaks_fsdp2`)."""
+        return any(self.fsdp2_functions)
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
         self.classes.append(node)

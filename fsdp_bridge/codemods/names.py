@@ -43,6 +43,8 @@ STATE_DICT_METHODS = ("state_dict", "load_state_dict")
 # Names that show code already speaks FSDP2 (dual-dialect detection).
 FSDP2_NAMES = {"FSDPModule", "fully_shard", "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy"}
 FSDP2_MARKERS = {"fsdp_version"}
+# Names that show a function handles DTensors, hence FSDP2 modules (`param.full_tensor()`).
+DTENSOR_MARKERS = frozenset({"full_tensor", "DTensor"})
 
 # Libraries that wrap the model in FSDP themselves when configured to.
 HF_CONFIG_CALLS = {

@@ -9,14 +9,12 @@ Where the options are known only when the script runs, the runtime helpers take 
 
 from __future__ import annotations
 
-import re
-
 import libcst as cst
 import libcst.matchers as m
 
 from fsdp_bridge.codemods import rules
 from fsdp_bridge.codemods.base import IN_PLACE, RUNTIME
-from fsdp_bridge.codemods.facts import MAYBE, PROVEN
+from fsdp_bridge.codemods.facts import PROVEN
 from fsdp_bridge.codemods.fsdp1 import STATE_DICT_TYPE_PARAMS, Resolve, state_dict_config
 from fsdp_bridge.codemods.helpers import (
     call_arguments,
@@ -46,9 +44,6 @@ OPTIM_SIGNATURES = {
     "fsdp_modules": ("module", "root_only"),
 }
 
-# Receivers whose state dict is not a model's (only to keep the report short: routing them would be
-# harmless, the helpers leave anything without FSDP2 units alone).
-NOT_A_MODEL = re.compile(r"optim|sched|scaler|sampler|loader|tokenizer|generator|^opt$|^lr", re.IGNORECASE)
 KEPT = "kept"  # a state_dict_type block left as it was (FB204/FB209)
 
 
@@ -120,7 +115,8 @@ class StateDictRules:
             return updated
         if method == "fsdp_modules":
             return self._runtime_call(original, updated, rules.RUNTIME_HELPER, "fsdp1_fsdp_modules", args,
-                                      "the FSDP2 modules (FSDPModule instances) under the module")
+                                      "the FSDP2 modules (FSDPModule) under the module, and any FSDP1 wrappers a "
+                                      "constructor left untranslated still builds")
         if method == "scatter_full_optim_state_dict":
             return self._runtime_call(original, updated, rules.RUNTIME_HELPER,
                                       "fsdp1_scatter_full_optim_state_dict", args,
@@ -210,10 +206,8 @@ class StateDictRules:
             return updated  # the FSDP1 context stays, and with it the calls it configures
         current = self.current_state_dict_block()
         in_block = current is not None and receiver == current[0]
-        if kind is None and receiver is not None and not NOT_A_MODEL.search(receiver.split(".")[-1]):
-            # Any module may hold FSDP units in a file that uses FSDP1; the helper only changes
-            # what a module holding FSDP2 units returns, so routing it is always safe.
-            kind = MAYBE
+        if kind != PROVEN and not in_block and self.in_fsdp2_function:
+            return updated  # FSDP2 code already: its state dict is the DTensor one it expects
         if not in_block and kind is None:
             return updated
         return self.model_state_dict(original, updated, receiver, method, kind, current if in_block else None)

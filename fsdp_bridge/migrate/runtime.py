@@ -48,6 +48,7 @@ from torch.distributed.fsdp import (
     StateDictType,
     fully_shard,
 )
+from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 
 from fsdp_bridge import policies
 from fsdp_bridge.fsdp._fsdp1_translate import FRONTEND, ParsedStrategy, parse_sharding_strategy
@@ -151,6 +152,18 @@ def _device_type(device_id: Any) -> str:
     if isinstance(device_id, int) and accelerator is not None:
         torch.accelerator.set_device_index(device_id)  # FSDP1 used this device for compute
     return accelerator.type if accelerator is not None else "cpu"
+
+
+def _move_to_device(module: nn.Module, device_id: Any) -> None:
+    """Move `module` to FSDP1's `device_id` (an int is an index of the current accelerator)."""
+    if device_id is None:
+        return
+    if isinstance(device_id, int):
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        device = torch.device("cpu") if accelerator is None else torch.device(accelerator.type, device_id)
+    else:
+        device = torch.device(device_id)
+    module.to(device)
 
 
 def _mesh(fsdp1: types.SimpleNamespace, strategy: ParsedStrategy) -> DeviceMesh:
@@ -273,6 +286,9 @@ def fsdp1_fully_shard(*args: Any, **kwargs: Any) -> nn.Module:
         # meta (the low-CPU-memory recipe) must join the same broadcasts as rank 0.
         if _has_meta(module):
             _materialize(module, fsdp1.param_init_fn, mesh.device_type)
+        # FSDP1 moves the module to `device_id` before broadcasting (NCCL cannot broadcast
+        # tensors of a model that rank 0 built on the CPU).
+        _move_to_device(module, fsdp1.device_id)
         _broadcast_from_first_rank(module, mesh)
     units = fsdp1_units(module, fsdp1.auto_wrap_policy, ignored_module_set)
     for unit, overrides in units:
@@ -534,8 +550,12 @@ def fsdp1_scatter_full_optim_state_dict(full_optim_state_dict: dict | None, mode
 
 
 def fsdp1_fsdp_modules(module: nn.Module, root_only: bool = False) -> list[nn.Module]:
-    """`FSDP.fsdp_modules(module)`: the FSDP2 modules in `module` (itself included), in order."""
-    found = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    """`FSDP.fsdp_modules(module)`: the FSDP2 modules in `module` (itself included), in order.
+
+    FSDP1 wrappers count too (torch's, or ours): a file may keep an FSDP1 constructor the
+    migration could not translate (a subclass, a partial), and the code walking the units of
+    such a model must still find them rather than an empty list."""
+    found = [m for m in module.modules() if isinstance(m, (FSDPModule, FullyShardedDataParallel, TorchFSDP))]
     if root_only:
         nested = {id(sub) for m in found for sub in list(m.modules())[1:]}
         found = [m for m in found if id(m) not in nested]
