@@ -144,6 +144,10 @@ YAFSDP_STATE_DICT_TYPE = _rule("FB304", "state_dict_type under YaFSDP", (YAFSDP,
     YaFSDP's `state_dict()` is full, so a `with FSDP.state_dict_type(model, FULL_STATE_DICT)`
     block keeps its body and loses the `with`; other types, or the context used as a value, get
     a TODO.""")
+YAFSDP_PRECISION = _rule("FB305", "mixed precision YaFSDP cannot express", (YAFSDP,), """
+    YaFSDP reduces gradients in fp32, or in `param_dtype` with `bit16_reduce_scatter=True` (what
+    FSDP1 does when `reduce_dtype` is unset or equal to `param_dtype`); another `reduce_dtype` or
+    a `buffer_dtype` has no YaFSDP field, so the call is translated under a TODO that names it.""")
 
 # -- FB4xx: report only -----------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from fsdp_bridge.codemods.helpers import (
     tight_equal,
     unwrap_with,
 )
-from fsdp_bridge.codemods.mixed_precision import mixed_precision
+from fsdp_bridge.codemods.mixed_precision import FP32, literal_keywords, mixed_precision
 from fsdp_bridge.codemods.names import RUNTIME_MODULE, STATE_DICT_TYPE, YAFSDP_MODULE
 from fsdp_bridge.codemods.state_dict import configures_elsewhere
 
@@ -67,6 +67,7 @@ class ToYafsdpCommand(Fsdp1Codemod):
             self.todo(rules.YAFSDP_UNSUPPORTED, original, "FullyShardedDataParallel(...)", unsupported)
             self.keeps_fsdp1(rules.YAFSDP_UNSUPPORTED, original)
             return updated
+        self._check_precision(original, values.get("mixed_precision"))
         reasons = self._needs_runtime(original, args, values)
         if reasons:
             self.site(rules.YAFSDP_AT_RUN_TIME, RUNTIME, original, "FullyShardedDataParallel(...)", "; ".join(reasons))
@@ -76,6 +77,28 @@ class ToYafsdpCommand(Fsdp1Codemod):
                                         args=append_args(updated.args, [
                                             keyword_arg("gradient_accumulation_steps", "1")]))
         return self._in_place(original, updated, args)
+
+    def _check_precision(self, call: cst.Call, node: cst.BaseExpression | None) -> None:
+        """A TODO for the precision settings of a literal MixedPrecision YaFSDP cannot express."""
+        fields = literal_keywords(node, self.fsdp) if node is not None else {}
+        param, reduce = fields.get("param_dtype"), fields.get("reduce_dtype")
+        problems = []
+        if reduce is not None and reduce not in FP32 and reduce != param:
+            problems.append(f"reduce_dtype={reduce} (YaFSDP reduces in fp32, or in param_dtype with "
+                            "bit16_reduce_scatter=True)")
+        if "buffer_dtype" in fields:
+            problems.append(f"buffer_dtype={fields['buffer_dtype']} (no YaFSDP field: fsdp1_to_yafsdp casts "
+                            "floating-point buffers once, so checkpoints hold them in that dtype)")
+        if fields.get("keep_low_precision_grads", "False") != "False":
+            problems.append("keep_low_precision_grads (no YaFSDP field: gradients are kept in fp32)")
+        if problems:
+            self.todo(rules.YAFSDP_PRECISION, call, "MixedPrecision(...)", "; ".join(problems))
+
+    def _bit16_reduce(self, node: cst.BaseExpression | None) -> bool:
+        """True where FSDP1 reduces gradients in a 16-bit param_dtype (reduce_dtype unset or equal)."""
+        fields = literal_keywords(node, self.fsdp) if node is not None else {}
+        param = fields.get("param_dtype")
+        return param is not None and param not in FP32 and fields.get("reduce_dtype", param) == param
 
     def _unsupported(self, values) -> str | None:
         """Why YaFSDP cannot express these literal settings (None: it can)."""
@@ -142,9 +165,12 @@ class ToYafsdpCommand(Fsdp1Codemod):
         present = {a.keyword.value for a in new_args if a.keyword}
         extra = [keyword_arg(k, v) for k, v in (("zero_stage", "3"), ("modules_to_wrap_with_names", "[]"))
                  if k not in present]
+        if self._bit16_reduce(values.get("mixed_precision")):
+            extra.append(keyword_arg("bit16_reduce_scatter", "True"))
+            reasons.append("gradients reduced in param_dtype, as FSDP1 does (bit16_reduce_scatter=True)")
         extra.append(keyword_arg("gradient_accumulation_steps", "1"))
         self.site(rules.YAFSDP_IN_PLACE, IN_PLACE, original, "FullyShardedDataParallel(...)",
-                  "; ".join(reasons + ["YaFSDP reduces gradients in fp32"]))
+                  "; ".join(reasons) or "YaFSDP with the same settings")
         self.need(YAFSDP_MODULE, "YaFSDP")
         self.drop_import_of(original.func)
         result = updated.with_changes(func=cst.Name("YaFSDP"),

@@ -357,7 +357,7 @@ def _broadcast_from_first_rank(module: nn.Module, mesh: DeviceMesh) -> None:
 
 def _cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:
     warnings.warn(
-        f"MixedPrecision(buffer_dtype={dtype}) has no FSDP2 field: floating-point buffers are cast "
+        f"MixedPrecision(buffer_dtype={dtype}) has no FSDP2 or YaFSDP field: floating-point buffers are cast "
         "once now (checkpoints will hold them in that dtype, FSDP1 saved them in full precision).",
         stacklevel=3,
     )
@@ -593,7 +593,32 @@ def yafsdp_modules_to_wrap(
 ) -> list[tuple[nn.Module, str]]:
     """YaFSDP's `modules_to_wrap_with_names` for an FSDP1 wrap policy (FSDP1's units, by name)."""
     names = {m: name for name, m in model.named_modules()}
-    return [(m, names[m]) for m, _ in fsdp1_units(model, auto_wrap_policy, ignored_modules) if not _is_container(m)]
+    units = fsdp1_units(model, auto_wrap_policy, ignored_modules)
+    for unit, overrides in units:
+        varied = sorted(set(overrides) - _UNNEEDED_OVERRIDES)
+        if varied:
+            raise ValueError(
+                f"auto_wrap_policy: a CustomPolicy sets {', '.join(varied)} for module {names[unit]!r}; "
+                "YaFSDP applies one setting to every module, so these per-module keyword dicts cannot be "
+                "honoured. Return True instead of a dict from the policy (the settings then come from "
+                "the FullyShardedDataParallel(...) call), or migrate with --to fsdp2."
+            )
+    return [(m, names[m]) for m, _ in units if not _is_container(m)]
+
+
+def _yafsdp_reduces_in_param_dtype(mixed_precision: Any) -> bool:
+    """YaFSDP's `bit16_reduce_scatter` for FSDP1's MixedPrecision: FSDP1 reduces in `reduce_dtype`,
+    or in `param_dtype` when that is unset; YaFSDP reduces in fp32 or in `param_dtype`."""
+    if not isinstance(mixed_precision, MixedPrecision) or mixed_precision.param_dtype in (None, torch.float32):
+        return False
+    reduce = mixed_precision.reduce_dtype or mixed_precision.param_dtype
+    if reduce not in (torch.float32, mixed_precision.param_dtype):
+        raise ValueError(
+            f"mixed_precision: MixedPrecision(reduce_dtype={reduce}) with param_dtype="
+            f"{mixed_precision.param_dtype} has no YaFSDP equivalent; YaFSDP reduces gradients in fp32 "
+            "or in param_dtype. Set reduce_dtype to one of those, or migrate with --to fsdp2 instead."
+        )
+    return reduce == mixed_precision.param_dtype
 
 
 _GRADIENT_ACCUMULATION_STEPS = inspect.Parameter(
@@ -623,12 +648,18 @@ def fsdp1_to_yafsdp(*args: Any, gradient_accumulation_steps: int = 1, **kwargs: 
             )
     mixed_precision = fsdp1.mixed_precision
     param_dtype = mixed_precision.param_dtype if isinstance(mixed_precision, MixedPrecision) else None
+    if isinstance(mixed_precision, MixedPrecision) and mixed_precision.buffer_dtype is not None:
+        _cast_buffers(fsdp1.module, mixed_precision.buffer_dtype)
+    if isinstance(mixed_precision, MixedPrecision) and mixed_precision.keep_low_precision_grads:
+        warnings.warn("MixedPrecision(keep_low_precision_grads=True) has no YaFSDP field: gradients are "
+                      "kept in fp32", stacklevel=2)
     return YaFSDP(
         fsdp1.module,
         zero_stage=yafsdp_zero_stage(fsdp1.sharding_strategy),
         modules_to_wrap_with_names=yafsdp_modules_to_wrap(fsdp1.module, fsdp1.auto_wrap_policy,
                                                           fsdp1.ignored_modules or ()),
         param_dtype=param_dtype if param_dtype is not None else torch.float32,
+        bit16_reduce_scatter=_yafsdp_reduces_in_param_dtype(mixed_precision),
         gradient_accumulation_steps=gradient_accumulation_steps,
         sync_module_states=fsdp1.sync_module_states,
         param_init_fn=fsdp1.param_init_fn,

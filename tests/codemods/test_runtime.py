@@ -3,8 +3,9 @@
 import functools
 
 import pytest
+import torch
 from torch import nn
-from torch.distributed.fsdp import FullStateDictConfig, ShardingStrategy, StateDictType
+from torch.distributed.fsdp import FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType
 from torch.distributed.fsdp.wrap import (
     CustomPolicy,
     ModuleWrapPolicy,
@@ -13,6 +14,7 @@ from torch.distributed.fsdp.wrap import (
 )
 
 from fsdp_bridge.migrate.runtime import (
+    _yafsdp_reduces_in_param_dtype,
     fsdp1_state_dict_options,
     fsdp1_units,
     yafsdp_modules_to_wrap,
@@ -50,6 +52,27 @@ def test_custom_policy_overrides_are_returned():
     model = _model()
     policy = CustomPolicy(lambda m: {"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP} if m is model[1] else False)
     assert fsdp1_units(model, policy) == [(model[1], {"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP})]
+
+
+def test_yafsdp_refuses_custom_policy_keyword_dicts():
+    model = _model()
+    policy = CustomPolicy(lambda m: {"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP} if m is model[1] else False)
+    with pytest.raises(ValueError, match="CustomPolicy sets sharding_strategy for module '1'"):
+        yafsdp_modules_to_wrap(model, policy)
+    # Flags FSDP2 and YaFSDP schedule themselves are not settings that vary per module.
+    prefetch_only = CustomPolicy(lambda m: {"limit_all_gathers": True} if m is model[1] else False)
+    assert yafsdp_modules_to_wrap(model, prefetch_only) == [(model[1], "1")]
+
+
+def test_yafsdp_reduce_dtype_follows_fsdp1():
+    bf16, fp32 = torch.bfloat16, torch.float32
+    # FSDP1 reduces in param_dtype when reduce_dtype is unset: YaFSDP's bit16_reduce_scatter.
+    assert _yafsdp_reduces_in_param_dtype(MixedPrecision(param_dtype=bf16)) is True
+    assert _yafsdp_reduces_in_param_dtype(MixedPrecision(param_dtype=bf16, reduce_dtype=bf16)) is True
+    assert _yafsdp_reduces_in_param_dtype(MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)) is False
+    assert _yafsdp_reduces_in_param_dtype(None) is False
+    with pytest.raises(ValueError, match=r"reduce_dtype=torch.float16\) with param_dtype=torch.bfloat16"):
+        _yafsdp_reduces_in_param_dtype(MixedPrecision(param_dtype=bf16, reduce_dtype=torch.float16))
 
 
 def test_yafsdp_mapping():
