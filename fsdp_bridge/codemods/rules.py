@@ -49,6 +49,15 @@ PRIVATE_MODULE = _rule("FB002", "private torch FSDP module or name", (BRIDGE,), 
 PRIVATE_WRAPPER_ATTRIBUTE = _rule("FB003", "private FSDP1 wrapper attribute", (BRIDGE,), """
     A read of `_handle`, `_flat_param`, `_lazy_init` and the like: fsdp_bridge's
     FullyShardedDataParallel has internals of its own, so the read is flagged with a TODO.""")
+NOT_MIRRORED = _rule("FB004", "name the mirror does not have", (BRIDGE,), """
+    An import whose names (or, for `import torchacc as ta`, the attributes the file reads
+    through it, such as `ta.sync`) are not all in the fsdp_bridge module that mirrors it: the
+    import is left pointing at the original, under a TODO naming what is missing.""")
+FRAMEWORK_MODEL = _rule("FB005", "model built by a framework", (BRIDGE,), """
+    In a file that imports Hugging Face transformers, accelerate or Lightning, an FSDP1 static
+    method call or `isinstance(x, FullyShardedDataParallel)`: the framework wraps the model in
+    torch's own FullyShardedDataParallel, which fsdp_bridge's class does not accept (the call
+    raises, the check is never true), so the site is flagged.""")
 
 # -- FB1xx: translated for native torch FSDP2 ------------------------------------------------
 
