@@ -14,7 +14,15 @@ import time
 
 from fsdp_bridge.codemods import rules
 from fsdp_bridge.migrate import report
-from fsdp_bridge.migrate.driver import TARGETS, FileResult, Writer, run_all, settle_type_checks, write_problem
+from fsdp_bridge.migrate.driver import (
+    TARGETS,
+    ChangedOnDisk,
+    FileResult,
+    Writer,
+    run_all,
+    settle_type_checks,
+    write_problem,
+)
 from fsdp_bridge.migrate.files import walk
 
 PROGRESS_MIN_FILES = 200  # below this a progress bar is noise
@@ -85,7 +93,9 @@ def _write(results: list[FileResult], target: str, jobs: int) -> list[FileResult
         for result in pending:
             if result.error is None:
                 try:
-                    writer.write(result.path, result.new_source)
+                    writer.write(result.path, result.new_source, result.old_source, result.read_stat)
+                except ChangedOnDisk as exc:
+                    result.error = str(exc)
                 except OSError as exc:
                     result.error = f"cannot rewrite: {exc}"
     for result in pending:

@@ -89,3 +89,30 @@ def test_libcst_runner(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "model = fully_shard(model)  # wrap" in target.read_text()
+
+
+def test_a_file_edited_while_migrate_runs_is_refused_by_name(tmp_path, monkeypatch, capsys):
+    from fsdp_bridge.migrate import cli, driver
+
+    path = tmp_path / "train.py"
+    path.write_text(FSDP1)
+    real_write = driver.Writer.write
+
+    def user_saves_first(self, target, data, *args):
+        with open(target, "a") as handle:  # the user's editor saves a line between read and write
+            handle.write("print('added while migrating')\n")
+        return real_write(self, target, data, *args)
+
+    monkeypatch.setattr(cli.Writer, "write", user_saves_first)
+    assert main(["migrate", str(path), "--to", "fsdp2", "--write", "-j", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {path}: changed on disk since it was read" in err
+    assert path.read_text() == FSDP1 + "print('added while migrating')\n"  # the user's line is kept
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_an_unchanged_file_is_rewritten(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(FSDP1)
+    assert main(["migrate", str(path), "--to", "fsdp2", "--write", "-j", "1"]) == 0
+    assert "fully_shard(model)" in path.read_text()
