@@ -18,11 +18,11 @@ from fsdp_bridge.codemods.facts import PROVEN
 from fsdp_bridge.codemods.fsdp1 import STATE_DICT_TYPE_PARAMS, Resolve, state_dict_config
 from fsdp_bridge.codemods.helpers import (
     call_arguments,
+    call_like,
     code,
     dotted,
     keyword_arg,
     leftmost,
-    space_comma,
     unwrap_with,
 )
 from fsdp_bridge.codemods.names import DCP, FSDP1, RUNTIME_MODULE, STATE_DICT_METHODS, STATE_DICT_TYPE
@@ -165,21 +165,16 @@ class StateDictRules:
         if any(name not in bound for name in wanted):
             return None
         new_by_old = {id(old): new for old, new in zip(original.args, updated.args)}
-        values = [new_by_old[id(bound[name])].value for name in wanted]
-        space = space_comma()
-        return [cst.Arg(value, comma=space if i < len(values) - 1 else cst.MaybeSentinel.DEFAULT)
-                for i, value in enumerate(values)]
+        # The argument nodes themselves (their line comments with them), made positional.
+        return [new_by_old[id(bound[name])].with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT)
+                for name in wanted]
 
     def _runtime_call(self, original, updated, rule: str, helper: str, args: list[cst.Arg], reason: str) -> cst.Call:
         self.site(rule, RUNTIME, original, code(original.func) + "(...)", reason)
         self.need(RUNTIME_MODULE, helper)
         if isinstance(original.func, cst.Attribute):
             self.drop_import_of(original.func)
-        args = list(args)
-        if args and len(args) > 1:
-            args = [a.with_changes(comma=space_comma()) for a in args[:-1]] + [
-                args[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)]
-        return cst.Call(func=cst.Name(helper), args=args)
+        return call_like(cst.Name(helper), args, updated)
 
     def _optim_options(self) -> str:
         current = self.current_state_dict_block()
@@ -194,9 +189,7 @@ class StateDictRules:
         self.need(DCP, function)
         self.need(DCP, "StateDictOptions")
         self.drop_import_of(original.func)
-        last = args[-1].with_changes(comma=space_comma()) if args else None
-        return cst.Call(func=cst.Name(function), args=[*args[:-1], last, keyword_arg("options", options)] if last else
-                        [keyword_arg("options", options)])
+        return call_like(cst.Name(function), [*args, keyword_arg("options", options)], updated)
 
     # -- model.state_dict() / load_state_dict() -------------------------------------------
 
@@ -221,9 +214,8 @@ class StateDictRules:
                       "only the one-argument form is translated")
             return updated
         # The receiver as rewritten (`m.module` may have become `fsdp1_unwrap(m)`).
-        model_arg = cst.Arg(updated.func.value, comma=space_comma())
-        args = [model_arg.with_changes(comma=cst.MaybeSentinel.DEFAULT)] if method == "state_dict" else [
-            model_arg, updated.args[0].with_changes(comma=cst.MaybeSentinel.DEFAULT)]
+        model_arg = cst.Arg(updated.func.value)
+        args = [model_arg] if method == "state_dict" else [model_arg, updated.args[0]]
         if kind == PROVEN and (block is not None or not self.runtime_state_dict_type):
             # Outside a state_dict_type block FSDP1 gives a full state dict; FSDP2 would give DTensors.
             options = block[1] if block is not None else "StateDictOptions(full_state_dict=True)"
@@ -231,7 +223,6 @@ class StateDictRules:
             return self._dcp_call(original, updated, function, args, options)
         helper = "fsdp1_state_dict" if method == "state_dict" else "fsdp1_load_state_dict"
         if block is not None:
-            args[-1] = args[-1].with_changes(comma=space_comma())
             args.append(keyword_arg("options", block[1]))
             self.need(DCP, "StateDictOptions")
             why = "the block's options, applied if the receiver turns out to hold FSDP2 modules"
@@ -241,7 +232,7 @@ class StateDictRules:
             f"{helper}() checks for FSDP2 modules at run time ({why})"
         self.site(rules.STATE_DICT, RUNTIME, original, f"{receiver}.{method}(...)", reason)
         self.need(RUNTIME_MODULE, helper)
-        return cst.Call(func=cst.Name(helper), args=args)
+        return call_like(cst.Name(helper), args, updated)
 
     # -- with FSDP.state_dict_type(...) blocks -----------------------------------------------
 

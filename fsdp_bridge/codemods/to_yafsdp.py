@@ -27,6 +27,7 @@ from fsdp_bridge.codemods.helpers import (
     code,
     comments_in,
     dotted,
+    fit,
     is_literal,
     keyword_arg,
     lost_comments,
@@ -73,9 +74,8 @@ class ToYafsdpCommand(Fsdp1Codemod):
             self.site(rules.YAFSDP_AT_RUN_TIME, RUNTIME, original, "FullyShardedDataParallel(...)", "; ".join(reasons))
             self.need(RUNTIME_MODULE, "fsdp1_to_yafsdp")
             self.drop_import_of(original.func)
-            return updated.with_changes(func=cst.Name("fsdp1_to_yafsdp"),
-                                        args=append_args(updated.args, [
-                                            keyword_arg("gradient_accumulation_steps", "1")]))
+            return fit(updated.with_changes(func=cst.Name("fsdp1_to_yafsdp"), args=append_args(
+                updated.args, [keyword_arg("gradient_accumulation_steps", "1")])), original)
         return self._in_place(original, updated, args)
 
     def _check_precision(self, call: cst.Call, node: cst.BaseExpression | None) -> None:
@@ -173,8 +173,8 @@ class ToYafsdpCommand(Fsdp1Codemod):
                   "; ".join(reasons) or "YaFSDP with the same settings")
         self.need(YAFSDP_MODULE, "YaFSDP")
         self.drop_import_of(original.func)
-        result = updated.with_changes(func=cst.Name("YaFSDP"),
-                                      args=append_args(rebuild_args(updated.args, new_args), extra))
+        result = fit(updated.with_changes(func=cst.Name("YaFSDP"),
+                                          args=append_args(rebuild_args(updated.args, new_args), extra)), original)
         self.comment_above(*lost_comments(updated, result, moved_comments))
         return result
 

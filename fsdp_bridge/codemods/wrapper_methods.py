@@ -15,7 +15,7 @@ import libcst as cst
 from fsdp_bridge.codemods import rules
 from fsdp_bridge.codemods.base import IN_PLACE, RUNTIME
 from fsdp_bridge.codemods.facts import PROVEN
-from fsdp_bridge.codemods.helpers import code, dotted, parse_expr, parse_stmt, space_comma
+from fsdp_bridge.codemods.helpers import call_like, code, dotted, parse_expr, parse_stmt, space_comma
 from fsdp_bridge.codemods.names import RUNTIME_MODULE, STATE_DICT_METHODS
 from fsdp_bridge.codemods.state_dict import UNTRANSLATED_STATICS
 
@@ -46,15 +46,13 @@ class WrapperMethodRules:
                 self.site(rules.CLIP_GRAD_NORM, IN_PLACE, original, f"{receiver}.clip_grad_norm_(...)",
                           "torch.nn.utils.clip_grad_norm_ over the parameters (returns a DTensor)")
                 self.need("torch")
-                params = cst.Arg(parse_expr(f"{receiver}.parameters()"), comma=space_comma())
-                return updated.with_changes(func=parse_expr("torch.nn.utils.clip_grad_norm_"),
-                                            args=[params, *updated.args])
+                params = cst.Arg(parse_expr(f"{receiver}.parameters()"))
+                return call_like(parse_expr("torch.nn.utils.clip_grad_norm_"), [params, *updated.args], updated)
             self.site(rules.CLIP_GRAD_NORM, RUNTIME, original, f"{code(original.func)}(...)",
                       f"{code(original.func.value)} is not proven to be assigned from FSDP(...) here; "
                       "fsdp1_clip_grad_norm_ dispatches at run time")
             self.need(RUNTIME_MODULE, "fsdp1_clip_grad_norm_")
-            return updated.with_changes(func=cst.Name("fsdp1_clip_grad_norm_"),
-                                        args=[cst.Arg(updated.func.value, comma=space_comma()), *updated.args])
+            return call_like(cst.Name("fsdp1_clip_grad_norm_"), [cst.Arg(updated.func.value), *updated.args], updated)
         if method == "summon_full_params":
             if kind is not None:
                 rule, reason = UNTRANSLATED_STATICS[method]

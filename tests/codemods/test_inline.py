@@ -154,7 +154,8 @@ class TestToFsdp2(CodemodTest):
             ok = isinstance(model, FSDP)
         """
         after = """
-            from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP
+            from torch.distributed.fsdp import FSDPModule
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
             ok = isinstance(model, (FSDPModule, FSDP))
         """
