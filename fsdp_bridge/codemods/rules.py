@@ -131,6 +131,10 @@ EXACT_CLASS_TEST = _rule("FB212", "type(x) is FSDP", (FSDP2, YAFSDP), """
 STRATEGY_READ = _rule("FB213", "read of .sharding_strategy", (FSDP2, YAFSDP), """
     Outside the constructor, a read of an FSDP1 sharding strategy may no longer describe how the
     migrated model is sharded (the attribute is gone, or names something else).""")
+INEXACT_STATE_DICT_OPTIONS = _rule("FB214", "state-dict config DCP cannot express", (FSDP2,), """
+    A `FullStateDictConfig` / `FullOptimStateDictConfig` whose `offload_to_cpu` and `rank0_only`
+    differ: DCP's `cpu_offload` means both at once, so the block is translated with the closer
+    option and a TODO says where the state dict now lives.""")
 OTHER_FSDP1_USE = _rule("FB299", "any other FSDP1 API use", (FSDP2, YAFSDP), """
     An FSDP1 name used in a way no rule translates (passed on as a class, an unknown static
     method, arguments outside the translated forms).""")

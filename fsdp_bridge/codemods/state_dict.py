@@ -47,14 +47,33 @@ OPTIM_SIGNATURES = {
 KEPT = "kept"  # a state_dict_type block left as it was (FB204/FB209)
 
 
-def _options(full: bool, offload_to_cpu: bool, rank0_only: bool) -> str:
-    """StateDictOptions code for an FSDP1 state-dict config (full or sharded, offload, rank 0 only)."""
+def _options(full: bool, offload_to_cpu: bool, rank0_only: bool) -> tuple[str, str | None]:
+    """StateDictOptions code for an FSDP1 state-dict config, and what it cannot keep (None: exact).
+
+    DCP offloads a full state dict to the CPU only together with "rank 0 only" (`cpu_offload`
+    means both there), so FSDP1's two flags map exactly only when they agree."""
     if not full:
-        return "StateDictOptions(full_state_dict=False)"
-    # DCP's cpu_offload with a full state dict means "on rank 0 only, on CPU".
-    if rank0_only:
-        return "StateDictOptions(full_state_dict=True, cpu_offload=True)"
-    return "StateDictOptions(full_state_dict=True)"
+        # Sharded: each rank keeps its own shards, on the CPU with offload_to_cpu.
+        return ("StateDictOptions(full_state_dict=False, cpu_offload=True)" if offload_to_cpu
+                else "StateDictOptions(full_state_dict=False)"), None
+    if offload_to_cpu == rank0_only:
+        return ("StateDictOptions(full_state_dict=True, cpu_offload=True)" if rank0_only
+                else "StateDictOptions(full_state_dict=True)"), None
+    if offload_to_cpu:  # every rank a full copy on the CPU: DCP gives every rank one on the device
+        return "StateDictOptions(full_state_dict=True)", (
+            "offload_to_cpu=True without rank0_only: DCP offloads a full state dict to the CPU only on "
+            "rank 0, so every rank now gets its full copy in device memory; pass "
+            "StateDictOptions(full_state_dict=True, cpu_offload=True) if only rank 0 needs it")
+    return "StateDictOptions(full_state_dict=True, cpu_offload=True)", (
+        "rank0_only=True without offload_to_cpu: DCP gives rank 0 its full state dict on the CPU, "
+        "not in device memory")
+
+
+def _takes_optimizer_state(resolve: Resolve, node: cst.With) -> bool:
+    """True if the block calls one of FSDP1's optimizer state-dict methods."""
+    return any((resolve(call.func) or "").startswith(f"{FSDP1}.optim") or
+               (resolve(call.func) or "").endswith("optim_state_dict")
+               for call in m.findall(node.body, m.Call()))
 
 
 def configures_elsewhere(node: cst.With, model: str | None, resolve: Resolve) -> bool:
@@ -251,6 +270,7 @@ class StateDictRules:
             if not isinstance(call, cst.Call) or not isinstance(call.func, cst.Attribute):
                 continue
             if self.fsdp(call.func) == STATE_DICT_TYPE:
+                self._with_node = node
                 context = self._state_dict_context(call)
                 if context is None or item.asname is not None or configures_elsewhere(node, context[0], self.fsdp):
                     context = KEPT
@@ -277,7 +297,13 @@ class StateDictRules:
             model_cfg = state_dict_config(model_arg and model_arg.value, self.fsdp, False)
             optim_cfg = state_dict_config(optim_arg and optim_arg.value, self.fsdp, True)
             if model_cfg is not None and optim_cfg is not None:
-                return model, _options(full, *model_cfg), _options(full, *optim_cfg)
+                (model_options, model_problem), (optim_options, optim_problem) = (
+                    _options(full, *model_cfg), _options(full, *optim_cfg))
+                if model_problem:
+                    self.todo(rules.INEXACT_STATE_DICT_OPTIONS, call, "state_dict_config", model_problem)
+                if optim_problem and _takes_optimizer_state(self.fsdp, self._with_node):
+                    self.todo(rules.INEXACT_STATE_DICT_OPTIONS, call, "optim_state_dict_config", optim_problem)
+                return model, model_options, optim_options
         # Non-literal type or configs: translate when the script runs.
         passed = ", ".join(f"{a.keyword.value}={code(a.value)}" if a.keyword else code(a.value)
                            for a in call.args if a is not args["module"])

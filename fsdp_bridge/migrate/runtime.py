@@ -428,14 +428,23 @@ def fsdp1_state_dict_options(
             "state_dict_type=LOCAL_STATE_DICT has no FSDP2 form (there is no flat parameter); "
             "use StateDictType.SHARDED_STATE_DICT (DTensor shards) or FULL_STATE_DICT."
         )
+    config = optim_state_dict_config if for_optimizer else state_dict_config
+    # FSDP1's defaults: the optimizer's full config offloads, the model's does not.
+    offload = bool(getattr(config, "offload_to_cpu", for_optimizer and config is None))
     if state_dict_type == StateDictType.SHARDED_STATE_DICT:
-        return StateDictOptions(full_state_dict=False)
+        return StateDictOptions(full_state_dict=False, cpu_offload=offload)
     if state_dict_type != StateDictType.FULL_STATE_DICT:
         raise ValueError(f"state_dict_type={state_dict_type!r} is not a StateDictType; pass "
                          "FULL_STATE_DICT or SHARDED_STATE_DICT.")
-    config = optim_state_dict_config if for_optimizer else state_dict_config
     # DCP's cpu_offload with a full state dict means "on rank 0 only, on CPU".
-    return StateDictOptions(full_state_dict=True, cpu_offload=bool(getattr(config, "rank0_only", False)))
+    rank0_only = bool(getattr(config, "rank0_only", False))
+    if offload != rank0_only:
+        name = "optim_state_dict_config" if for_optimizer else "state_dict_config"
+        warnings.warn(
+            f"{name}: offload_to_cpu={offload} with rank0_only={rank0_only} has no StateDictOptions form "
+            "(DCP's cpu_offload means both at once): the full state dict is "
+            + ("on the CPU of rank 0 only" if rank0_only else "in device memory on every rank"), stacklevel=2)
+    return StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
 
 
 def fsdp1_optim_state_dict_to_load(model: nn.Module, optim, optim_state_dict: dict, options=None) -> dict:

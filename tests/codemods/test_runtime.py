@@ -5,7 +5,13 @@ import functools
 import pytest
 import torch
 from torch import nn
-from torch.distributed.fsdp import FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType
+from torch.distributed.fsdp import (
+    FullStateDictConfig,
+    MixedPrecision,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictType,
+)
 from torch.distributed.fsdp.wrap import (
     CustomPolicy,
     ModuleWrapPolicy,
@@ -84,9 +90,18 @@ def test_yafsdp_mapping():
 
 
 def test_state_dict_options():
-    full = fsdp1_state_dict_options(StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True))
+    exact = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    full = fsdp1_state_dict_options(StateDictType.FULL_STATE_DICT, exact)
     assert full.full_state_dict and full.cpu_offload
-    assert not fsdp1_state_dict_options(StateDictType.SHARDED_STATE_DICT).full_state_dict
+    with pytest.warns(UserWarning, match="state_dict_config: offload_to_cpu=False with rank0_only=True"):
+        fsdp1_state_dict_options(StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True))
+    sharded = fsdp1_state_dict_options(StateDictType.SHARDED_STATE_DICT)
+    assert not sharded.full_state_dict and not sharded.cpu_offload
+    # Sharded stays sharded, offloaded where FSDP1 offloads (its optimizer configs do by default).
+    offloaded = fsdp1_state_dict_options(StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(offload_to_cpu=True))
+    assert not offloaded.full_state_dict and offloaded.cpu_offload
+    optim = fsdp1_state_dict_options(StateDictType.SHARDED_STATE_DICT, for_optimizer=True)
+    assert not optim.full_state_dict and optim.cpu_offload
     with pytest.raises(ValueError, match="LOCAL_STATE_DICT has no FSDP2 form"):
         fsdp1_state_dict_options(StateDictType.LOCAL_STATE_DICT)
 
