@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"note: {result.path}: {site['what']}; {site['reason']}", file=sys.stderr)
     if args.report:
         report.write(args.report, results, args.target)
-    totals = report.summary(results)
+    totals = report.summary(results, args.target)
     by_status = ", ".join(f"{n} {status}" for status, n in totals["by_status"].items())
     verb = "rewritten" if args.mode == "write" else "to change"
     print(

@@ -116,3 +116,21 @@ def test_an_unchanged_file_is_rewritten(tmp_path):
     path.write_text(FSDP1)
     assert main(["migrate", str(path), "--to", "fsdp2", "--write", "-j", "1"]) == 0
     assert "fully_shard(model)" in path.read_text()
+
+
+def test_report_counts_the_sites_that_still_import_fsdp_bridge_per_file(tmp_path):
+    (tmp_path / "pure.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n"
+        "def save(model, ddp_model, scheduler):\n"
+        "    model = FSDP(model)\n"
+        "    return model.state_dict(), ddp_model.state_dict(), scheduler.state_dict()\n")
+    (tmp_path / "helper.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n"
+        "def build(model, kwargs):\n"
+        "    return FSDP(model, **kwargs)\n")
+    report = tmp_path / "report.json"
+    assert main(["migrate", str(tmp_path), "--to", "fsdp2", "--report", str(report), "-j", "1"]) == 1
+    data = json.loads(report.read_text())
+    counts = {pathlib.Path(entry["path"]).name: entry["fsdp_bridge_sites"] for entry in data["files"]}
+    assert counts == {"pure.py": 0, "helper.py": 1}  # torch alone where torch suffices
+    assert data["summary"]["fsdp_bridge_sites"] == 1
