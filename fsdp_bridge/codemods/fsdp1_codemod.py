@@ -11,12 +11,13 @@ defining the hooks below (`translate_constructor`, `translate_static_method`, `t
 from __future__ import annotations
 
 import libcst as cst
+import libcst.matchers as m
 from libcst.metadata import ScopeProvider
 
 from fsdp_bridge.codemods.base import FsdpCodemod
 from fsdp_bridge.codemods.diagnostics import WRAP_FUNCTIONS, DiagnosticsRules
 from fsdp_bridge.codemods.facts import FactsMixin
-from fsdp_bridge.codemods.names import FSDP1, RUNTIME_CONSTRUCTORS, TYPE_CHECKS
+from fsdp_bridge.codemods.names import FSDP1, FSDP2_MARKERS, RUNTIME_CONSTRUCTORS, TYPE_CHECKS
 from fsdp_bridge.codemods.type_checks import TypeCheckRules
 from fsdp_bridge.codemods.unwrap import UnwrapRule
 
@@ -34,6 +35,7 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
         self.in_constructor = 0  # inside the arguments of an FSDP(...) call (or its rewrite)
         self.constructor_calls: set[int] = set()
         self.fsdp2_functions: list[bool] = []  # per enclosing function: does it speak FSDP2?
+        self.version_guards: list[bool] = []  # per enclosing `if`: does it test fsdp_version(...)?
 
     # -- hooks: what a command translates ---------------------------------------------------
 
@@ -121,6 +123,19 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
         if original.attr.value == "no_sync" and id(original) not in self.called:
             return self.translate_no_sync_reference(original, updated)
         return updated
+
+    def visit_If(self, node: cst.If) -> None:
+        self.version_guards.append(any(n.value in FSDP2_MARKERS for n in m.findall(node.test, m.Name())))
+
+    def leave_If(self, original: cst.If, updated: cst.If):
+        self.version_guards.pop()
+        return updated
+
+    @property
+    def in_version_guard(self) -> bool:
+        """Inside `if fsdp_version(model) == 1:` (or any branch of an `if` on fsdp_version): code
+        that already chooses its dialect at run time; FSDP1-only reads there need no TODO."""
+        return any(self.version_guards)
 
     def visit_Comparison(self, node: cst.Comparison) -> None:
         self.check_exact_class_test(node)

@@ -228,18 +228,26 @@ class StateDictRules:
         if method == "state_dict" and original.args:
             return updated
         args = original.args
-        if method == "load_state_dict" and (len(args) != 1 or args[0].keyword or args[0].star):
+        strict = next((a for a in updated.args[1:] if a.keyword and a.keyword.value == "strict"), None)
+        options_of_block = block[1] if block is not None else "StateDictOptions(full_state_dict=True)"
+        if method == "load_state_dict" and (
+                not args or args[0].keyword or args[0].star or len(args) > 1 + (strict is not None)
+                or (strict is not None and not options_of_block.startswith("StateDictOptions("))):
             self.todo(rules.OTHER_FSDP1_USE, original, f"{receiver}.load_state_dict(...)",
-                      "only the one-argument form is translated")
+                      "only load_state_dict(state_dict) and load_state_dict(state_dict, strict=...) are translated")
             return updated
         # The receiver as rewritten (`m.module` may have become `fsdp1_unwrap(m)`).
         model_arg = cst.Arg(updated.func.value)
         args = [model_arg] if method == "state_dict" else [model_arg, updated.args[0]]
+        if strict is not None:  # StateDictOptions takes it: strict=... goes into the options
+            options_of_block = f"{options_of_block[:-1]}, strict={code(strict.value)})"
+            block = block and (block[0], options_of_block, block[2])
         if kind == PROVEN and (block is not None or not self.runtime_state_dict_type):
             # Outside a state_dict_type block FSDP1 gives a full state dict; FSDP2 would give DTensors.
-            options = block[1] if block is not None else "StateDictOptions(full_state_dict=True)"
             function = "get_model_state_dict" if method == "state_dict" else "set_model_state_dict"
-            return self._dcp_call(original, updated, function, args, options)
+            return self._dcp_call(original, updated, function, args, options_of_block)
+        if strict is not None and block is None:
+            args.append(strict)
         helper = "fsdp1_state_dict" if method == "state_dict" else "fsdp1_load_state_dict"
         if block is not None:
             args.append(keyword_arg("options", block[1]))

@@ -51,6 +51,7 @@ class ToYafsdpCommand(Fsdp1Codemod):
     WRAPPED_CLASS = (YAFSDP_MODULE, "YaFSDP", rules.YAFSDP_TYPE_CHECK, "the wrapped model is a YaFSDP instance")
     UNWRAP_REASON = "YaFSDP has no .module: it forwards attribute reads to the model and its own " \
         "state_dict/load_state_dict/no_sync take the place of the wrapped module's"
+    TARGET = "YaFSDP"
     ACCEPT_FSDP1_TOO = True  # the tree may keep FSDP1 constructors (TODOs) in other files
     STRATEGY_READ_REASON = (
         "YaFSDP has no sharding_strategy attribute (the read fails on the migrated model, or finds "

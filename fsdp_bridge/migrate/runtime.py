@@ -526,11 +526,16 @@ def fsdp1_state_dict(model: nn.Module, options: StateDictOptions | None = None) 
     return get_model_state_dict(model, options=options or _active_options(model, False))
 
 
-def fsdp1_load_state_dict(model: nn.Module, state_dict: dict, options: StateDictOptions | None = None):
-    """`model.load_state_dict(state_dict)` with FSDP1's meaning (see `fsdp1_state_dict`)."""
+def fsdp1_load_state_dict(model: nn.Module, state_dict: dict, options: StateDictOptions | None = None,
+                          strict: bool | None = None):
+    """`model.load_state_dict(state_dict, strict=...)` with FSDP1's meaning (see `fsdp1_state_dict`);
+    `strict` overrides that of `options`."""
     if not _holds_fsdp2(model):
-        return model.load_state_dict(state_dict)
-    return set_model_state_dict(model, state_dict, options=options or _active_options(model, False))
+        return model.load_state_dict(state_dict) if strict is None else model.load_state_dict(state_dict, strict)
+    options = options or _active_options(model, False)
+    if strict is not None:
+        options = dataclasses.replace(options, strict=strict)
+    return set_model_state_dict(model, state_dict, options=options)
 
 
 def fsdp1_optim_state_dict(model: nn.Module, optim, options: StateDictOptions | None = None) -> dict[str, Any]:

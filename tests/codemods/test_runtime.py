@@ -129,6 +129,11 @@ def test_helpers_leave_modules_without_fsdp2_units_alone():
     state = fsdp1_state_dict(model)
     assert state.keys() == model.state_dict().keys()
     assert fsdp1_load_state_dict(model, state).missing_keys == []
+    partial_state = {k: v for k, v in state.items() if not k.endswith("bias")}
+    assert fsdp1_load_state_dict(model, partial_state, strict=False).missing_keys == [
+        k for k in state if k.endswith("bias")]
+    with pytest.raises(RuntimeError, match="Missing key"):
+        fsdp1_load_state_dict(model, partial_state)
 
     class Wrapper(nn.Module):  # DDP-like: the model lives in .module
         def __init__(self, module):
