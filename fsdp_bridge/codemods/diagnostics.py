@@ -24,6 +24,7 @@ from fsdp_bridge.codemods.names import (
     ACCELERATE_PLUGIN,
     DTENSOR_MARKERS,
     FSDP1,
+    FSDP1_WRAPPER_ATTRIBUTES,
     FSDP2_MARKERS,
     FSDP2_NAMES,
     HF_CONFIG_CALLS,
@@ -145,9 +146,20 @@ class DiagnosticsRules:
             # takes the value; anywhere else the read may no longer mean the same.
             self.todo(rules.STRATEGY_READ, original, f"{code(original)} (a read of an FSDP1 sharding strategy)",
                       self.STRATEGY_READ_REASON)
-        if (original.attr.value in PRIVATE_ATTRIBUTES and self.uses_fsdp1 and not self.in_import
+        wrapper_only = (original.attr.value in FSDP1_WRAPPER_ATTRIBUTES and id(original) not in self.store_targets
+                        and (self.guarded_as_fsdp(original.value) or self.receiver(original.value) is not None))
+        if ((original.attr.value in PRIVATE_ATTRIBUTES or wrapper_only) and self.uses_fsdp1 and not self.in_import
                 and not self.in_version_guard):
             self.todo(rules.PRIVATE_INTERNALS, original, f".{original.attr.value}",
+                      f"FSDP1's wrapper internals do not exist in {self.TARGET} (no FSDP1 wrapper, no flat "
+                      "parameter)")
+
+    def check_attribute_by_name(self, call: cst.Call) -> None:
+        """`getattr(p, "_is_flat_param", False)`: a private FSDP1 attribute named by a string."""
+        name = call.args[1].value if len(call.args) > 1 else None
+        if (isinstance(name, cst.SimpleString) and name.evaluated_value in PRIVATE_ATTRIBUTES and self.uses_fsdp1
+                and not self.in_version_guard):
+            self.todo(rules.PRIVATE_INTERNALS, call, f"{code(call.func)}(..., {name.value})",
                       f"FSDP1's wrapper internals do not exist in {self.TARGET} (no FSDP1 wrapper, no flat "
                       "parameter)")
 

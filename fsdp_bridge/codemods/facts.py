@@ -22,10 +22,11 @@ from __future__ import annotations
 from typing import Sequence
 
 import libcst as cst
+from libcst.helpers import get_full_name_for_node
 from libcst.metadata import ScopeProvider
 
 from fsdp_bridge.codemods.helpers import dotted, is_literal
-from fsdp_bridge.codemods.names import FSDP1, FSDP2_MARKERS, FSDP2_NAMES, STATE_DICT_TYPE
+from fsdp_bridge.codemods.names import FSDP1, FSDP2_MARKERS, FSDP2_NAMES, FSDP_MODULES, STATE_DICT_TYPE
 
 PROVEN, MAYBE = "proven", "maybe"
 
@@ -41,6 +42,7 @@ class FileFacts(cst.CSTVisitor):
         self.withs: list[cst.With] = []
         self.attribute_calls: list[cst.Call] = []
         self.branch_imports = False  # an import inside an `if`/`try` (conditional or fallback)
+        self.imported_modules: set[str] = set()  # `a.b` of `import a.b` and `from a.b import c`
         self._classes: list[cst.ClassDef] = []
         self._branches = 0
 
@@ -83,8 +85,12 @@ class FileFacts(cst.CSTVisitor):
 
     def visit_Import(self, node) -> None:
         self.branch_imports = self.branch_imports or self._branches > 0
+        self.imported_modules.update(get_full_name_for_node(alias.name) or "" for alias in node.names)
 
-    visit_ImportFrom = visit_Import
+    def visit_ImportFrom(self, node) -> None:
+        self.branch_imports = self.branch_imports or self._branches > 0
+        if node.module is not None and not node.relative:
+            self.imported_modules.add(get_full_name_for_node(node.module) or "")
 
 
 class FactsMixin:
@@ -106,6 +112,7 @@ class FactsMixin:
         self.uses_fsdp1 = False
         self.names_in_file: set[str] = set()
         self.fsdp_file = False  # the file names FSDP1 or ShardingStrategy (FB213 applies)
+        self.names_fsdp = False  # the file names torch's FSDP modules or anything in them
 
     def read_file_facts(self, node: cst.Module) -> None:
         facts = FileFacts()
@@ -113,6 +120,10 @@ class FactsMixin:
         heads = {(self.fsdp(n) or "").split(".")[0] for n in facts.names}
         self.uses_fsdp1 = FSDP1 in heads
         self.fsdp_file = self.uses_fsdp1 or "ShardingStrategy" in heads
+        # Any torch FSDP name or module at all (FSDP1 modules here would come from FSDP(...)).
+        self.names_fsdp = any(heads - {""}) or any(
+            module == fsdp or module.startswith(fsdp + ".")
+            for module in facts.imported_modules for fsdp in FSDP_MODULES)
         self.names_in_file = {n.value for n in facts.names if isinstance(n, cst.Name)}
         if not self.uses_fsdp1:
             return

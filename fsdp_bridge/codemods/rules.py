@@ -135,6 +135,10 @@ INEXACT_STATE_DICT_OPTIONS = _rule("FB214", "state-dict config DCP cannot expres
     A `FullStateDictConfig` / `FullOptimStateDictConfig` whose `offload_to_cpu` and `rank0_only`
     differ: DCP's `cpu_offload` means both at once, so the block is translated with the closer
     option and a TODO says where the state dict now lives.""")
+CLIP_ELSEWHERE = _rule("FB215", "clip_grad_norm_ of a model wrapped elsewhere", (FSDP2,), """
+    `model.clip_grad_norm_(max_norm)` in a file that imports no FSDP class: FSDP1's method on a
+    model wrapped in another file; fully_shard modules have none, so the call is flagged with
+    the torch.nn.utils form to use.""")
 OTHER_FSDP1_USE = _rule("FB299", "any other FSDP1 API use", (FSDP2, YAFSDP), """
     An FSDP1 name used in a way no rule translates (passed on as a class, an unknown static
     method, arguments outside the translated forms).""")

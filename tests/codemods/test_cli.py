@@ -78,6 +78,11 @@ def test_prefilter():
     assert may_use_fsdp(b"import torchacc\n", "bridge")
     assert not may_use_fsdp(b"import torch\nfrom torch.nn.parallel import DistributedDataParallel\n", "fsdp2")
     assert not may_use_fsdp(b"def is_fsdp_enabled():\n    return False\n", "fsdp2")
+    # FSDP1's clip_grad_norm_ on a model wrapped in another file; not accelerate's or torch's.
+    assert may_use_fsdp(b"norm = model.clip_grad_norm_(1.0)\n", "fsdp2")
+    assert not may_use_fsdp(b"norm = model.clip_grad_norm_(1.0)\n", "yafsdp")  # YaFSDP has the method
+    assert not may_use_fsdp(b"accelerator.clip_grad_norm_(model.parameters(), 1.0)\n", "fsdp2")
+    assert not may_use_fsdp(b"torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n", "fsdp2")
 
 
 def test_libcst_runner(tmp_path):
