@@ -182,7 +182,7 @@ class TestToFsdp2(CodemodTest):
             from torch.distributed.fsdp import FullyShardedDataParallel
 
 
-            # TODO(fsdp-bridge FB201): class Wrapped(FullyShardedDataParallel): FSDP2 is not a wrapper class to subclass; move the overrides onto the model and call fully_shard on it
+            # TODO(fsdp-bridge FB201): class Wrapped(FullyShardedDataParallel): FSDP2 is not FSDP1's wrapper class to subclass; move the overrides onto the model and call fully_shard on the model
             class Wrapped(FullyShardedDataParallel):
                 pass
         """
