@@ -3,10 +3,10 @@
 libcst's AddImportsVisitor puts new imports after the first run of imports at the top of the
 file: above a `sys.path.insert(...)` that later imports depend on, and on one line however
 long. Here a new import goes just above the file's own import of the same module (the one the
-rewrite replaces, typically), or else after the last top-level import that precedes the first
-function or class (so every statement the user runs before importing still runs first); one
-statement per module, wrapped in parentheses one name per line when longer than the file's own
-import lines.
+rewrite replaces, typically; inside the `if` / `try` that guards it, if it is guarded), or else
+after the last top-level import that precedes the first function or class (so every statement
+the user runs before importing still runs first); one statement per module, wrapped in
+parentheses one name per line when longer than the file's own lines.
 """
 
 from __future__ import annotations
@@ -31,11 +31,19 @@ def _is_import(statement: cst.BaseStatement) -> bool:
     return False
 
 
+def _guarded_body(statement: cst.BaseStatement) -> list[cst.BaseStatement]:
+    """The statements of a top-level `if` / `try` block (its first branch), else []."""
+    if isinstance(statement, (cst.If, cst.Try)) and isinstance(statement.body, cst.IndentedBlock):
+        return list(statement.body.body)
+    return []
+
+
 def _bound(body: Sequence[cst.BaseStatement]) -> tuple[set[str], set[tuple[str, str]]]:
-    """Modules imported plainly and (module, name) pairs imported unaliased, at top level."""
+    """Modules imported plainly and (module, name) pairs imported unaliased, at top level or in
+    the first branch of a top-level `if` / `try`."""
     modules: set[str] = set()
     names: set[tuple[str, str]] = set()
-    for statement in body:
+    for statement in [s for top in body for s in (top, *_guarded_body(top))]:
         if not isinstance(statement, cst.SimpleStatementLine):
             continue
         for small in statement.body:
@@ -100,7 +108,10 @@ def insert_imports(module: cst.Module, needed: Sequence) -> cst.Module:
     before: dict[int, list[cst.BaseStatement]] = defaultdict(list)  # above an import of the same module
     after: list[cst.BaseStatement] = []  # after the anchor
     for name, statement in new:
-        (before[place[name]] if name in place else after).append(statement)
+        if name in place:
+            before[place[name]].append(statement)
+        elif not _into_guarded_block(body, name, statement):
+            after.append(statement)
     anchor = _anchor(body)
     result: list[cst.BaseStatement] = []
     for index, statement in enumerate(body):
@@ -124,6 +135,23 @@ def _at_top(new: list[cst.BaseStatement], first: cst.BaseStatement) -> list[cst.
         return [first]
     new = [new[0].with_changes(leading_lines=first.leading_lines), *new[1:]]
     return [*new, first.with_changes(leading_lines=[cst.EmptyLine()])]
+
+
+def _into_guarded_block(body: list[cst.BaseStatement], name: str, statement: cst.BaseStatement) -> bool:
+    """Put `statement` above the import of module `name` in a top-level `if` / `try` block (the
+    guard the file imports that module under: `if is_torch_distributed_available():`); False
+    if no such block."""
+    for index, top in enumerate(body):
+        if isinstance(top, (cst.FunctionDef, cst.ClassDef)):
+            return False
+        inner = _guarded_body(top)
+        at = next((i for i, module in _top_level_modules(inner) if module == name), None)
+        if at is not None:
+            moved = statement.with_changes(leading_lines=inner[at].leading_lines)
+            inner[at:at + 1] = [moved, inner[at].with_changes(leading_lines=[])]
+            body[index] = top.with_changes(body=top.body.with_changes(body=inner))
+            return True
+    return False
 
 
 def _top_level_modules(body: Sequence[cst.BaseStatement]):
