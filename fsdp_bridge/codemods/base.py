@@ -27,11 +27,11 @@ from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProv
 from fsdp_bridge.codemods.helpers import (
     drops_a_comment,
     has_todo,
-    is_import_line,
     names_bound_by_imports,
     todo_comment,
     with_leading_comments,
 )
+from fsdp_bridge.codemods.imports import insert_imports
 from fsdp_bridge.codemods.names import BUILTINS_WE_MATCH, fsdp_name
 
 # Key under which every codemod appends its `Site`s to `context.scratch`.
@@ -205,20 +205,16 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
             yield tree
 
     def _instantiate_and_run(self, transform, tree: cst.Module) -> cst.Module:
-        """libcst's follow-up passes (adding imports), without copying the tree when they need
-        no metadata: the copy would be the most expensive part of the pass."""
+        """libcst's follow-up passes, without copying the tree when they need no metadata (the
+        copy would be the most expensive part of the pass). Imports are added by our own
+        `insert_imports`, which keeps the file's order of statements and its line style."""
+        if transform is AddImportsVisitor:
+            return insert_imports(tree, self.context.scratch.get(AddImportsVisitor.CONTEXT_KEY, []))
         instance = transform(self.context)
         if instance.get_inherited_dependencies():
             return instance.transform_module(tree)
         instance._handle_metadata_reference = lambda module: _without_copy(instance, module)
-        if transform is not AddImportsVisitor:
-            return instance.transform_module(tree)
-        # AddImportsVisitor reads and edits only the imports at the top of the file; running it
-        # on the statements up to the last top-level import gives the same result, in a
-        # fraction of the time on large files.
-        last = max((i for i, statement in enumerate(tree.body) if is_import_line(statement)), default=0)
-        head = instance.transform_module(tree.with_changes(body=tree.body[: last + 1]))
-        return tree.with_changes(body=[*head.body, *tree.body[last + 1 :]], header=head.header)
+        return instance.transform_module(tree)
 
     # -- imports of the rewritten file ---------------------------------------------------
 

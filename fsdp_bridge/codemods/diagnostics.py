@@ -11,16 +11,20 @@ so no use of FSDP1 goes by unreported.
 
 from __future__ import annotations
 
+import re
+
 import libcst as cst
 import libcst.matchers as m
 
 from fsdp_bridge.codemods import rules
 from fsdp_bridge.codemods.base import INFO
 from fsdp_bridge.codemods.facts import FileFacts
-from fsdp_bridge.codemods.helpers import code
+from fsdp_bridge.codemods.helpers import code, dotted
 from fsdp_bridge.codemods.names import (
     ACCELERATE_PLUGIN,
+    DTENSOR_MARKERS,
     FSDP1,
+    FSDP1_WRAPPER_ATTRIBUTES,
     FSDP2_MARKERS,
     FSDP2_NAMES,
     HF_CONFIG_CALLS,
@@ -33,7 +37,14 @@ from fsdp_bridge.codemods.names import (
 )
 
 WRAP_FUNCTIONS = ("enable_wrap", "wrap")
-PRIVATE_REASON = "private FSDP1 internals have no FSDP2 form"
+# Names of objects that hold settings rather than modules (`fsdp_config`, `strategy`, `args`).
+SETTING_OWNER = re.compile(r"config|cfg|conf$|args|arguments|options|opts|settings|strategy|plugin|params|kwargs",
+                           re.IGNORECASE)
+
+# Wording of the TODOs by target: (the target's name, how a module is sharded there).
+TARGET_WORDS = {"FSDP2": ("FSDP2", "call fully_shard on the model"),
+                "YaFSDP": ("YaFSDP", "wrap the model with YaFSDP(...) once, naming its units in "
+                           "modules_to_wrap_with_names")}
 
 
 class DiagnosticsRules:
@@ -41,6 +52,11 @@ class DiagnosticsRules:
 
     # Why a read of `.sharding_strategy` no longer means what it did (FB213); set by each command.
     STRATEGY_READ_REASON = ""
+    TARGET = "FSDP2"  # the dialect the command writes, for the TODO texts
+
+    @property
+    def private_reason(self) -> str:
+        return f"private FSDP1 internals have no {self.TARGET} form"
 
     def __init__(self, context) -> None:
         super().__init__(context)
@@ -54,12 +70,12 @@ class DiagnosticsRules:
             return
         for alias in node.names:
             if is_private_fsdp1(code(alias.name)):
-                self.todo(rules.PRIVATE_INTERNALS, node, f"import {code(alias.name)}", PRIVATE_REASON)
+                self.todo(rules.PRIVATE_INTERNALS, node, f"import {code(alias.name)}", self.private_reason)
 
     def _check_import_from(self, node: cst.ImportFrom) -> None:
         module = code(node.module) if node.module else ""
         if is_private_fsdp1(module) and not node.relative:
-            self.todo(rules.PRIVATE_INTERNALS, node, f"from {module} import ...", PRIVATE_REASON)
+            self.todo(rules.PRIVATE_INTERNALS, node, f"from {module} import ...", self.private_reason)
         elif isinstance(node.names, cst.ImportStar) and not node.relative and fsdp_module(module):
             self.todo(rules.STAR_IMPORT, node, f"from {module} import *", "names from a star import cannot be "
                       "resolved, so nothing in this file is translated: import the names you use "
@@ -98,7 +114,7 @@ class DiagnosticsRules:
     def check_reference(self, node: cst.CSTNode) -> None:
         if self.in_import or id(node) in self.claimed:
             return
-        if isinstance(node, cst.Name) and self.ambiguous(node):
+        if isinstance(node, cst.Name) and self.ambiguous(node) and not self._only_fsdp2_names(node):
             self.todo(rules.AMBIGUOUS_NAME, node, node.value, "this name is FSDP's or another object depending on "
                       "which import ran (conditional or fallback import): left as it was")
             if FSDP1 in {fsdp_name(q) for q in self.qualified(node)}:
@@ -106,26 +122,54 @@ class DiagnosticsRules:
             return
         if self.fsdp(node) == FSDP1:
             self.todo(rules.OTHER_FSDP1_USE, node, code(node), "FullyShardedDataParallel is used in a way "
-                      "the codemod does not translate; FSDP2 has no wrapper class (see FSDPModule)")
+                      f"the codemod does not translate; {self.TARGET} has no FSDP1 wrapper class to use here")
             self.keeps_fsdp1(rules.OTHER_FSDP1_USE, node)  # e.g. passed on as a class to build wrappers with
             return
         for name in self.qualified(node):
             if is_private_fsdp1(name):
-                self.todo(rules.PRIVATE_INTERNALS, node, code(node), PRIVATE_REASON)
+                self.todo(rules.PRIVATE_INTERNALS, node, code(node), self.private_reason)
                 return
+
+    def _only_fsdp2_names(self, node: cst.Name) -> bool:
+        """True if the FSDP names `node` may be are all FSDP2's (`fully_shard`, `CPUOffloadPolicy`):
+        nothing there is translated, so a conditional import of them needs no TODO."""
+        shorts = {fsdp_name(q) for q in self.qualified(node)} - {None}
+        return bool(shorts) and shorts <= FSDP2_NAMES
 
     def check_attribute(self, original: cst.Attribute) -> None:
         """An attribute read: an unclaimed reference, a strategy read, or private internals."""
         self.check_reference(original)
         if (original.attr.value == "sharding_strategy" and self.fsdp_file and not self.in_import
-                and not self.in_constructor and id(original) not in self.store_targets):
+                and not self.in_constructor and id(original) not in self.store_targets
+                and not self._reads_a_setting(original.value)):
             # In FSDP(..., sharding_strategy=cfg.sharding_strategy) the constructor's translation
             # takes the value; anywhere else the read may no longer mean the same.
             self.todo(rules.STRATEGY_READ, original, f"{code(original)} (a read of an FSDP1 sharding strategy)",
                       self.STRATEGY_READ_REASON)
-        if original.attr.value in PRIVATE_ATTRIBUTES and self.uses_fsdp1 and not self.in_import:
+        wrapper_only = (original.attr.value in FSDP1_WRAPPER_ATTRIBUTES and id(original) not in self.store_targets
+                        and (self.guarded_as_fsdp(original.value) or self.receiver(original.value) is not None))
+        if ((original.attr.value in PRIVATE_ATTRIBUTES or wrapper_only) and self.uses_fsdp1 and not self.in_import
+                and not self.in_version_guard):
             self.todo(rules.PRIVATE_INTERNALS, original, f".{original.attr.value}",
-                      "FSDP1's wrapper internals do not exist in FSDP2 (no wrapper, no flat parameter)")
+                      f"FSDP1's wrapper internals do not exist in {self.TARGET} (no FSDP1 wrapper, no flat "
+                      "parameter)")
+
+    def check_attribute_by_name(self, call: cst.Call) -> None:
+        """`getattr(p, "_is_flat_param", False)`: a private FSDP1 attribute named by a string."""
+        name = call.args[1].value if len(call.args) > 1 else None
+        if (isinstance(name, cst.SimpleString) and name.evaluated_value in PRIVATE_ATTRIBUTES and self.uses_fsdp1
+                and not self.in_version_guard):
+            self.todo(rules.PRIVATE_INTERNALS, call, f"{code(call.func)}(..., {name.value})",
+                      f"FSDP1's wrapper internals do not exist in {self.TARGET} (no FSDP1 wrapper, no flat "
+                      "parameter)")
+
+    def _reads_a_setting(self, owner: cst.BaseExpression) -> bool:
+        """True for `cfg.sharding_strategy` and the like: a setting read from a config or a
+        strategy object (not known to hold an FSDP1 module), whose meaning the migration keeps."""
+        if self.receiver(owner) is not None:
+            return False
+        name = (dotted(owner) or "").split(".")[-1]
+        return SETTING_OWNER.search(name) is not None
 
     # -- constructs with no translation ---------------------------------------------------
 
@@ -133,21 +177,22 @@ class DiagnosticsRules:
         for base in original.bases:
             if self.fsdp(base.value) == FSDP1:
                 self.todo(rules.SUBCLASS, original, f"class {original.name.value}(FullyShardedDataParallel)",
-                          "FSDP2 is not a wrapper class to subclass; move the overrides onto the "
-                          "model and call fully_shard on it")
+                          f"{self.TARGET} is not FSDP1's wrapper class to subclass; move the overrides "
+                          f"onto the model and {TARGET_WORDS[self.TARGET][1]}")
                 self.keeps_fsdp1(rules.SUBCLASS, original)
 
     def flag_wrap_call(self, original: cst.Call, name: str) -> None:
-        self.todo(rules.ENABLE_WRAP, original, f"{name}(...)", "call fully_shard on each module after "
-                  "construction, bottom-up, instead of wrap() inside enable_wrap()")
+        how = ("call fully_shard on each module after construction, bottom-up," if self.TARGET == "FSDP2"
+               else "name the modules in YaFSDP's modules_to_wrap_with_names")
+        self.todo(rules.ENABLE_WRAP, original, f"{name}(...)", f"{how} instead of wrap() inside enable_wrap()")
         self.keeps_fsdp1(rules.ENABLE_WRAP, original)
 
     def is_partial_of_fsdp1(self, original: cst.Call, qualified: set[str]) -> bool:
         return PARTIAL in qualified and bool(original.args) and self.fsdp(original.args[0].value) == FSDP1
 
     def flag_partial(self, original: cst.Call) -> None:
-        self.todo(rules.PARTIAL, original, "partial(FullyShardedDataParallel, ...)", "FSDP2's fully_shard "
-                  "works in place; call it where the partial is applied")
+        self.todo(rules.PARTIAL, original, "partial(FullyShardedDataParallel, ...)", "a partial builds FSDP1 "
+                  f"wrappers elsewhere; where it is applied, {TARGET_WORDS[self.TARGET][1]} instead")
         self.keeps_fsdp1(rules.PARTIAL, original)
 
     def check_exact_class_test(self, node: cst.Comparison) -> None:
@@ -184,6 +229,17 @@ class DiagnosticsRules:
 
     def is_library_config(self, qualified: set[str]) -> bool:
         return bool(qualified & (HF_CONFIG_CALLS | ACCELERATE_PLUGIN))
+
+    def speaks_fsdp2(self, node: cst.FunctionDef) -> bool:
+        """True if the function names FSDP2 (`fully_shard`, `FSDPModule`...) or DTensor's
+        `full_tensor`: the modules it handles are FSDP2's already, and an unproven receiver's
+        `state_dict()` there is left as written."""
+        if not (self.has_fsdp2 or DTENSOR_MARKERS & self.names_in_file):
+            return False
+        facts = FileFacts()
+        node.visit(facts)
+        return any(self.fsdp(n) in FSDP2_NAMES or (isinstance(n, cst.Name) and n.value in DTENSOR_MARKERS)
+                   for n in facts.names)
 
     def handles_both_dialects(self, node: cst.FunctionDef) -> bool:
         """True (and reported, FB410) if the function already names both FSDP1 and FSDP2."""

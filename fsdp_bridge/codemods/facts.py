@@ -10,8 +10,11 @@ depends on what `model` is. A receiver is *proven* when scope analysis (libcst's
 shows every assignment that can reach it is `FSDP(...)`, or one top-level `model = FSDP(...)` in
 the same function follows all other assignments and precedes the use. `self.x` is proven when
 every `self.x = ...` in the class assigns `FSDP(...)` (or None). A receiver whose *name* is
-assigned from `FSDP(...)` somewhere else in the file is *maybe* one: its calls go through runtime
-helpers that check `isinstance` when the script runs. Other receivers are not touched.
+assigned from `FSDP(...)` somewhere else in the file, or passed to one of FSDP1's static methods
+(`FSDP.state_dict_type(model, ...)`), is *maybe* one: its calls go through runtime helpers that
+check `isinstance` when the script runs. Other receivers are not touched: importing FSDP does not
+make every `x.state_dict()` of the file an FSDP1 model's (it may be a DDP model, a scheduler, or
+a module already sharded with `fully_shard`, whose state dict the helper would make full).
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ from __future__ import annotations
 from typing import Sequence
 
 import libcst as cst
+from libcst.helpers import get_full_name_for_node
 from libcst.metadata import ScopeProvider
 
 from fsdp_bridge.codemods.helpers import dotted, is_literal
-from fsdp_bridge.codemods.names import FSDP1, FSDP2_MARKERS, FSDP2_NAMES, STATE_DICT_TYPE
+from fsdp_bridge.codemods.names import FSDP1, FSDP2_MARKERS, FSDP2_NAMES, FSDP_MODULES, STATE_DICT_TYPE
 
 PROVEN, MAYBE = "proven", "maybe"
 
@@ -38,6 +42,7 @@ class FileFacts(cst.CSTVisitor):
         self.withs: list[cst.With] = []
         self.attribute_calls: list[cst.Call] = []
         self.branch_imports = False  # an import inside an `if`/`try` (conditional or fallback)
+        self.imported_modules: set[str] = set()  # `a.b` of `import a.b` and `from a.b import c`
         self._classes: list[cst.ClassDef] = []
         self._branches = 0
 
@@ -80,8 +85,12 @@ class FileFacts(cst.CSTVisitor):
 
     def visit_Import(self, node) -> None:
         self.branch_imports = self.branch_imports or self._branches > 0
+        self.imported_modules.update(get_full_name_for_node(alias.name) or "" for alias in node.names)
 
-    visit_ImportFrom = visit_Import
+    def visit_ImportFrom(self, node) -> None:
+        self.branch_imports = self.branch_imports or self._branches > 0
+        if node.module is not None and not node.relative:
+            self.imported_modules.add(get_full_name_for_node(node.module) or "")
 
 
 class FactsMixin:
@@ -90,6 +99,8 @@ class FactsMixin:
     def __init__(self, context) -> None:
         super().__init__(context)
         self.wrapped_names: set[str] = set()  # "model", "self.model": assigned from FSDP(...) somewhere in this file
+        # "model": passed as the module to an FSDP1 static method (state_dict_type, optim_state_dict...)
+        self.fsdp1_arguments: set[str] = set()
         self.fsdp_targets: set[int] = set()  # ids of the Name targets of `x = FSDP(...)`
         self.top_level_targets: set[int] = set()  # ... of those that are a top-level statement of their scope
         self.class_attributes: dict = {}  # id(ClassDef) -> `self.x` names only ever assigned FSDP(...)
@@ -101,6 +112,7 @@ class FactsMixin:
         self.uses_fsdp1 = False
         self.names_in_file: set[str] = set()
         self.fsdp_file = False  # the file names FSDP1 or ShardingStrategy (FB213 applies)
+        self.names_fsdp = False  # the file names torch's FSDP modules or anything in them
 
     def read_file_facts(self, node: cst.Module) -> None:
         facts = FileFacts()
@@ -108,6 +120,10 @@ class FactsMixin:
         heads = {(self.fsdp(n) or "").split(".")[0] for n in facts.names}
         self.uses_fsdp1 = FSDP1 in heads
         self.fsdp_file = self.uses_fsdp1 or "ShardingStrategy" in heads
+        # Any torch FSDP name or module at all (FSDP1 modules here would come from FSDP(...)).
+        self.names_fsdp = any(heads - {""}) or any(
+            module == fsdp or module.startswith(fsdp + ".")
+            for module in facts.imported_modules for fsdp in FSDP_MODULES)
         self.names_in_file = {n.value for n in facts.names if isinstance(n, cst.Name)}
         if not self.uses_fsdp1:
             return
@@ -143,6 +159,11 @@ class FactsMixin:
             self.state_dict_type_items.update(id(item.item) for item in with_node.items
                                               if isinstance(item.item, cst.Call)
                                               and self.fsdp(item.item.func) == STATE_DICT_TYPE)
+        for call in facts.attribute_calls:
+            if (self.fsdp(call.func) or "").startswith(FSDP1 + ".") and call.args and not call.args[0].keyword:
+                name = dotted(call.args[0].value)
+                if name is not None:
+                    self.fsdp1_arguments.add(name)
         self.runtime_state_dict_type = any(
             self.fsdp(call.func) == STATE_DICT_TYPE and id(call) not in self.state_dict_type_items
             for call in facts.attribute_calls)
@@ -165,12 +186,14 @@ class FactsMixin:
         name = dotted(node)
         if name is None:
             return None
+        if isinstance(node, cst.Attribute) and node.attr.value == "module":
+            return self.receiver(node.value)  # FSDP1's wrapped module is the migrated model itself
         if isinstance(node, cst.Name) and self._proven_name(node):
             return PROVEN
         if (isinstance(node, cst.Attribute) and dotted(node.value) == "self" and self.classes
                 and node.attr.value in self.class_attributes.get(id(self.classes[-1]), ())):
             return PROVEN
-        return MAYBE if name in self.wrapped_names else None
+        return MAYBE if name in self.wrapped_names or name in self.fsdp1_arguments else None
 
     def _proven_name(self, node: cst.Name) -> bool:
         if not self.fsdp_targets:

@@ -11,12 +11,14 @@ defining the hooks below (`translate_constructor`, `translate_static_method`, `t
 from __future__ import annotations
 
 import libcst as cst
+import libcst.matchers as m
 from libcst.metadata import ScopeProvider
 
 from fsdp_bridge.codemods.base import FsdpCodemod
 from fsdp_bridge.codemods.diagnostics import WRAP_FUNCTIONS, DiagnosticsRules
 from fsdp_bridge.codemods.facts import FactsMixin
-from fsdp_bridge.codemods.names import FSDP1, RUNTIME_CONSTRUCTORS, TYPE_CHECKS
+from fsdp_bridge.codemods.helpers import dotted
+from fsdp_bridge.codemods.names import ATTRIBUTE_BY_NAME, FSDP1, FSDP2_MARKERS, RUNTIME_CONSTRUCTORS, TYPE_CHECKS
 from fsdp_bridge.codemods.type_checks import TypeCheckRules
 from fsdp_bridge.codemods.unwrap import UnwrapRule
 
@@ -33,6 +35,9 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
         self.in_import = 0
         self.in_constructor = 0  # inside the arguments of an FSDP(...) call (or its rewrite)
         self.constructor_calls: set[int] = set()
+        self.fsdp2_functions: list[bool] = []  # per enclosing function: does it speak FSDP2?
+        self.version_guards: list[bool] = []  # per enclosing `if`: does it test fsdp_version(...)?
+        self.type_guards: list[set[str]] = []  # per enclosing `if`: names it tests isinstance(x, FSDP)
 
     # -- hooks: what a command translates ---------------------------------------------------
 
@@ -45,6 +50,9 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
     def translate_method(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         """`x.method(...)` on a local object of a file that uses FSDP1 (default: unchanged)."""
         return updated
+
+    def check_method_elsewhere(self, original: cst.Call) -> None:
+        """`x.method(...)` in a file that names no FSDP1 class (default: nothing to say)."""
 
     def translate_no_sync_reference(self, original: cst.Attribute, updated: cst.Attribute):
         """`model.no_sync` used as a value, not called (default: unchanged)."""
@@ -75,7 +83,20 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
     # -- definitions ------------------------------------------------------------------------
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
-        return not self.handles_both_dialects(node)  # such a function is left as it is
+        if self.handles_both_dialects(node):
+            self.fsdp2_functions.append(True)  # popped by leave_FunctionDef all the same
+            return False  # such a function is left as it is
+        self.fsdp2_functions.append(self.speaks_fsdp2(node))
+        return True
+
+    def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
+        self.fsdp2_functions.pop()
+        return updated
+
+    @property
+    def in_fsdp2_function(self) -> bool:
+        """Inside a function that works on FSDP2 modules (see `speaks_fsdp2`)."""
+        return any(self.fsdp2_functions)
 
     def visit_ClassDef(self, node: cst.ClassDef) -> None:
         self.classes.append(node)
@@ -107,6 +128,39 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
         if original.attr.value == "no_sync" and id(original) not in self.called:
             return self.translate_no_sync_reference(original, updated)
         return updated
+
+    def visit_If(self, node: cst.If) -> None:
+        self.version_guards.append(any(n.value in FSDP2_MARKERS for n in m.findall(node.test, m.Name())))
+        self.type_guards.append(self._tested_as_fsdp(node.test) if self.uses_fsdp1 else set())
+
+    def leave_If(self, original: cst.If, updated: cst.If):
+        self.version_guards.pop()
+        self.type_guards.pop()
+        return updated
+
+    def _tested_as_fsdp(self, test: cst.BaseExpression) -> set[str]:
+        """`m` for each `isinstance(m, FSDP)` (or FSDPModule, or a tuple holding one) in `test`."""
+        names = set()
+        for call in m.findall(test, m.Call(args=[m.Arg(), m.Arg()])):
+            if not self.qualified(call.func) & TYPE_CHECKS:
+                continue
+            classes = call.args[1].value
+            items = [e.value for e in classes.elements] if isinstance(classes, cst.Tuple) else [classes]
+            if any(self.fsdp(item) in (FSDP1, "FSDPModule") for item in items):
+                names.add(dotted(call.args[0].value) or "")
+        return names - {""}
+
+    def guarded_as_fsdp(self, node: cst.BaseExpression) -> bool:
+        """True inside `if isinstance(node, FSDP):`; the check is widened or narrowed by the
+        migration, and what the block reads of FSDP1's wrapper may not exist on the new class."""
+        name = dotted(node)
+        return name is not None and any(name in names for names in self.type_guards)
+
+    @property
+    def in_version_guard(self) -> bool:
+        """Inside `if fsdp_version(model) == 1:` (or any branch of an `if` on fsdp_version): code
+        that already chooses its dialect at run time; FSDP1-only reads there need no TODO."""
+        return any(self.version_guards)
 
     def visit_Comparison(self, node: cst.Comparison) -> None:
         self.check_exact_class_test(node)
@@ -141,8 +195,12 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
             return updated
         if qualified & TYPE_CHECKS:
             return self.translate_type_check(original, updated)
-        if isinstance(original.func, cst.Attribute) and self.uses_fsdp1 and not self.imported(original.func):
-            return self.translate_method(original, updated)
+        if qualified & ATTRIBUTE_BY_NAME:
+            self.check_attribute_by_name(original)
+        if isinstance(original.func, cst.Attribute) and not self.imported(original.func):
+            if self.uses_fsdp1:
+                return self.translate_method(original, updated)
+            self.check_method_elsewhere(original)
         return updated
 
     # -- shared by the constructor translations ------------------------------------------------

@@ -19,6 +19,7 @@ from fsdp_bridge.codemods.helpers import (
     code,
     comments_in,
     dotted,
+    fit,
     is_literal,
     lost_comments,
     parse_expr,
@@ -133,7 +134,8 @@ class FullyShardRules:
                   "; ".join(reasons) or "fully_shard with the same settings")
         self.need(FSDP, "fully_shard")
         self.drop_import_of(original.func)
-        result = updated.with_changes(func=cst.Name("fully_shard"), args=rebuild_args(updated.args, new_args))
+        result = fit(updated.with_changes(func=cst.Name("fully_shard"), args=rebuild_args(updated.args, new_args)),
+                     original)
         self.comment_above(*lost_comments(updated, result, moved_comments))
         return result
 

@@ -93,12 +93,6 @@ def names_bound_by_imports(module: cst.Module) -> set[str] | None:
     return names
 
 
-def is_import_line(statement: cst.BaseStatement) -> bool:
-    return isinstance(statement, cst.SimpleStatementLine) and any(
-        isinstance(small, (cst.Import, cst.ImportFrom)) for small in statement.body
-    )
-
-
 # -- building arguments ------------------------------------------------------------------------
 
 # New nodes each time: one node object in two places of a tree would share its metadata.
@@ -155,6 +149,68 @@ def append_args(args: Sequence[cst.Arg], extra: list[cst.Arg]) -> list[cst.Arg]:
     extra = [a.with_changes(comma=comma) for a in extra]
     extra[-1] = extra[-1].with_changes(comma=closing, whitespace_after_arg=last.whitespace_after_arg)
     return args + extra
+
+
+def _line_break(whitespace) -> bool:
+    return isinstance(whitespace, cst.ParenthesizedWhitespace)
+
+
+def call_like(func: cst.BaseExpression, args: Sequence[cst.Arg], like: cst.Call) -> cst.Call:
+    """A call of `func` with `args`, laid out as the call `like` it replaces.
+
+    On one line: `, ` between arguments. One argument per line: every argument on its own line
+    at the original indentation, each line's own trailing comment kept, the closing parenthesis
+    (and a trailing comma) where it was.
+    """
+    args = list(args)
+    old = list(like.args)
+    multiline = _line_break(like.whitespace_before_args) or any(
+        isinstance(a.comma, cst.Comma) and _line_break(a.comma.whitespace_after) for a in old)
+    if not multiline or not args:
+        args = [a.with_changes(comma=space_comma()) for a in args[:-1]] + (
+            [args[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)] if args else [])
+        return fit(cst.Call(func=func, args=args), like)
+    between = next((a.comma.whitespace_after for a in old[:-1]
+                    if isinstance(a.comma, cst.Comma) and _line_break(a.comma.whitespace_after)),
+                   like.whitespace_before_args)
+    if not _line_break(between):  # `f(a,\n  b)`: only the last break is known; use its line
+        between = old[-2].comma.whitespace_after if len(old) > 1 else like.whitespace_before_args
+    end = old[-1].comma if old else cst.MaybeSentinel.DEFAULT
+    laid_out = []
+    for index, arg in enumerate(args):
+        own = arg.comma if isinstance(arg.comma, cst.Comma) and _line_break(arg.comma.whitespace_after) else None
+        first_line = own.whitespace_after.first_line if own is not None else cst.TrailingWhitespace()
+        if index == len(args) - 1:
+            comma = end
+            if isinstance(end, cst.Comma) and _line_break(end.whitespace_after):
+                comma = end.with_changes(whitespace_after=end.whitespace_after.with_changes(first_line=first_line))
+        elif own is not None and arg.comma is not end:  # (the old closing comma moves to the end)
+            comma = own
+        elif _line_break(between):
+            comma = cst.Comma(whitespace_after=between.with_changes(first_line=first_line))
+        else:
+            comma = space_comma()
+        laid_out.append(arg.with_changes(comma=comma))
+    return cst.Call(func=func, args=laid_out, whitespace_before_args=like.whitespace_before_args)
+
+
+# A rewritten call on one line longer than this (and than the call it replaces) is laid out one
+# argument per line.
+LONG_CALL = 100
+
+
+def fit(call: cst.Call, like: cst.CSTNode) -> cst.Call:
+    """`call`, one argument per line if on one line it is long and longer than `like`."""
+    text = code(call)
+    if "\n" in text or len(text) <= max(LONG_CALL, len(code(like))) or not call.args:
+        return call
+    step = cst.ParenthesizedWhitespace(indent=True, last_line=cst.SimpleWhitespace("    "))
+    closing = cst.ParenthesizedWhitespace(indent=True, last_line=cst.SimpleWhitespace(""))
+    args = [a.with_changes(comma=cst.Comma(whitespace_after=step), whitespace_after_arg=cst.SimpleWhitespace(""))
+            for a in call.args[:-1]]
+    args.append(call.args[-1].with_changes(comma=cst.Comma(whitespace_after=closing),
+                                           whitespace_after_arg=cst.SimpleWhitespace("")))
+    return call.with_changes(args=args, whitespace_before_args=step)
 
 
 # -- comments ----------------------------------------------------------------------------------
@@ -219,9 +275,18 @@ def unwrap_with(with_node: cst.With) -> cst.FlattenSentinel:
     carried = comments_in(code(with_node.body)) if suite is not with_node.body else (
         comments_in(code(suite.header)) + [line.comment.value for line in suite.footer if line.comment]
     )
+    body = [statement.with_changes(leading_lines=_blank_lines_emptied(statement.leading_lines))
+            for statement in body]
     first = body[0].with_changes(leading_lines=[
         *with_node.leading_lines,
         *[cst.EmptyLine(comment=cst.Comment(c)) for c in carried],
         *body[0].leading_lines,
     ])
     return cst.FlattenSentinel([first, *body[1:]])
+
+
+def _blank_lines_emptied(lines: Sequence[cst.EmptyLine]) -> list[cst.EmptyLine]:
+    """Blank lines of a block that moves out one level, printed empty rather than as the new
+    indentation alone (comment lines keep theirs)."""
+    return [line if line.comment is not None else line.with_changes(indent=False, whitespace=cst.SimpleWhitespace(""))
+            for line in lines]

@@ -56,9 +56,9 @@ def mixed_precision(node: cst.BaseExpression, resolve: Resolve) -> MixedPrecisio
     values = {name: arg.value for name, arg in args.items()}
     for name in ("buffer_dtype", "_module_classes_to_ignore"):
         if name in values and not is_literal(values[name], "None"):
-            return f"MixedPrecision({name}=...) has no FSDP2 field"
+            return f"MixedPrecision({name}=...) has no literal translation"
     if literal_bool(values.get("keep_low_precision_grads"), False) is not False:
-        return "MixedPrecision(keep_low_precision_grads=...) has no FSDP2 field"
+        return "MixedPrecision(keep_low_precision_grads=...) has no literal translation"
     cast = literal_bool(values.get("cast_forward_inputs"), False)
     cast_root = literal_bool(values.get("cast_root_forward_inputs"), True)
     if cast is None or cast_root is None:
@@ -69,3 +69,14 @@ def mixed_precision(node: cst.BaseExpression, resolve: Resolve) -> MixedPrecisio
         return None if value is None or is_literal(value, "None") else code(value)
 
     return MixedPrecisionLiteral(dtype("param_dtype"), dtype("reduce_dtype"), cast, cast_root)
+
+
+FP32 = ("torch.float32", "torch.float")
+
+
+def literal_keywords(node: cst.BaseExpression, resolve: Resolve) -> dict[str, str]:
+    """The keyword arguments of a literal `MixedPrecision(...)` call, as code ({} otherwise)."""
+    if not (isinstance(node, cst.Call) and resolve(node.func) == "MixedPrecision"):
+        return {}
+    args = call_arguments(node, MIXED_PRECISION_PARAMS) or {}
+    return {name: code(arg.value) for name, arg in args.items() if not is_literal(arg.value, "None")}

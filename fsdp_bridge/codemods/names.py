@@ -6,6 +6,8 @@ QualifiedNameProvider), never by text; these tables say which names count.
 
 from __future__ import annotations
 
+import re
+
 # Where the runtime helpers live (the rewritten code imports them from here).
 RUNTIME_MODULE = "fsdp_bridge.migrate.runtime"
 YAFSDP_MODULE = "fsdp_bridge.ya_fsdp"
@@ -29,11 +31,16 @@ PRIVATE_FSDP_PREFIX = "torch.distributed.fsdp._"
 # torch's own FSDP2 implementation lives under a private name too; it is not FSDP1's internals.
 FSDP2_PRIVATE_PREFIX = "torch.distributed.fsdp._fully_shard"
 PRIVATE_ATTRIBUTES = frozenset(
-    {"_fsdp_wrapped_module", "_flat_param", "_handle", "_handles", "_all_handles", "_lazy_init", "_fsdp_state"}
+    {"_fsdp_wrapped_module", "_flat_param", "_handle", "_handles", "_all_handles", "_lazy_init", "_fsdp_state",
+     "_is_flat_param", "_fsdp_flattened", "check_is_root"}
 )
+# Public attributes of FSDP1's wrapper that the new class lacks: flagged where the object is
+# known to be the wrapper (a tested isinstance, or a receiver assigned FSDP(...)).
+FSDP1_WRAPPER_ATTRIBUTES = frozenset({"params", "check_is_root", "training_state", "compute_device"})
 
 # Builtins a codemod resolves (type checks); every other name must come from an import.
-BUILTINS_WE_MATCH = frozenset({"isinstance", "issubclass", "type"})
+BUILTINS_WE_MATCH = frozenset({"isinstance", "issubclass", "type", "getattr", "hasattr"})
+ATTRIBUTE_BY_NAME = frozenset({"builtins.getattr", "builtins.hasattr"})
 TYPE_CHECKS = frozenset({"builtins.isinstance", "builtins.issubclass"})
 
 # FSDP1's `state_dict_type` context and the module methods it configures.
@@ -43,6 +50,11 @@ STATE_DICT_METHODS = ("state_dict", "load_state_dict")
 # Names that show code already speaks FSDP2 (dual-dialect detection).
 FSDP2_NAMES = {"FSDPModule", "fully_shard", "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy"}
 FSDP2_MARKERS = {"fsdp_version"}
+# Names that show a function handles DTensors, hence FSDP2 modules (`param.full_tensor()`).
+DTENSOR_MARKERS = frozenset({"full_tensor", "DTensor"})
+
+# Owners of a `clip_grad_norm_` that is not FSDP1's (accelerate, AMP, DeepSpeed, Lightning...).
+NOT_FSDP1_CLIP = re.compile(r"accelerat|scaler|engine|trainer|strategy|fabric|optim|utils", re.IGNORECASE)
 
 # Libraries that wrap the model in FSDP themselves when configured to.
 HF_CONFIG_CALLS = {

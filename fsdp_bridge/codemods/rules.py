@@ -49,6 +49,15 @@ PRIVATE_MODULE = _rule("FB002", "private torch FSDP module or name", (BRIDGE,), 
 PRIVATE_WRAPPER_ATTRIBUTE = _rule("FB003", "private FSDP1 wrapper attribute", (BRIDGE,), """
     A read of `_handle`, `_flat_param`, `_lazy_init` and the like: fsdp_bridge's
     FullyShardedDataParallel has internals of its own, so the read is flagged with a TODO.""")
+NOT_MIRRORED = _rule("FB004", "name the mirror does not have", (BRIDGE,), """
+    An import whose names (or, for `import torchacc as ta`, the attributes the file reads
+    through it, such as `ta.sync`) are not all in the fsdp_bridge module that mirrors it: the
+    import is left pointing at the original, under a TODO naming what is missing.""")
+FRAMEWORK_MODEL = _rule("FB005", "model built by a framework", (BRIDGE,), """
+    In a file that imports Hugging Face transformers, accelerate or Lightning, an FSDP1 static
+    method call or `isinstance(x, FullyShardedDataParallel)`: the framework wraps the model in
+    torch's own FullyShardedDataParallel, which fsdp_bridge's class does not accept (the call
+    raises, the check is never true), so the site is flagged.""")
 
 # -- FB1xx: translated for native torch FSDP2 ------------------------------------------------
 
@@ -122,6 +131,14 @@ EXACT_CLASS_TEST = _rule("FB212", "type(x) is FSDP", (FSDP2, YAFSDP), """
 STRATEGY_READ = _rule("FB213", "read of .sharding_strategy", (FSDP2, YAFSDP), """
     Outside the constructor, a read of an FSDP1 sharding strategy may no longer describe how the
     migrated model is sharded (the attribute is gone, or names something else).""")
+INEXACT_STATE_DICT_OPTIONS = _rule("FB214", "state-dict config DCP cannot express", (FSDP2,), """
+    A `FullStateDictConfig` / `FullOptimStateDictConfig` whose `offload_to_cpu` and `rank0_only`
+    differ: DCP's `cpu_offload` means both at once, so the block is translated with the closer
+    option and a TODO says where the state dict now lives.""")
+CLIP_ELSEWHERE = _rule("FB215", "clip_grad_norm_ of a model wrapped elsewhere", (FSDP2,), """
+    `model.clip_grad_norm_(max_norm)` in a file that imports no FSDP class: FSDP1's method on a
+    model wrapped in another file; fully_shard modules have none, so the call is flagged with
+    the torch.nn.utils form to use.""")
 OTHER_FSDP1_USE = _rule("FB299", "any other FSDP1 API use", (FSDP2, YAFSDP), """
     An FSDP1 name used in a way no rule translates (passed on as a class, an unknown static
     method, arguments outside the translated forms).""")
@@ -144,6 +161,10 @@ YAFSDP_STATE_DICT_TYPE = _rule("FB304", "state_dict_type under YaFSDP", (YAFSDP,
     YaFSDP's `state_dict()` is full, so a `with FSDP.state_dict_type(model, FULL_STATE_DICT)`
     block keeps its body and loses the `with`; other types, or the context used as a value, get
     a TODO.""")
+YAFSDP_PRECISION = _rule("FB305", "mixed precision YaFSDP cannot express", (YAFSDP,), """
+    YaFSDP reduces gradients in fp32, or in `param_dtype` with `bit16_reduce_scatter=True` (what
+    FSDP1 does when `reduce_dtype` is unset or equal to `param_dtype`); another `reduce_dtype` or
+    a `buffer_dtype` has no YaFSDP field, so the call is translated under a TODO that names it.""")
 
 # -- FB4xx: report only -----------------------------------------------------------------------
 

@@ -9,22 +9,20 @@ Where the options are known only when the script runs, the runtime helpers take 
 
 from __future__ import annotations
 
-import re
-
 import libcst as cst
 import libcst.matchers as m
 
 from fsdp_bridge.codemods import rules
 from fsdp_bridge.codemods.base import IN_PLACE, RUNTIME
-from fsdp_bridge.codemods.facts import MAYBE, PROVEN
+from fsdp_bridge.codemods.facts import PROVEN
 from fsdp_bridge.codemods.fsdp1 import STATE_DICT_TYPE_PARAMS, Resolve, state_dict_config
 from fsdp_bridge.codemods.helpers import (
     call_arguments,
+    call_like,
     code,
     dotted,
     keyword_arg,
     leftmost,
-    space_comma,
     unwrap_with,
 )
 from fsdp_bridge.codemods.names import DCP, FSDP1, RUNTIME_MODULE, STATE_DICT_METHODS, STATE_DICT_TYPE
@@ -46,20 +44,36 @@ OPTIM_SIGNATURES = {
     "fsdp_modules": ("module", "root_only"),
 }
 
-# Receivers whose state dict is not a model's (only to keep the report short: routing them would be
-# harmless, the helpers leave anything without FSDP2 units alone).
-NOT_A_MODEL = re.compile(r"optim|sched|scaler|sampler|loader|tokenizer|generator|^opt$|^lr", re.IGNORECASE)
 KEPT = "kept"  # a state_dict_type block left as it was (FB204/FB209)
 
 
-def _options(full: bool, offload_to_cpu: bool, rank0_only: bool) -> str:
-    """StateDictOptions code for an FSDP1 state-dict config (full or sharded, offload, rank 0 only)."""
+def _options(full: bool, offload_to_cpu: bool, rank0_only: bool) -> tuple[str, str | None]:
+    """StateDictOptions code for an FSDP1 state-dict config, and what it cannot keep (None: exact).
+
+    DCP offloads a full state dict to the CPU only together with "rank 0 only" (`cpu_offload`
+    means both there), so FSDP1's two flags map exactly only when they agree."""
     if not full:
-        return "StateDictOptions(full_state_dict=False)"
-    # DCP's cpu_offload with a full state dict means "on rank 0 only, on CPU".
-    if rank0_only:
-        return "StateDictOptions(full_state_dict=True, cpu_offload=True)"
-    return "StateDictOptions(full_state_dict=True)"
+        # Sharded: each rank keeps its own shards, on the CPU with offload_to_cpu.
+        return ("StateDictOptions(full_state_dict=False, cpu_offload=True)" if offload_to_cpu
+                else "StateDictOptions(full_state_dict=False)"), None
+    if offload_to_cpu == rank0_only:
+        return ("StateDictOptions(full_state_dict=True, cpu_offload=True)" if rank0_only
+                else "StateDictOptions(full_state_dict=True)"), None
+    if offload_to_cpu:  # every rank a full copy on the CPU: DCP gives every rank one on the device
+        return "StateDictOptions(full_state_dict=True)", (
+            "offload_to_cpu=True without rank0_only: DCP offloads a full state dict to the CPU only on "
+            "rank 0, so every rank now gets its full copy in device memory; pass "
+            "StateDictOptions(full_state_dict=True, cpu_offload=True) if only rank 0 needs it")
+    return "StateDictOptions(full_state_dict=True, cpu_offload=True)", (
+        "rank0_only=True without offload_to_cpu: DCP gives rank 0 its full state dict on the CPU, "
+        "not in device memory")
+
+
+def _takes_optimizer_state(resolve: Resolve, node: cst.With) -> bool:
+    """True if the block calls one of FSDP1's optimizer state-dict methods."""
+    return any((resolve(call.func) or "").startswith(f"{FSDP1}.optim") or
+               (resolve(call.func) or "").endswith("optim_state_dict")
+               for call in m.findall(node.body, m.Call()))
 
 
 def configures_elsewhere(node: cst.With, model: str | None, resolve: Resolve) -> bool:
@@ -120,7 +134,8 @@ class StateDictRules:
             return updated
         if method == "fsdp_modules":
             return self._runtime_call(original, updated, rules.RUNTIME_HELPER, "fsdp1_fsdp_modules", args,
-                                      "the FSDP2 modules (FSDPModule instances) under the module")
+                                      "the FSDP2 modules (FSDPModule) under the module, and any FSDP1 wrappers a "
+                                      "constructor left untranslated still builds")
         if method == "scatter_full_optim_state_dict":
             return self._runtime_call(original, updated, rules.RUNTIME_HELPER,
                                       "fsdp1_scatter_full_optim_state_dict", args,
@@ -169,21 +184,16 @@ class StateDictRules:
         if any(name not in bound for name in wanted):
             return None
         new_by_old = {id(old): new for old, new in zip(original.args, updated.args)}
-        values = [new_by_old[id(bound[name])].value for name in wanted]
-        space = space_comma()
-        return [cst.Arg(value, comma=space if i < len(values) - 1 else cst.MaybeSentinel.DEFAULT)
-                for i, value in enumerate(values)]
+        # The argument nodes themselves (their line comments with them), made positional.
+        return [new_by_old[id(bound[name])].with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT)
+                for name in wanted]
 
     def _runtime_call(self, original, updated, rule: str, helper: str, args: list[cst.Arg], reason: str) -> cst.Call:
         self.site(rule, RUNTIME, original, code(original.func) + "(...)", reason)
         self.need(RUNTIME_MODULE, helper)
         if isinstance(original.func, cst.Attribute):
             self.drop_import_of(original.func)
-        args = list(args)
-        if args and len(args) > 1:
-            args = [a.with_changes(comma=space_comma()) for a in args[:-1]] + [
-                args[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)]
-        return cst.Call(func=cst.Name(helper), args=args)
+        return call_like(cst.Name(helper), args, updated)
 
     def _optim_options(self) -> str:
         current = self.current_state_dict_block()
@@ -198,9 +208,7 @@ class StateDictRules:
         self.need(DCP, function)
         self.need(DCP, "StateDictOptions")
         self.drop_import_of(original.func)
-        last = args[-1].with_changes(comma=space_comma()) if args else None
-        return cst.Call(func=cst.Name(function), args=[*args[:-1], last, keyword_arg("options", options)] if last else
-                        [keyword_arg("options", options)])
+        return call_like(cst.Name(function), [*args, keyword_arg("options", options)], updated)
 
     # -- model.state_dict() / load_state_dict() -------------------------------------------
 
@@ -210,10 +218,8 @@ class StateDictRules:
             return updated  # the FSDP1 context stays, and with it the calls it configures
         current = self.current_state_dict_block()
         in_block = current is not None and receiver == current[0]
-        if kind is None and receiver is not None and not NOT_A_MODEL.search(receiver.split(".")[-1]):
-            # Any module may hold FSDP units in a file that uses FSDP1; the helper only changes
-            # what a module holding FSDP2 units returns, so routing it is always safe.
-            kind = MAYBE
+        if kind != PROVEN and not in_block and self.in_fsdp2_function:
+            return updated  # FSDP2 code already: its state dict is the DTensor one it expects
         if not in_block and kind is None:
             return updated
         return self.model_state_dict(original, updated, receiver, method, kind, current if in_block else None)
@@ -222,22 +228,28 @@ class StateDictRules:
         if method == "state_dict" and original.args:
             return updated
         args = original.args
-        if method == "load_state_dict" and (len(args) != 1 or args[0].keyword or args[0].star):
+        strict = next((a for a in updated.args[1:] if a.keyword and a.keyword.value == "strict"), None)
+        options_of_block = block[1] if block is not None else "StateDictOptions(full_state_dict=True)"
+        if method == "load_state_dict" and (
+                not args or args[0].keyword or args[0].star or len(args) > 1 + (strict is not None)
+                or (strict is not None and not options_of_block.startswith("StateDictOptions("))):
             self.todo(rules.OTHER_FSDP1_USE, original, f"{receiver}.load_state_dict(...)",
-                      "only the one-argument form is translated")
+                      "only load_state_dict(state_dict) and load_state_dict(state_dict, strict=...) are translated")
             return updated
         # The receiver as rewritten (`m.module` may have become `fsdp1_unwrap(m)`).
-        model_arg = cst.Arg(updated.func.value, comma=space_comma())
-        args = [model_arg.with_changes(comma=cst.MaybeSentinel.DEFAULT)] if method == "state_dict" else [
-            model_arg, updated.args[0].with_changes(comma=cst.MaybeSentinel.DEFAULT)]
+        model_arg = cst.Arg(updated.func.value)
+        args = [model_arg] if method == "state_dict" else [model_arg, updated.args[0]]
+        if strict is not None:  # StateDictOptions takes it: strict=... goes into the options
+            options_of_block = f"{options_of_block[:-1]}, strict={code(strict.value)})"
+            block = block and (block[0], options_of_block, block[2])
         if kind == PROVEN and (block is not None or not self.runtime_state_dict_type):
             # Outside a state_dict_type block FSDP1 gives a full state dict; FSDP2 would give DTensors.
-            options = block[1] if block is not None else "StateDictOptions(full_state_dict=True)"
             function = "get_model_state_dict" if method == "state_dict" else "set_model_state_dict"
-            return self._dcp_call(original, updated, function, args, options)
+            return self._dcp_call(original, updated, function, args, options_of_block)
+        if strict is not None and block is None:
+            args.append(strict)
         helper = "fsdp1_state_dict" if method == "state_dict" else "fsdp1_load_state_dict"
         if block is not None:
-            args[-1] = args[-1].with_changes(comma=space_comma())
             args.append(keyword_arg("options", block[1]))
             self.need(DCP, "StateDictOptions")
             why = "the block's options, applied if the receiver turns out to hold FSDP2 modules"
@@ -247,7 +259,7 @@ class StateDictRules:
             f"{helper}() checks for FSDP2 modules at run time ({why})"
         self.site(rules.STATE_DICT, RUNTIME, original, f"{receiver}.{method}(...)", reason)
         self.need(RUNTIME_MODULE, helper)
-        return cst.Call(func=cst.Name(helper), args=args)
+        return call_like(cst.Name(helper), args, updated)
 
     # -- with FSDP.state_dict_type(...) blocks -----------------------------------------------
 
@@ -266,6 +278,7 @@ class StateDictRules:
             if not isinstance(call, cst.Call) or not isinstance(call.func, cst.Attribute):
                 continue
             if self.fsdp(call.func) == STATE_DICT_TYPE:
+                self._with_node = node
                 context = self._state_dict_context(call)
                 if context is None or item.asname is not None or configures_elsewhere(node, context[0], self.fsdp):
                     context = KEPT
@@ -292,7 +305,13 @@ class StateDictRules:
             model_cfg = state_dict_config(model_arg and model_arg.value, self.fsdp, False)
             optim_cfg = state_dict_config(optim_arg and optim_arg.value, self.fsdp, True)
             if model_cfg is not None and optim_cfg is not None:
-                return model, _options(full, *model_cfg), _options(full, *optim_cfg)
+                (model_options, model_problem), (optim_options, optim_problem) = (
+                    _options(full, *model_cfg), _options(full, *optim_cfg))
+                if model_problem:
+                    self.todo(rules.INEXACT_STATE_DICT_OPTIONS, call, "state_dict_config", model_problem)
+                if optim_problem and _takes_optimizer_state(self.fsdp, self._with_node):
+                    self.todo(rules.INEXACT_STATE_DICT_OPTIONS, call, "optim_state_dict_config", optim_problem)
+                return model, model_options, optim_options
         # Non-literal type or configs: translate when the script runs.
         passed = ", ".join(f"{a.keyword.value}={code(a.value)}" if a.keyword else code(a.value)
                            for a in call.args if a is not args["module"])

@@ -12,6 +12,11 @@ Nothing else changes. Private modules and names of torch's FSDP (`torch.distribu
 
 from __future__ import annotations
 
+import functools
+import importlib
+import pkgutil
+from collections import defaultdict
+
 import libcst as cst
 import libcst.matchers as m
 from libcst.codemod.visitors import AddImportsVisitor
@@ -20,7 +25,7 @@ from libcst.helpers import get_full_name_for_node
 from fsdp_bridge.codemods import rules
 from fsdp_bridge.codemods.base import IN_PLACE, FsdpCodemod
 from fsdp_bridge.codemods.helpers import code, parse_expr
-from fsdp_bridge.codemods.names import PRIVATE_ATTRIBUTES, is_private_fsdp1
+from fsdp_bridge.codemods.names import FSDP1, PRIVATE_ATTRIBUTES, TYPE_CHECKS, fsdp_name, is_private_fsdp1
 
 # original module -> ours. Longest match wins (`torch.distributed.fsdp.wrap` before `...fsdp`).
 MODULE_MAP = {
@@ -48,6 +53,28 @@ def mirrored(module: str) -> str | None:
     return MODULE_MAP.get(module)
 
 
+@functools.lru_cache(maxsize=None)
+def _mirror_names(module: str) -> frozenset[str]:
+    """The names our mirror module `module` offers: its `__all__`, private names it defines
+    (`_or_policy`), and its subpackages."""
+    mirror = importlib.import_module(module)
+    names = set(getattr(mirror, "__all__", ()))
+    names.update(n for n in vars(mirror) if n.startswith("_") and not n.startswith("__"))
+    if hasattr(mirror, "__path__"):
+        names.update(info.name for info in pkgutil.iter_modules(mirror.__path__))
+    return frozenset(names)
+
+
+def missing_in_mirror(module: str, names) -> list[str]:
+    """Which of `names` our mirror `module` lacks (sorted)."""
+    offered = _mirror_names(module)
+    return sorted(n for n in set(names) if n not in offered)
+
+
+# Frameworks that wrap the model in torch's own FSDP1 themselves (HF Trainer, accelerate, Lightning).
+FRAMEWORKS = ("transformers", "accelerate", "trl", "lightning", "pytorch_lightning")
+
+
 def _module_node(dotted_name: str) -> cst.Attribute | cst.Name:
     return parse_expr(dotted_name)  # type: ignore[return-value]
 
@@ -66,6 +93,18 @@ class ToBridgeCommand(FsdpCodemod):
 
     def visit_Module(self, node: cst.Module) -> None:
         super().visit_Module(node)
+        # `ta.sync`: the attributes read through each dotted name, to check a module import's
+        # uses against our mirror before rewriting it.
+        self._attributes_of: dict[str, set[str]] = defaultdict(set)
+        for attribute in m.findall(node, m.Attribute()):
+            base = get_full_name_for_node(attribute.value)
+            if base is not None:
+                self._attributes_of[base].add(attribute.attr.value)
+        imported = [get_full_name_for_node(imp.module) or "" for imp in m.findall(node, m.ImportFrom())
+                    if imp.module is not None and not imp.relative]
+        imported += [get_full_name_for_node(alias.name) or "" for imp in m.findall(node, m.Import())
+                     for alias in imp.names]
+        self._framework = any(name.split(".")[0] in FRAMEWORKS for name in imported)
         self._imports_fsdp1 = any(
             (get_full_name_for_node(imp.module) or "").startswith("torch.distributed.fsdp")
             for imp in m.findall(node, m.ImportFrom(module=m.DoNotCare()))
@@ -78,6 +117,34 @@ class ToBridgeCommand(FsdpCodemod):
     def _private(self, node: cst.CSTNode, what: str) -> None:
         self.todo(rules.PRIVATE_MODULE, node, what, "a private module or name of torch's FSDP: fsdp_bridge does not "
                   "mirror it, so it is left pointing at torch's (which knows nothing of our modules)")
+
+    def _not_mirrored(self, node: cst.CSTNode, what: str, mirror: str, missing: list[str]) -> None:
+        self.todo(rules.NOT_MIRRORED, node, what, f"{mirror} does not have {', '.join(missing)}: the import is "
+                  "left pointing at the original; rewrite it once those uses are replaced")
+
+    # -- models built by a framework ---------------------------------------------------------
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        if not self._framework:
+            return updated
+        names = {fsdp_name(q) or "" for q in self.qualified(original.func)}
+        if any(name.startswith(FSDP1 + ".") for name in names):
+            method = next(n for n in names if n.startswith(FSDP1 + "."))
+            self.todo(rules.FRAMEWORK_MODEL, original, f"{method}(...)", self._FRAMEWORK_REASON)
+        elif (self.qualified(original.func) & TYPE_CHECKS and len(original.args) == 2
+              and FSDP1 in self._class_names(original.args[1].value)):
+            self.todo(rules.FRAMEWORK_MODEL, original, f"{code(original.func)}(..., FullyShardedDataParallel)",
+                      self._FRAMEWORK_REASON)
+        return updated
+
+    _FRAMEWORK_REASON = ("this file uses a framework (transformers, accelerate or Lightning) that wraps the model "
+                         "in torch's own FullyShardedDataParallel, which fsdp_bridge's class does not accept "
+                         "(the call raises, an isinstance check is never true): keep torch's import for code "
+                         "that handles the framework's model, or let fsdp_bridge build the model")
+
+    def _class_names(self, node: cst.BaseExpression) -> set[str]:
+        elements = [e.value for e in node.elements] if isinstance(node, cst.Tuple) else [node]
+        return {fsdp_name(q) or "" for e in elements for q in self.qualified(e)}
 
     # -- imports -------------------------------------------------------------------------
 
@@ -93,6 +160,14 @@ class ToBridgeCommand(FsdpCodemod):
             if new is None:
                 if is_private_fsdp1(old or ""):
                     self._private(original, f"import {old}")
+                names.append(alias)
+                continue
+            # A plain `import a.b.c` is checked use by use (private uses are kept, see visit_Attribute).
+            bound = get_full_name_for_node(alias.asname.name) if alias.asname is not None else old
+            plain_dotted = alias.asname is None and "." in (old or "")
+            missing = [] if plain_dotted else missing_in_mirror(new, self._attributes_of.get(bound or "", ()))
+            if missing:
+                self._not_mirrored(original, f"import {old}", new, [f"{bound}.{n}" for n in missing])
                 names.append(alias)
                 continue
             self.site(rules.IMPORT_MIRRORED, IN_PLACE, original, f"import {old}", f"now imports {new}")
@@ -122,10 +197,14 @@ class ToBridgeCommand(FsdpCodemod):
         if is_private_fsdp1(old):
             self._private(original, f"from {old} import ...")
             return updated
-        private = not isinstance(updated.names, cst.ImportStar) and any(
-            (get_full_name_for_node(a.name) or "").startswith("_") for a in updated.names)
-        if new is not None and private:
+        imported = [] if isinstance(updated.names, cst.ImportStar) else [
+            get_full_name_for_node(a.name) or "" for a in updated.names]
+        missing = missing_in_mirror(new, imported) if new is not None else []
+        if missing and any(name.startswith("_") for name in missing):
             self._private(original, f"from {old} import {', '.join(code(a.name) for a in updated.names)}")
+            return updated
+        if missing:
+            self._not_mirrored(original, f"from {old} import {', '.join(imported)}", new, missing)
             return updated
         if new is not None:
             self.site(rules.IMPORT_MIRRORED, IN_PLACE, original, f"from {old} import ...", f"now from {new}")

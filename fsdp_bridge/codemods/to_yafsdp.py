@@ -27,6 +27,7 @@ from fsdp_bridge.codemods.helpers import (
     code,
     comments_in,
     dotted,
+    fit,
     is_literal,
     keyword_arg,
     lost_comments,
@@ -34,7 +35,7 @@ from fsdp_bridge.codemods.helpers import (
     tight_equal,
     unwrap_with,
 )
-from fsdp_bridge.codemods.mixed_precision import mixed_precision
+from fsdp_bridge.codemods.mixed_precision import FP32, literal_keywords, mixed_precision
 from fsdp_bridge.codemods.names import RUNTIME_MODULE, STATE_DICT_TYPE, YAFSDP_MODULE
 from fsdp_bridge.codemods.state_dict import configures_elsewhere
 
@@ -50,6 +51,7 @@ class ToYafsdpCommand(Fsdp1Codemod):
     WRAPPED_CLASS = (YAFSDP_MODULE, "YaFSDP", rules.YAFSDP_TYPE_CHECK, "the wrapped model is a YaFSDP instance")
     UNWRAP_REASON = "YaFSDP has no .module: it forwards attribute reads to the model and its own " \
         "state_dict/load_state_dict/no_sync take the place of the wrapped module's"
+    TARGET = "YaFSDP"
     ACCEPT_FSDP1_TOO = True  # the tree may keep FSDP1 constructors (TODOs) in other files
     STRATEGY_READ_REASON = (
         "YaFSDP has no sharding_strategy attribute (the read fails on the migrated model, or finds "
@@ -67,15 +69,37 @@ class ToYafsdpCommand(Fsdp1Codemod):
             self.todo(rules.YAFSDP_UNSUPPORTED, original, "FullyShardedDataParallel(...)", unsupported)
             self.keeps_fsdp1(rules.YAFSDP_UNSUPPORTED, original)
             return updated
+        self._check_precision(original, values.get("mixed_precision"))
         reasons = self._needs_runtime(original, args, values)
         if reasons:
             self.site(rules.YAFSDP_AT_RUN_TIME, RUNTIME, original, "FullyShardedDataParallel(...)", "; ".join(reasons))
             self.need(RUNTIME_MODULE, "fsdp1_to_yafsdp")
             self.drop_import_of(original.func)
-            return updated.with_changes(func=cst.Name("fsdp1_to_yafsdp"),
-                                        args=append_args(updated.args, [
-                                            keyword_arg("gradient_accumulation_steps", "1")]))
+            return fit(updated.with_changes(func=cst.Name("fsdp1_to_yafsdp"), args=append_args(
+                updated.args, [keyword_arg("gradient_accumulation_steps", "1")])), original)
         return self._in_place(original, updated, args)
+
+    def _check_precision(self, call: cst.Call, node: cst.BaseExpression | None) -> None:
+        """A TODO for the precision settings of a literal MixedPrecision YaFSDP cannot express."""
+        fields = literal_keywords(node, self.fsdp) if node is not None else {}
+        param, reduce = fields.get("param_dtype"), fields.get("reduce_dtype")
+        problems = []
+        if reduce is not None and reduce not in FP32 and reduce != param:
+            problems.append(f"reduce_dtype={reduce} (YaFSDP reduces in fp32, or in param_dtype with "
+                            "bit16_reduce_scatter=True)")
+        if "buffer_dtype" in fields:
+            problems.append(f"buffer_dtype={fields['buffer_dtype']} (no YaFSDP field: fsdp1_to_yafsdp casts "
+                            "floating-point buffers once, so checkpoints hold them in that dtype)")
+        if fields.get("keep_low_precision_grads", "False") != "False":
+            problems.append("keep_low_precision_grads (no YaFSDP field: gradients are kept in fp32)")
+        if problems:
+            self.todo(rules.YAFSDP_PRECISION, call, "MixedPrecision(...)", "; ".join(problems))
+
+    def _bit16_reduce(self, node: cst.BaseExpression | None) -> bool:
+        """True where FSDP1 reduces gradients in a 16-bit param_dtype (reduce_dtype unset or equal)."""
+        fields = literal_keywords(node, self.fsdp) if node is not None else {}
+        param = fields.get("param_dtype")
+        return param is not None and param not in FP32 and fields.get("reduce_dtype", param) == param
 
     def _unsupported(self, values) -> str | None:
         """Why YaFSDP cannot express these literal settings (None: it can)."""
@@ -142,13 +166,16 @@ class ToYafsdpCommand(Fsdp1Codemod):
         present = {a.keyword.value for a in new_args if a.keyword}
         extra = [keyword_arg(k, v) for k, v in (("zero_stage", "3"), ("modules_to_wrap_with_names", "[]"))
                  if k not in present]
+        if self._bit16_reduce(values.get("mixed_precision")):
+            extra.append(keyword_arg("bit16_reduce_scatter", "True"))
+            reasons.append("gradients reduced in param_dtype, as FSDP1 does (bit16_reduce_scatter=True)")
         extra.append(keyword_arg("gradient_accumulation_steps", "1"))
         self.site(rules.YAFSDP_IN_PLACE, IN_PLACE, original, "FullyShardedDataParallel(...)",
-                  "; ".join(reasons + ["YaFSDP reduces gradients in fp32"]))
+                  "; ".join(reasons) or "YaFSDP with the same settings")
         self.need(YAFSDP_MODULE, "YaFSDP")
         self.drop_import_of(original.func)
-        result = updated.with_changes(func=cst.Name("YaFSDP"),
-                                      args=append_args(rebuild_args(updated.args, new_args), extra))
+        result = fit(updated.with_changes(func=cst.Name("YaFSDP"),
+                                          args=append_args(rebuild_args(updated.args, new_args), extra)), original)
         self.comment_above(*lost_comments(updated, result, moved_comments))
         return result
 

@@ -15,9 +15,10 @@ import libcst as cst
 from fsdp_bridge.codemods import rules
 from fsdp_bridge.codemods.base import IN_PLACE, RUNTIME
 from fsdp_bridge.codemods.facts import PROVEN
-from fsdp_bridge.codemods.helpers import code, dotted, parse_expr, parse_stmt, space_comma
+from fsdp_bridge.codemods.helpers import call_like, code, dotted, parse_expr, parse_stmt, space_comma
 from fsdp_bridge.codemods.names import RUNTIME_MODULE, STATE_DICT_METHODS
 from fsdp_bridge.codemods.state_dict import UNTRANSLATED_STATICS
+from fsdp_bridge.migrate.files import NOT_FSDP1_CLIP
 
 
 class WrapperMethodRules:
@@ -46,21 +47,33 @@ class WrapperMethodRules:
                 self.site(rules.CLIP_GRAD_NORM, IN_PLACE, original, f"{receiver}.clip_grad_norm_(...)",
                           "torch.nn.utils.clip_grad_norm_ over the parameters (returns a DTensor)")
                 self.need("torch")
-                params = cst.Arg(parse_expr(f"{receiver}.parameters()"), comma=space_comma())
-                return updated.with_changes(func=parse_expr("torch.nn.utils.clip_grad_norm_"),
-                                            args=[params, *updated.args])
+                params = cst.Arg(parse_expr(f"{receiver}.parameters()"))
+                return call_like(parse_expr("torch.nn.utils.clip_grad_norm_"), [params, *updated.args], updated)
             self.site(rules.CLIP_GRAD_NORM, RUNTIME, original, f"{code(original.func)}(...)",
                       f"{code(original.func.value)} is not proven to be assigned from FSDP(...) here; "
                       "fsdp1_clip_grad_norm_ dispatches at run time")
             self.need(RUNTIME_MODULE, "fsdp1_clip_grad_norm_")
-            return updated.with_changes(func=cst.Name("fsdp1_clip_grad_norm_"),
-                                        args=[cst.Arg(updated.func.value, comma=space_comma()), *updated.args])
+            return call_like(cst.Name("fsdp1_clip_grad_norm_"), [cst.Arg(updated.func.value), *updated.args], updated)
         if method == "summon_full_params":
             if kind is not None:
                 rule, reason = UNTRANSLATED_STATICS[method]
                 self.todo(rule, original, f"{receiver}.summon_full_params(...)", reason)
             return updated
         return self.route_model_state_dict(original, updated, receiver, method, kind)
+
+    def check_method_elsewhere(self, original: cst.Call) -> None:
+        """`model.clip_grad_norm_(max_norm)` in a file that imports no FSDP class: the model is
+        wrapped in another file, and fully_shard modules have no such method."""
+        owner = (dotted(original.func.value) or "").split(".")[-1]
+        first = original.args[0].value if original.args else None
+        takes_parameters = isinstance(first, cst.Call) and (dotted(first.func) or "").endswith("parameters")
+        if (original.func.attr.value != "clip_grad_norm_" or not owner or takes_parameters
+                or NOT_FSDP1_CLIP.search(owner) or self.names_fsdp):
+            return
+        self.todo(rules.CLIP_ELSEWHERE, original, f"{code(original.func)}(...)",
+                  "FSDP1's clip_grad_norm_ on a model wrapped elsewhere: fully_shard modules have no such "
+                  f"method; use torch.nn.utils.clip_grad_norm_({code(original.func.value)}.parameters(), ...) "
+                  "(it returns a DTensor: call .full_tensor() for a plain number)")
 
     def translate_no_sync_reference(self, original: cst.Attribute, updated: cst.Attribute):
         """`model.no_sync` as a value -> `functools.partial(fsdp1_no_sync, model)`."""

@@ -15,7 +15,15 @@ import time
 from fsdp_bridge import progress
 from fsdp_bridge.codemods import rules
 from fsdp_bridge.migrate import report
-from fsdp_bridge.migrate.driver import TARGETS, FileResult, Writer, run_all, settle_type_checks, write_problem
+from fsdp_bridge.migrate.driver import (
+    TARGETS,
+    ChangedOnDisk,
+    FileResult,
+    Writer,
+    run_all,
+    settle_type_checks,
+    write_problem,
+)
 from fsdp_bridge.migrate.files import walk
 
 
@@ -69,7 +77,9 @@ def _write(results: list[FileResult], target: str, jobs: int) -> list[FileResult
         for result in pending:
             if result.error is None:
                 try:
-                    writer.write(result.path, result.new_source)
+                    writer.write(result.path, result.new_source, result.old_source, result.read_stat)
+                except ChangedOnDisk as exc:
+                    result.error = str(exc)
                 except OSError as exc:
                     result.error = f"cannot rewrite: {exc}"
     for result in pending:
@@ -106,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"note: {result.path}: {site['what']}; {site['reason']}", file=sys.stderr)
     if args.report:
         report.write(args.report, results, args.target)
-    totals = report.summary(results)
+    totals = report.summary(results, args.target)
     by_status = ", ".join(f"{n} {status}" for status, n in totals["by_status"].items())
     verb = "rewritten" if args.mode == "write" else "to change"
     print(

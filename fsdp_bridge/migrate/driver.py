@@ -23,6 +23,7 @@ from __future__ import annotations
 import codecs
 import ctypes
 import dataclasses
+import hashlib
 import itertools
 import os
 import signal
@@ -47,6 +48,7 @@ class FileResult:
     sites: list[dict] = dataclasses.field(default_factory=list)
     error: str | None = None
     lines: int = 0
+    read_stat: tuple[int, int] | None = None  # (size, mtime_ns) when old_source was read
     kept_fsdp1: list[str] = dataclasses.field(default_factory=list)  # "line 12 (FB302)"
     narrowed: bool = False  # a type check was narrowed to the new class only
 
@@ -124,11 +126,13 @@ def process(path: str, target: str, kept_elsewhere: tuple[str, ...] = ()) -> Fil
     result = FileResult(path)
     try:
         with open(path, "rb") as handle:
+            before = os.fstat(handle.fileno())
             data = handle.read()
     except OSError as exc:
         result.error = f"cannot read: {exc}"
         return result
     result.old_source = data
+    result.read_stat = (before.st_size, before.st_mtime_ns)
     result.lines = data.count(b"\n")
     if path.endswith(YAML_SUFFIXES):
         result.sites = _yaml_sites(data)
@@ -273,8 +277,30 @@ for path in pending:
 """
 
 
+class ChangedOnDisk(OSError):
+    """The file is no longer what the rewrite was computed from: replacing it would lose edits."""
+
+
+def _check_unchanged(real: str, expected: bytes, read_stat: tuple[int, int] | None) -> None:
+    """Raise ChangedOnDisk unless `real` still holds `expected` (size, mtime and content)."""
+    try:
+        with open(real, "rb") as handle:
+            now = os.fstat(handle.fileno())
+            current = handle.read()
+    except OSError as exc:
+        raise ChangedOnDisk(f"changed on disk since it was read ({exc.strerror}): not rewritten; run migrate again")
+    stat_moved = read_stat is not None and (now.st_size, now.st_mtime_ns) != read_stat
+    if stat_moved or hashlib.sha256(current).digest() != hashlib.sha256(expected).digest():
+        raise ChangedOnDisk("changed on disk since it was read (size, modification time or content differ): "
+                            "not rewritten, so nothing written there since is lost; run migrate again")
+
+
 class Writer:
-    """Atomic in-place rewrites; see [Note: nothing half-done survives a kill]."""
+    """Atomic in-place rewrites; see [Note: nothing half-done survives a kill].
+
+    Just before the rename, the file is checked to still be what the rewrite was computed from
+    (`expected`): an edit made while migrate ran (an editor saving, a second run) would be lost
+    by the rename, so the file is refused by name instead."""
 
     def __init__(self) -> None:
         self._guard: subprocess.Popen | None = None
@@ -296,8 +322,10 @@ class Writer:
         self._guard.stdin.write(f"{sign}{os.fsencode(path).hex()}\n".encode())
         self._guard.stdin.flush()
 
-    def write(self, path: str, data: bytes) -> None:
-        """Replace `path` (the file a symlink points to, for a link) with `data`, keeping its mode."""
+    def write(self, path: str, data: bytes, expected: bytes | None = None,
+              read_stat: tuple[int, int] | None = None) -> None:
+        """Replace `path` (the file a symlink points to, for a link) with `data`, keeping its mode;
+        with `expected`, only if the file still holds it (see the class docstring)."""
         real = os.path.realpath(path)
         directory, name = os.path.split(real)
         mode = os.stat(real).st_mode & 0o7777
@@ -310,6 +338,8 @@ class Writer:
                 handle.flush()
                 os.fsync(handle.fileno())
             os.chmod(temp, mode)
+            if expected is not None:
+                _check_unchanged(real, expected, read_stat)
             os.replace(temp, real)
         except BaseException:
             if os.path.exists(temp):

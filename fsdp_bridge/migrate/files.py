@@ -18,6 +18,8 @@ from typing import Iterator
 
 import pathspec
 
+from fsdp_bridge.codemods.names import NOT_FSDP1_CLIP
+
 # Bytes that any FSDP use we translate must contain (see the note above).
 _TORCH_FSDP = (
     rb"distributed\.(?:_composable\.)?fsdp"
@@ -26,8 +28,10 @@ _TORCH_FSDP = (
 )
 # Hugging Face Trainer / accelerate configuration: reported, not rewritten.
 _TRAINER_FLAGS = rb"|\bfsdp(?:_config)?\s*="
+# `model.clip_grad_norm_(...)`: FSDP1's method, reached in files that never import FSDP.
+_CLIP_METHOD = rb"|\.clip_grad_norm_\("
 PREFILTER = {
-    "fsdp2": re.compile(_TORCH_FSDP + _TRAINER_FLAGS),
+    "fsdp2": re.compile(_TORCH_FSDP + _TRAINER_FLAGS + _CLIP_METHOD),
     "yafsdp": re.compile(_TORCH_FSDP + _TRAINER_FLAGS),
     "bridge": re.compile(_TORCH_FSDP + rb"|\bya_fsdp\b|\bzeta\b|\btorchacc\b"),
 }
@@ -86,12 +90,26 @@ def _uses_relevant_module(tree: ast.AST, target: str) -> bool:
                 return True
         if isinstance(node, ast.Attribute) and relevant(_dotted(node) or ""):
             return True
+        if isinstance(node, ast.Call) and target == "fsdp2" and _wrapper_clip(node):
+            return True
         if isinstance(node, ast.Call) and target != "bridge":
             if any(k.arg in _CONFIG_KEYWORDS for k in node.keywords):
                 return True  # Trainer/accelerate configuration: reported
             if (_dotted(node.func) or "").endswith("FullyShardedDataParallelPlugin"):
                 return True
     return False
+
+
+def _wrapper_clip(call: ast.Call) -> bool:
+    """`model.clip_grad_norm_(max_norm)`: the FSDP1 wrapper's method (not torch.nn.utils', not
+    accelerate's, which takes the parameters first)."""
+    func = call.func
+    if not isinstance(func, ast.Attribute) or func.attr != "clip_grad_norm_":
+        return False
+    owner = (_dotted(func.value) or "").split(".")[-1]
+    first = call.args[0] if call.args else None
+    takes_parameters = isinstance(first, ast.Call) and (_dotted(first.func) or "").endswith("parameters")
+    return bool(owner) and not NOT_FSDP1_CLIP.search(owner) and not takes_parameters
 
 
 class _Ignores:

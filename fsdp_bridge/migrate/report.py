@@ -9,8 +9,22 @@ from typing import Sequence
 
 from fsdp_bridge.migrate.driver import FileResult
 
+# Statuses of sites whose rewrite calls into fsdp_bridge (a runtime helper; for --to yafsdp and
+# --to bridge, the new class or module itself): the migrated file then needs this package.
+_NEEDS_PACKAGE = {"fsdp2": {"translated via runtime helper"},
+                  "yafsdp": {"translated via runtime helper", "translated in place"},
+                  "bridge": {"translated via runtime helper", "translated in place"}}
 
-def summary(results: Sequence[FileResult]) -> dict:
+
+def fsdp_bridge_sites(result: FileResult, target: str) -> int:
+    """How many of the file's rewritten sites still import fsdp_bridge (0 under --to fsdp2 means
+    the migrated file needs torch alone)."""
+    if not result.changed:
+        return 0
+    return sum(site["status"] in _NEEDS_PACKAGE[target] for site in result.sites)
+
+
+def summary(results: Sequence[FileResult], target: str) -> dict:
     statuses = Counter(site["status"] for r in results for site in r.sites)
     return {
         "files": len(results),
@@ -19,12 +33,14 @@ def summary(results: Sequence[FileResult]) -> dict:
         "errors": sum(r.error is not None for r in results),
         "sites": sum(statuses.values()),
         "by_status": dict(sorted(statuses.items())),
+        "fsdp_bridge_sites": sum(fsdp_bridge_sites(r, target) for r in results),
     }
 
 
-def _entries(results: Sequence[FileResult]) -> list[dict]:
+def _entries(results: Sequence[FileResult], target: str) -> list[dict]:
     return [
         {"path": r.path, "changed": r.changed, "error": r.error,
+         "fsdp_bridge_sites": fsdp_bridge_sites(r, target),
          "sites": sorted(r.sites, key=lambda site: site["line"])}
         for r in results
         if r.sites or r.error or r.changed
@@ -32,7 +48,7 @@ def _entries(results: Sequence[FileResult]) -> list[dict]:
 
 
 def to_json(results: Sequence[FileResult], target: str) -> str:
-    document = {"target": target, "summary": summary(results), "files": _entries(results)}
+    document = {"target": target, "summary": summary(results, target), "files": _entries(results, target)}
     return json.dumps(document, indent=2) + "\n"
 
 
@@ -41,17 +57,20 @@ def _cell(text: str) -> str:
 
 
 def to_markdown(results: Sequence[FileResult], target: str) -> str:
-    totals = summary(results)
+    totals = summary(results, target)
     lines = [
         f"# fsdp-bridge migrate --to {target}",
         "",
         f"{totals['files']} files, {totals['parsed']} parsed, {totals['changed']} changed, "
         f"{totals['errors']} errors, {totals['sites']} sites ("
-        + ", ".join(f"{n} {status}" for status, n in totals["by_status"].items()) + ")",
+        + ", ".join(f"{n} {status}" for status, n in totals["by_status"].items()) + ")"
+        + f"; {totals['fsdp_bridge_sites']} rewritten sites still import fsdp_bridge",
         "",
     ]
-    for entry in _entries(results):
+    for entry in _entries(results, target):
         lines += [f"## {entry['path']}", ""]
+        if entry["fsdp_bridge_sites"]:
+            lines += [f"{entry['fsdp_bridge_sites']} rewritten sites still import fsdp_bridge.", ""]
         if entry["error"]:
             lines += [f"**error:** {_cell(entry['error'])}", ""]
         if entry["sites"]:

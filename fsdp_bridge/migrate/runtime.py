@@ -48,6 +48,7 @@ from torch.distributed.fsdp import (
     StateDictType,
     fully_shard,
 )
+from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 
 from fsdp_bridge import policies
 from fsdp_bridge.fsdp._fsdp1_translate import FRONTEND, ParsedStrategy, parse_sharding_strategy
@@ -151,6 +152,18 @@ def _device_type(device_id: Any) -> str:
     if isinstance(device_id, int) and accelerator is not None:
         torch.accelerator.set_device_index(device_id)  # FSDP1 used this device for compute
     return accelerator.type if accelerator is not None else "cpu"
+
+
+def _move_to_device(module: nn.Module, device_id: Any) -> None:
+    """Move `module` to FSDP1's `device_id` (an int is an index of the current accelerator)."""
+    if device_id is None:
+        return
+    if isinstance(device_id, int):
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        device = torch.device("cpu") if accelerator is None else torch.device(accelerator.type, device_id)
+    else:
+        device = torch.device(device_id)
+    module.to(device)
 
 
 def _mesh(fsdp1: types.SimpleNamespace, strategy: ParsedStrategy) -> DeviceMesh:
@@ -273,6 +286,9 @@ def fsdp1_fully_shard(*args: Any, **kwargs: Any) -> nn.Module:
         # meta (the low-CPU-memory recipe) must join the same broadcasts as rank 0.
         if _has_meta(module):
             _materialize(module, fsdp1.param_init_fn, mesh.device_type)
+        # FSDP1 moves the module to `device_id` before broadcasting (NCCL cannot broadcast
+        # tensors of a model that rank 0 built on the CPU).
+        _move_to_device(module, fsdp1.device_id)
         _broadcast_from_first_rank(module, mesh)
     units = fsdp1_units(module, fsdp1.auto_wrap_policy, ignored_module_set)
     for unit, overrides in units:
@@ -341,7 +357,7 @@ def _broadcast_from_first_rank(module: nn.Module, mesh: DeviceMesh) -> None:
 
 def _cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:
     warnings.warn(
-        f"MixedPrecision(buffer_dtype={dtype}) has no FSDP2 field: floating-point buffers are cast "
+        f"MixedPrecision(buffer_dtype={dtype}) has no FSDP2 or YaFSDP field: floating-point buffers are cast "
         "once now (checkpoints will hold them in that dtype, FSDP1 saved them in full precision).",
         stacklevel=3,
     )
@@ -412,14 +428,23 @@ def fsdp1_state_dict_options(
             "state_dict_type=LOCAL_STATE_DICT has no FSDP2 form (there is no flat parameter); "
             "use StateDictType.SHARDED_STATE_DICT (DTensor shards) or FULL_STATE_DICT."
         )
+    config = optim_state_dict_config if for_optimizer else state_dict_config
+    # FSDP1's defaults: the optimizer's full config offloads, the model's does not.
+    offload = bool(getattr(config, "offload_to_cpu", for_optimizer and config is None))
     if state_dict_type == StateDictType.SHARDED_STATE_DICT:
-        return StateDictOptions(full_state_dict=False)
+        return StateDictOptions(full_state_dict=False, cpu_offload=offload)
     if state_dict_type != StateDictType.FULL_STATE_DICT:
         raise ValueError(f"state_dict_type={state_dict_type!r} is not a StateDictType; pass "
                          "FULL_STATE_DICT or SHARDED_STATE_DICT.")
-    config = optim_state_dict_config if for_optimizer else state_dict_config
     # DCP's cpu_offload with a full state dict means "on rank 0 only, on CPU".
-    return StateDictOptions(full_state_dict=True, cpu_offload=bool(getattr(config, "rank0_only", False)))
+    rank0_only = bool(getattr(config, "rank0_only", False))
+    if offload != rank0_only:
+        name = "optim_state_dict_config" if for_optimizer else "state_dict_config"
+        warnings.warn(
+            f"{name}: offload_to_cpu={offload} with rank0_only={rank0_only} has no StateDictOptions form "
+            "(DCP's cpu_offload means both at once): the full state dict is "
+            + ("on the CPU of rank 0 only" if rank0_only else "in device memory on every rank"), stacklevel=2)
+    return StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
 
 
 def fsdp1_optim_state_dict_to_load(model: nn.Module, optim, optim_state_dict: dict, options=None) -> dict:
@@ -501,11 +526,16 @@ def fsdp1_state_dict(model: nn.Module, options: StateDictOptions | None = None) 
     return get_model_state_dict(model, options=options or _active_options(model, False))
 
 
-def fsdp1_load_state_dict(model: nn.Module, state_dict: dict, options: StateDictOptions | None = None):
-    """`model.load_state_dict(state_dict)` with FSDP1's meaning (see `fsdp1_state_dict`)."""
+def fsdp1_load_state_dict(model: nn.Module, state_dict: dict, options: StateDictOptions | None = None,
+                          strict: bool | None = None):
+    """`model.load_state_dict(state_dict, strict=...)` with FSDP1's meaning (see `fsdp1_state_dict`);
+    `strict` overrides that of `options`."""
     if not _holds_fsdp2(model):
-        return model.load_state_dict(state_dict)
-    return set_model_state_dict(model, state_dict, options=options or _active_options(model, False))
+        return model.load_state_dict(state_dict) if strict is None else model.load_state_dict(state_dict, strict)
+    options = options or _active_options(model, False)
+    if strict is not None:
+        options = dataclasses.replace(options, strict=strict)
+    return set_model_state_dict(model, state_dict, options=options)
 
 
 def fsdp1_optim_state_dict(model: nn.Module, optim, options: StateDictOptions | None = None) -> dict[str, Any]:
@@ -534,8 +564,12 @@ def fsdp1_scatter_full_optim_state_dict(full_optim_state_dict: dict | None, mode
 
 
 def fsdp1_fsdp_modules(module: nn.Module, root_only: bool = False) -> list[nn.Module]:
-    """`FSDP.fsdp_modules(module)`: the FSDP2 modules in `module` (itself included), in order."""
-    found = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    """`FSDP.fsdp_modules(module)`: the FSDP2 modules in `module` (itself included), in order.
+
+    FSDP1 wrappers count too (torch's, or ours): a file may keep an FSDP1 constructor the
+    migration could not translate (a subclass, a partial), and the code walking the units of
+    such a model must still find them rather than an empty list."""
+    found = [m for m in module.modules() if isinstance(m, (FSDPModule, FullyShardedDataParallel, TorchFSDP))]
     if root_only:
         nested = {id(sub) for m in found for sub in list(m.modules())[1:]}
         found = [m for m in found if id(m) not in nested]
@@ -573,7 +607,32 @@ def yafsdp_modules_to_wrap(
 ) -> list[tuple[nn.Module, str]]:
     """YaFSDP's `modules_to_wrap_with_names` for an FSDP1 wrap policy (FSDP1's units, by name)."""
     names = {m: name for name, m in model.named_modules()}
-    return [(m, names[m]) for m, _ in fsdp1_units(model, auto_wrap_policy, ignored_modules) if not _is_container(m)]
+    units = fsdp1_units(model, auto_wrap_policy, ignored_modules)
+    for unit, overrides in units:
+        varied = sorted(set(overrides) - _UNNEEDED_OVERRIDES)
+        if varied:
+            raise ValueError(
+                f"auto_wrap_policy: a CustomPolicy sets {', '.join(varied)} for module {names[unit]!r}; "
+                "YaFSDP applies one setting to every module, so these per-module keyword dicts cannot be "
+                "honoured. Return True instead of a dict from the policy (the settings then come from "
+                "the FullyShardedDataParallel(...) call), or migrate with --to fsdp2."
+            )
+    return [(m, names[m]) for m, _ in units if not _is_container(m)]
+
+
+def _yafsdp_reduces_in_param_dtype(mixed_precision: Any) -> bool:
+    """YaFSDP's `bit16_reduce_scatter` for FSDP1's MixedPrecision: FSDP1 reduces in `reduce_dtype`,
+    or in `param_dtype` when that is unset; YaFSDP reduces in fp32 or in `param_dtype`."""
+    if not isinstance(mixed_precision, MixedPrecision) or mixed_precision.param_dtype in (None, torch.float32):
+        return False
+    reduce = mixed_precision.reduce_dtype or mixed_precision.param_dtype
+    if reduce not in (torch.float32, mixed_precision.param_dtype):
+        raise ValueError(
+            f"mixed_precision: MixedPrecision(reduce_dtype={reduce}) with param_dtype="
+            f"{mixed_precision.param_dtype} has no YaFSDP equivalent; YaFSDP reduces gradients in fp32 "
+            "or in param_dtype. Set reduce_dtype to one of those, or migrate with --to fsdp2 instead."
+        )
+    return reduce == mixed_precision.param_dtype
 
 
 _GRADIENT_ACCUMULATION_STEPS = inspect.Parameter(
@@ -603,12 +662,18 @@ def fsdp1_to_yafsdp(*args: Any, gradient_accumulation_steps: int = 1, **kwargs: 
             )
     mixed_precision = fsdp1.mixed_precision
     param_dtype = mixed_precision.param_dtype if isinstance(mixed_precision, MixedPrecision) else None
+    if isinstance(mixed_precision, MixedPrecision) and mixed_precision.buffer_dtype is not None:
+        _cast_buffers(fsdp1.module, mixed_precision.buffer_dtype)
+    if isinstance(mixed_precision, MixedPrecision) and mixed_precision.keep_low_precision_grads:
+        warnings.warn("MixedPrecision(keep_low_precision_grads=True) has no YaFSDP field: gradients are "
+                      "kept in fp32", stacklevel=2)
     return YaFSDP(
         fsdp1.module,
         zero_stage=yafsdp_zero_stage(fsdp1.sharding_strategy),
         modules_to_wrap_with_names=yafsdp_modules_to_wrap(fsdp1.module, fsdp1.auto_wrap_policy,
                                                           fsdp1.ignored_modules or ()),
         param_dtype=param_dtype if param_dtype is not None else torch.float32,
+        bit16_reduce_scatter=_yafsdp_reduces_in_param_dtype(mixed_precision),
         gradient_accumulation_steps=gradient_accumulation_steps,
         sync_module_states=fsdp1.sync_module_states,
         param_init_fn=fsdp1.param_init_fn,

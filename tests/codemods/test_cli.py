@@ -78,6 +78,11 @@ def test_prefilter():
     assert may_use_fsdp(b"import torchacc\n", "bridge")
     assert not may_use_fsdp(b"import torch\nfrom torch.nn.parallel import DistributedDataParallel\n", "fsdp2")
     assert not may_use_fsdp(b"def is_fsdp_enabled():\n    return False\n", "fsdp2")
+    # FSDP1's clip_grad_norm_ on a model wrapped in another file; not accelerate's or torch's.
+    assert may_use_fsdp(b"norm = model.clip_grad_norm_(1.0)\n", "fsdp2")
+    assert not may_use_fsdp(b"norm = model.clip_grad_norm_(1.0)\n", "yafsdp")  # YaFSDP has the method
+    assert not may_use_fsdp(b"accelerator.clip_grad_norm_(model.parameters(), 1.0)\n", "fsdp2")
+    assert not may_use_fsdp(b"torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)\n", "fsdp2")
 
 
 def test_libcst_runner(tmp_path):
@@ -89,3 +94,48 @@ def test_libcst_runner(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "model = fully_shard(model)  # wrap" in target.read_text()
+
+
+def test_a_file_edited_while_migrate_runs_is_refused_by_name(tmp_path, monkeypatch, capsys):
+    from fsdp_bridge.migrate import cli, driver
+
+    path = tmp_path / "train.py"
+    path.write_text(FSDP1)
+    real_write = driver.Writer.write
+
+    def user_saves_first(self, target, data, *args):
+        with open(target, "a") as handle:  # the user's editor saves a line between read and write
+            handle.write("print('added while migrating')\n")
+        return real_write(self, target, data, *args)
+
+    monkeypatch.setattr(cli.Writer, "write", user_saves_first)
+    assert main(["migrate", str(path), "--to", "fsdp2", "--write", "-j", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {path}: changed on disk since it was read" in err
+    assert path.read_text() == FSDP1 + "print('added while migrating')\n"  # the user's line is kept
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_an_unchanged_file_is_rewritten(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text(FSDP1)
+    assert main(["migrate", str(path), "--to", "fsdp2", "--write", "-j", "1"]) == 0
+    assert "fully_shard(model)" in path.read_text()
+
+
+def test_report_counts_the_sites_that_still_import_fsdp_bridge_per_file(tmp_path):
+    (tmp_path / "pure.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n"
+        "def save(model, ddp_model, scheduler):\n"
+        "    model = FSDP(model)\n"
+        "    return model.state_dict(), ddp_model.state_dict(), scheduler.state_dict()\n")
+    (tmp_path / "helper.py").write_text(
+        "from torch.distributed.fsdp import FullyShardedDataParallel as FSDP\n\n"
+        "def build(model, kwargs):\n"
+        "    return FSDP(model, **kwargs)\n")
+    report = tmp_path / "report.json"
+    assert main(["migrate", str(tmp_path), "--to", "fsdp2", "--report", str(report), "-j", "1"]) == 1
+    data = json.loads(report.read_text())
+    counts = {pathlib.Path(entry["path"]).name: entry["fsdp_bridge_sites"] for entry in data["files"]}
+    assert counts == {"pure.py": 0, "helper.py": 1}  # torch alone where torch suffices
+    assert data["summary"]["fsdp_bridge_sites"] == 1

@@ -154,7 +154,8 @@ class TestToFsdp2(CodemodTest):
             ok = isinstance(model, FSDP)
         """
         after = """
-            from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP
+            from torch.distributed.fsdp import FSDPModule
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
             ok = isinstance(model, (FSDPModule, FSDP))
         """
@@ -181,7 +182,7 @@ class TestToFsdp2(CodemodTest):
             from torch.distributed.fsdp import FullyShardedDataParallel
 
 
-            # TODO(fsdp-bridge FB201): class Wrapped(FullyShardedDataParallel): FSDP2 is not a wrapper class to subclass; move the overrides onto the model and call fully_shard on it
+            # TODO(fsdp-bridge FB201): class Wrapped(FullyShardedDataParallel): FSDP2 is not FSDP1's wrapper class to subclass; move the overrides onto the model and call fully_shard on the model
             class Wrapped(FullyShardedDataParallel):
                 pass
         """
