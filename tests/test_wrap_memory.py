@@ -30,7 +30,11 @@ WORLD = 2
 # whole unsharded model once would add `world` (2) on top of the shards.
 FACTOR = 1.5
 NATIVE_TOLERANCE = 1.05  # ours may exceed native FSDP1's peak by this factor (allocator noise)
-STARTS = ("meta", "low_cpu", "real")
+PREDICTION_TOLERANCE = 0.10  # explain's wrap peak against the measured one
+# "real_sync": the real model on every rank with sync_module_states: ranks other than 0 keep
+# their own values until the wrap ends (a failed wrap gives them back), so their peak is the
+# shards over what they held; native FSDP1 refuses sync_module_states on CPU (no comparison).
+STARTS = ("meta", "low_cpu", "real", "real_sync")
 
 
 class Block(nn.Module):
@@ -95,10 +99,18 @@ def _wrap_case(frontend: str, start: str):
         meta = start == "meta" or (start == "low_cpu" and rank != 0)
         model = _model(meta)
         init = init_own_tensors if meta and frontend not in ("zeta", "torchacc") else None
-        peak, wrapped = bench.wrap_peak(lambda: _wrap(frontend, model, start == "low_cpu", init))
+        sync = start in ("low_cpu", "real_sync")
+        peak, wrapped = bench.wrap_peak(lambda: _wrap(frontend, model, sync, init))
         local = sum(p.numel() for p in wrapped.parameters())
-        return {"peak": peak, "local_numel": local, "meta_left": any(
-            p.is_meta for p in wrapped.parameters())}
+        out = {"peak": peak, "local_numel": local,
+               "meta_left": any(p.is_meta for p in wrapped.parameters())}
+        if frontend != "native":
+            from fsdp_bridge.explain import explain, find_sharded
+            from fsdp_bridge.memory import estimate_wrap_memory
+
+            out["predicted"] = estimate_wrap_memory(find_sharded(wrapped)).this_wrap
+            out["text"] = explain(wrapped)
+        return out
 
     return case
 
@@ -121,7 +133,7 @@ def warm_up(rank, world):
 
 WRAPS = {f"{frontend} {start}": _wrap_case(frontend, start)
          for frontend in FRONTENDS for start in STARTS
-         if not (frontend == "zeta" and start == "low_cpu")}  # zeta has no sync_module_states
+         if not (frontend == "zeta" and start in ("low_cpu", "real_sync"))}  # no sync in zeta
 NATIVE = {f"native {start}": _wrap_case("native", start) for start in ("meta", "real")}
 
 
@@ -261,11 +273,25 @@ def test_the_wrap_peak_stays_under_the_bound_and_native_fsdp1s(results, name):
             f"{_mib(bound)} ({FACTOR} x full model / world; the full model is "
             f"{_mib(FULL_BYTES)})")
         frontend, start = name.split()
+        if start == "real_sync":
+            continue
         meta = start == "meta" or (start == "low_cpu" and rank != 0)
         native = case_result(results, "native meta" if meta else "native real", rank)["peak"]
         assert out["peak"] <= native * NATIVE_TOLERANCE, (
             f"{name}, rank {rank}: peak growth {_mib(out['peak'])}, native FSDP1's from the "
             f"same start {_mib(native)}")
+
+
+@pytest.mark.parametrize("name", sorted(WRAPS))
+def test_explain_predicts_the_wrap_peak_within_ten_percent(results, name):
+    _needs_heap()
+    for rank in range(WORLD):
+        out = case_result(results, name, rank)
+        error = abs(out["predicted"] - out["peak"]) / out["peak"]
+        assert error <= PREDICTION_TOLERANCE, (
+            f"{name}, rank {rank}: predicted {_mib(out['predicted'])}, measured "
+            f"{_mib(out['peak'])} ({error:.1%} apart)")
+        assert "memory per rank while wrapping" in out["text"], out["text"]
 
 
 def test_a_param_init_fn_that_leaves_meta_is_named(results):

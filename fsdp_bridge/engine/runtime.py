@@ -62,13 +62,21 @@ class PendingReduce:
     landed: bool = False  # added to the gradient shard by the collective's thread
 
 
+class WrapStart(enum.Enum):
+    """Where a unit's parameters were when the wrap reached it (what its init allocated)."""
+
+    META = "meta"  # materialised by the wrap, on the engine's device
+    REAL = "real"  # real on the engine's device; freed once sharded
+    KEPT = "kept"  # real, kept until the wrap ends (sync_module_states, ranks other than 0)
+    MOVED = "moved"  # on another device; copied to the engine's as they were flattened
+
+
 @dataclasses.dataclass(frozen=True)
 class UnitInit:
     """How a unit came to be sharded, for the wrap's memory estimate."""
 
     name: str
-    materialised: bool  # its region had meta tensors, given storage by the wrap
-    moved: bool  # its parameters were on another device than the engine's
+    start: WrapStart
 
 
 class Unit:
@@ -165,12 +173,26 @@ class ShardedModel:
             engine_init.move_region(region, ignored, self.device)
             self.buffer_dtypes.update(
                 engine_init.prepare_region_buffers(region, self.plan, self.comm, seen_buffers))
-            moved = any(slot.param.device != self.device for slot in slots)
+            start = self._start_of(slots, materialised)
             groups = [self._build_group(layout, record) for layout in unit_layouts]
             module = self.module.get_submodule(spec.name)
             units.append(Unit(spec, module, groups, is_root=spec.name == ""))
-            self.init_steps.append(UnitInit(spec.name, materialised, moved))
+            self.init_steps.append(UnitInit(spec.name, start))
         return units
+
+    def _start_of(self, slots, materialised: bool) -> WrapStart:
+        if any(slot.param.device != self.device for slot in slots):
+            return WrapStart.MOVED
+        if materialised:
+            return WrapStart.META
+        return WrapStart.KEPT if self._keeps_originals else WrapStart.REAL
+
+    @property
+    def _keeps_originals(self) -> bool:
+        """Whether this rank's original values outlive their sharding until the wrap ends:
+        `sync_module_states` overwrites them in the shards of ranks other than the first, so
+        a failed wrap could not give them back otherwise."""
+        return self.plan.sync_module_states and self.comm.world_rank != 0
 
     def _build_group(self, layout, record: Optional["WrapRecord"]) -> FlatGroup:
         """One flat group, sharded now: its parameters become views of this rank's shard and
@@ -186,11 +208,10 @@ class ShardedModel:
             sync_module_states=self.plan.sync_module_states,
         )
         if record is not None and not row_layout:  # row groups keep DTensor shards: small
-            keep = self.plan.sync_module_states and self.comm.world_rank != 0
             record.release_originals([slot.param for slot in group.slots],
                                      lambda: [value for _, value in
                                               group.split(group.gather_full_master())],
-                                     keep=keep)
+                                     keep=self._keeps_originals)
         return group
 
     @staticmethod
