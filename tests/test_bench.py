@@ -76,6 +76,7 @@ def test_sweep_prints_ratios_per_size_and_draws_the_plot(tmp_path, capsys, monke
     assert code == 0
     printed = capsys.readouterr().out
     assert "64x1 v64" in printed and "128x2 v96" in printed
+    assert "init MiB ours" in printed and "weights MiB" in printed
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     reports = json.loads(out.read_text())["sweep"]
     assert [r["settings"]["hidden"] for r in reports] == [64, 128]
