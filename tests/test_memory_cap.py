@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.models import Block
 from tests.world import device_type, run_world
 
 WIDTH, BLOCKS = 1024, 48
@@ -41,19 +42,9 @@ RTOL = 1e-5
 MMAP_THRESHOLD = "MALLOC_MMAP_THRESHOLD_"
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(WIDTH, WIDTH)
-        self.down = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
-
-
 def _meta_model(blocks: int = BLOCKS) -> nn.Sequential:
     with torch.device("meta"):
-        return nn.Sequential(*[Block() for _ in range(blocks)])
+        return nn.Sequential(*[Block(WIDTH, residual=True) for _ in range(blocks)])
 
 
 def value_of(name: str, shape) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from fsdp_bridge import bench
+from tests.models import Block
 from tests.world import case_result, run_case_table, run_world
 
 WIDTH, BLOCKS = 1024, 16
@@ -37,22 +38,12 @@ PREDICTION_TOLERANCE = 0.10  # explain's wrap peak against the measured one
 STARTS = ("meta", "low_cpu", "real", "real_sync")
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(WIDTH, WIDTH)
-        self.down = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
-
-
 def _model(meta: bool) -> nn.Sequential:
     if meta:
         with torch.device("meta"):
-            return nn.Sequential(*[Block() for _ in range(BLOCKS)])
+            return nn.Sequential(*[Block(WIDTH) for _ in range(BLOCKS)])
     torch.manual_seed(0)
-    return nn.Sequential(*[Block() for _ in range(BLOCKS)])
+    return nn.Sequential(*[Block(WIDTH) for _ in range(BLOCKS)])
 
 
 def init_own_tensors(module: nn.Module) -> None:
