@@ -1,6 +1,6 @@
 """`fsdp_bridge.explain(model)`: the Plan a model got, as text: units with their parameters and
-bytes per rank, dtypes, strategy, the memory a rank needs for a training step (see
-`fsdp_bridge.memory`), and every setting a front-end could not honour.
+bytes per rank, dtypes, strategy, the memory a rank needs for a training step and while the
+model is wrapped (see `fsdp_bridge.memory`), and every setting a front-end could not honour.
 Also `render_docs()`: every front-end's argument table as Markdown (docs/frontends.md)."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def _bytes(numel: int, dtype) -> str:
 def explain(model: nn.Module, optimizer=None) -> str:
     """The plan of `model` as text; pass the `optimizer` to have its state counted in the
     memory per rank."""
-    from fsdp_bridge.memory import estimate_step_memory
+    from fsdp_bridge.memory import estimate_step_memory, estimate_wrap_memory
 
     sharded = find_sharded(model)
     plan = sharded.plan
@@ -76,7 +76,8 @@ def explain(model: nn.Module, optimizer=None) -> str:
             lines.append(f"  {unit.name or '<root>':<28} {0:>10}")
     if sharded.ignored_params:
         lines.append(f"ignored (not sharded, not reduced): {len(sharded.ignored_params)} params")
-    lines += ["", estimate_step_memory(sharded, optimizer).describe(), ""]
+    lines += ["", estimate_step_memory(sharded, optimizer).describe(),
+              estimate_wrap_memory(sharded).describe(), ""]
     lines.append("warnings raised while translating:")
     lines += [f"  - {note}" for note in plan.notes] or ["  (none)"]
     return "\n".join(lines)

@@ -15,6 +15,14 @@ The prediction walks the step as the engine runs it:
 - in the optimizer step: its temporaries (one parameter's worth, or every parameter's for the
   foreach implementations).
 Activations are not included: they depend on the batch, and come on top of the backward figure.
+
+`estimate_wrap_memory` predicts the other peak, the wrap's, as the engine's init makes it: unit
+by unit (see [Note: a unit at a time] in fsdp_bridge/engine/init.py), the shards made so far
+stay; the unit at hand adds its materialised parameters (from meta), or their copies on the
+device (moved), then its flat copy and its shard; then its full parameters are freed (and the
+originals too, for a real model, but on ranks that `sync_module_states` overwrites).
+Buffers, and parameters materialised in one unit but sharded with another (norms, tied
+weights), are left out: they are small beside a unit.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import torch
 
 from fsdp_bridge.engine.flat_group import local_part
 from fsdp_bridge.engine.row_group import RowGroup
+from fsdp_bridge.engine.runtime import WrapStart
 
 # Optimizer state tensors kept per parameter, by optimizer class (same shape and dtype as the
 # parameter); a callable reads the param group's settings.
@@ -189,3 +198,51 @@ def estimate_step_memory(sharded, optimizer=None) -> StepMemory:
     return StepMemory(params=params, grads=grads, optimizer=state, optimizer_note=note,
                       gathered_resident=resident, gathered_peak=gathered_peak,
                       backward_peak=backward, optimizer_step_peak=step)
+
+
+@dataclasses.dataclass(frozen=True)
+class WrapMemory:
+    """Peak growth of one rank's memory while the model is wrapped, above what it held before,
+    by where the parameters start (None: not predicted for this layout)."""
+
+    by_start: dict
+    this_wrap: Optional[int]
+    this_start: str
+
+    def describe(self) -> str:
+        if self.this_wrap is None:
+            return ("memory per rank while wrapping: not predicted (fully_shard converts "
+                    "parameters at each call; the engine adopts them at first use)")
+        starts = ", ".join(f"from {start.value} {value / 2**20:.1f} MiB"
+                           for start, value in self.by_start.items())
+        return (f"memory per rank while wrapping (peak growth, buffers not included): this "
+                f"wrap {self.this_wrap / 2**20:.1f} MiB (its units started {self.this_start}); "
+                f"{starts}")
+
+
+def _wrap_peak(units, starts: list[WrapStart]) -> int:
+    held = peak = 0
+    for unit, start in zip(units, starts):
+        if start is WrapStart.META:
+            held += sum(_nbytes(g.numel, g.master.dtype) for g in unit.groups)
+        for group in unit.groups:
+            full = _nbytes(group.numel, group.master.dtype)
+            flat = _nbytes(group.padded_numel, group.master.dtype)
+            shard = _nbytes(group.shard_numel, group.master.dtype)
+            copies = flat + (full if start is WrapStart.MOVED else 0)
+            peak = max(peak, held + copies + shard)
+            freed = full if start in (WrapStart.META, WrapStart.REAL) else 0
+            held += shard - freed
+    return peak
+
+
+def estimate_wrap_memory(sharded) -> WrapMemory:
+    """Predict the wrap's peak for `sharded` (a ShardedModel), as its own wrap went and from
+    each starting point (see the module's docstring)."""
+    if any(isinstance(g, RowGroup) for g in sharded.flat_groups()):
+        return WrapMemory({}, None, "")
+    starts = [step.start for step in sharded.init_steps]
+    by_start = {start: _wrap_peak(sharded.units, [start] * len(starts))
+                for start in (WrapStart.META, WrapStart.REAL, WrapStart.KEPT)}
+    kinds = sorted({start.value for start in starts})
+    return WrapMemory(by_start, _wrap_peak(sharded.units, starts), " / ".join(kinds))

@@ -15,6 +15,21 @@ VOCAB = 128
 SEQ = 16
 
 
+class Block(torch.nn.Module):
+    """Two square linear layers with a ReLU between (added to the input when `residual`): the
+    unit of the memory tests, one block per unit."""
+
+    def __init__(self, width: int, residual: bool = False):
+        super().__init__()
+        self.up = torch.nn.Linear(width, width)
+        self.down = torch.nn.Linear(width, width)
+        self.residual = residual
+
+    def forward(self, x):
+        out = self.down(torch.relu(self.up(x)))
+        return x + out if self.residual else out
+
+
 def _on_device(model, device):
     """`model` moved to `device` (default: the test device); left alone on meta."""
     if any(p.is_meta for p in model.parameters()):

@@ -18,6 +18,7 @@ def test_bench_runs_and_writes_figures(tmp_path, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     assert "fp32:" in printed and "bf16:" in printed and "targets:" in printed
+    assert "init (wrap from meta) peak: ours" in printed
 
     report = json.loads(out.read_text())
     assert report["settings"]["nproc"] == 2
@@ -33,8 +34,10 @@ def test_bench_runs_and_writes_figures(tmp_path, capsys):
             assert figures["median_step_ms"] > 0
             assert len(figures["repeat_medians_ms"]) == 1
             assert len(figures["peak_bytes_per_rank"]) == 2
+            assert len(figures["init_peak_bytes_per_rank"]) == 2
             if bench.heap_in_use() > 0:  # glibc: the heap can be measured
                 assert all(peak > 0 for peak in figures["peak_bytes_per_rank"])
+                assert all(peak > 0 for peak in figures["init_peak_bytes_per_rank"])
             if config == "plain":  # the compute-only baseline communicates nothing
                 assert figures["collective_calls_per_step"] == 0
                 continue
@@ -73,6 +76,7 @@ def test_sweep_prints_ratios_per_size_and_draws_the_plot(tmp_path, capsys, monke
     assert code == 0
     printed = capsys.readouterr().out
     assert "64x1 v64" in printed and "128x2 v96" in printed
+    assert "init MiB ours" in printed and "weights MiB" in printed
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     reports = json.loads(out.read_text())["sweep"]
     assert [r["settings"]["hidden"] for r in reports] == [64, 128]

@@ -43,8 +43,9 @@ Importing the package imports no torch: the command's `--help` stays fast.
 from fsdp_bridge.bench.cli import add_arguments, run
 from fsdp_bridge.bench.models import CONFIGS, build_llama, llama_config
 from fsdp_bridge.bench.options import settings
-from fsdp_bridge.bench.probes import collective_bytes, heap_in_use, step_probe
+from fsdp_bridge.bench.probes import collective_bytes, heap_in_use, step_probe, wrap_peak
 from fsdp_bridge.bench.report import format_report, summarize
 
 __all__ = ["CONFIGS", "add_arguments", "build_llama", "collective_bytes", "format_report",
-           "heap_in_use", "llama_config", "run", "settings", "step_probe", "summarize"]
+           "heap_in_use", "llama_config", "run", "settings", "step_probe", "summarize",
+           "wrap_peak"]

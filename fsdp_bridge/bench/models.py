@@ -30,7 +30,7 @@ def llama_config(s: dict):
                              intermediate=s["intermediate"], positions=s["seq"])
 
 
-def _wrap_fsdp1(model, dtype):
+def _wrap_fsdp1(model, dtype, param_init_fn=None):
     import torch
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
@@ -42,7 +42,7 @@ def _wrap_fsdp1(model, dtype):
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
     return FullyShardedDataParallel(
         model, sharding_strategy=ShardingStrategy.FULL_SHARD, auto_wrap_policy=policy,
-        mixed_precision=mixed, device_id=compute_device(),
+        mixed_precision=mixed, device_id=compute_device(), param_init_fn=param_init_fn,
     )
 
 
@@ -82,7 +82,7 @@ def _wrap_fsdp2(model, dtype):
     return _fully_shard_layers_then_root(fully_shard, model, dtype)
 
 
-def _wrap_ours(model, dtype):
+def _wrap_ours(model, dtype, param_init_fn=None):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from fsdp_bridge.ya_fsdp import YaFSDP
@@ -92,6 +92,7 @@ def _wrap_ours(model, dtype):
         model, zero_stage=3, modules_to_wrap_with_names=layers,
         rogue_layer_norm_modules_with_names={model.model.norm: "model.norm"},
         layer_norm_module_cls=LlamaRMSNorm, param_dtype=dtype, gradient_accumulation_steps=1,
+        param_init_fn=param_init_fn,
     )
 
 
@@ -117,6 +118,29 @@ def build(config: str, dtype_name: str, s: dict):
     model = WRAPPERS[config](build_llama(s), torch_dtype(dtype_name))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return model, optimizer
+
+
+def _materialize_own(module) -> None:
+    """A module's own tensors get storage and, where it has one, its `reset_parameters()`
+    (Llama's norms have none: their weights stay uninitialised, enough for a memory figure)."""
+    module.to_empty(device=compute_device(), recurse=False)
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+
+
+def wrap_from_meta(config: str, dtype_name: str, s: dict):
+    """The Llama built on the meta device and wrapped by `config`, materialised as each dialect
+    does it: FSDP1 and ours inside the wrap, unit by unit (`param_init_fn`); FSDP2 and plain
+    after it, module by module."""
+    model = tiny.build_llama(llama_config(s), seed=None, device="meta")
+    dtype = torch_dtype(dtype_name)
+    if config in ("fsdp1", "ours"):
+        return WRAPPERS[config](model, dtype, param_init_fn=_materialize_own)
+    wrapped = WRAPPERS[config](model, dtype)
+    for module in wrapped.modules():
+        _materialize_own(module)
+    return wrapped
 
 
 def step(model, optimizer, ids) -> None:

@@ -83,3 +83,16 @@ def step_probe():
             return out
 
     return StepProbe()
+
+
+def wrap_peak(wrap):
+    """(the highest heap in use while `wrap()` runs, above the heap in use before it; what it
+    returned): a wrap's peak growth, sampled around every op as a step's."""
+    import gc
+
+    gc.collect()
+    before = heap_in_use()
+    probe = step_probe()
+    with probe:
+        result = wrap()
+    return probe.peak_heap - before, result

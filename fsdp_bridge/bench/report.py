@@ -25,6 +25,7 @@ def _config_figures(times: list[list[float]], per_rank: list[dict]) -> dict:
         "step_times_ms": [[1000 * t for t in run] for run in times],
         "peak_bytes_per_rank": [r["peak_bytes"] for r in per_rank],
         "step_start_bytes_per_rank": [r["step_start_bytes"] for r in per_rank],
+        "init_peak_bytes_per_rank": [r.get("init_peak_bytes", 0) for r in per_rank],
         "collective_calls_per_step": sum(collectives["calls"].values()),
         "collective_bytes_per_step": sum(collectives["bytes"].values()),
         "collectives_by_op": collectives,
@@ -107,7 +108,9 @@ def _header(s: dict) -> list[str]:
         "per config, interleaved); step time = slowest rank; median over all timed steps",
         "peak = highest heap bytes in use (glibc mallinfo2, sampled at every op) during one "
         "step above the heap before the model was built, max over ranks; start = live bytes when the "
-        "step begins; collectives = c10d ops per step on one rank, bytes of the full tensor "
+        "step begins; init = peak heap growth while the model, built on meta, is wrapped and "
+        "materialised (FSDP1 and ours: inside the wrap; FSDP2, plain: to_empty + "
+        "reset_parameters after it); collectives = c10d ops per step on one rank, bytes of the full tensor "
         "(all-to-all: sent + received); paired = median of per-round ours/this",
         "ours = our engine through the YaFSDP front-end; ours2 = through fully_shard "
         "(DTensor parameters); plain = compute only (each rank's unsharded model on its own "
@@ -117,7 +120,7 @@ def _header(s: dict) -> list[str]:
 
 def _table(figs: dict) -> list[str]:
     lines = [f"  {'config':7s}{'median ms':>11s}{'ours/this':>11s}{'paired':>8s}{'peak MiB':>10s}"
-             f"{'start MiB':>11s}{'calls/step':>12s}{'MiB/step':>10s}"]
+             f"{'start MiB':>11s}{'init MiB':>10s}{'calls/step':>12s}{'MiB/step':>10s}"]
     ours = figs["ours"]["median_step_ms"]
     for config in CONFIGS:
         f = figs[config]
@@ -127,6 +130,7 @@ def _table(figs: dict) -> list[str]:
             f"{paired:8.2f}"
             f"{mib(max(f['peak_bytes_per_rank'])):>10s}"
             f"{mib(max(f['step_start_bytes_per_rank'])):>11s}"
+            f"{mib(max(f['init_peak_bytes_per_rank'])):>10s}"
             f"{f['collective_calls_per_step']:12d}{mib(f['collective_bytes_per_step']):>10s}"
         )
     return lines
@@ -159,6 +163,10 @@ def _verdicts(figs: dict, targets: dict) -> list[str]:
         f"{COMPUTE_ONLY_GOAL}: {verdict(targets['compute_only_goal_met'])})",
         f"  ours2 (fully_shard) / faster native: "
         f"{figs['ours2']['ratio_to_faster_native']:.2f}",
+        f"  init (wrap from meta) peak: ours {mib(max(figs['ours']['init_peak_bytes_per_rank']))}"
+        f" MiB, native fsdp1 {mib(max(figs['fsdp1']['init_peak_bytes_per_rank']))} MiB; ours2 "
+        f"{mib(max(figs['ours2']['init_peak_bytes_per_rank']))} MiB, native fsdp2 "
+        f"{mib(max(figs['fsdp2']['init_peak_bytes_per_rank']))} MiB",
     ]
 
 

@@ -1,5 +1,6 @@
 """The CPU bench's program on each rank, and the world it runs in: repeats of freshly built
-models, interleaved timed rounds, then one measured step per (dtype, config)."""
+models, interleaved timed rounds, then one measured step and one measured wrap from meta per
+(dtype, config)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import statistics
 import sys
 import time
 
-from fsdp_bridge.bench.models import CONFIGS, batch, build, step
-from fsdp_bridge.bench.probes import heap_in_use, step_probe
+from fsdp_bridge.bench.models import CONFIGS, batch, build, step, wrap_from_meta
+from fsdp_bridge.bench.probes import heap_in_use, step_probe, wrap_peak
 from fsdp_bridge.harness.world import RankSetup, WorldFailed, spawn
 
 # CPU ranks: one thread each (the configs are timed side by side on a shared machine); a failed
@@ -82,6 +83,15 @@ def _measured_step(config: str, dtype_name: str, s: dict, ids) -> dict:
     return result
 
 
+def _measured_wrap(config: str, dtype_name: str, s: dict) -> int:
+    """The `init` figure: the heap's peak growth while the model, built on meta, is wrapped
+    and materialised (see `models.wrap_from_meta`)."""
+    peak, model = wrap_peak(lambda: wrap_from_meta(config, dtype_name, s))
+    del model
+    gc.collect()
+    return peak
+
+
 def log(rank: int, message: str, quiet: bool = False) -> None:
     """Progress of the bench, from rank 0, on stderr (the report goes to stdout)."""
     if rank == 0 and not quiet:
@@ -107,6 +117,9 @@ def rank_program(rank: int, world: int, s: dict) -> dict:
     # After the timed repeats on purpose: the first use of some torch internals allocates
     # for good, which would otherwise be charged to whichever config is measured first.
     measured = {d: {c: _measured_step(c, d, s, ids) for c in CONFIGS} for d in s["dtypes"]}
+    for dtype_name in s["dtypes"]:
+        for config in CONFIGS:
+            measured[dtype_name][config]["init_peak_bytes"] = _measured_wrap(config, dtype_name, s)
     log(rank, "memory and collectives measured", s.get("quiet", False))
     return {"times": times, "measured": measured}
 

@@ -1,6 +1,7 @@
 """`fsdp-bridge bench --sweep`: the CPU bench at several model sizes, so that the way the cost of
-sharding grows with the model is visible: one table of ratios per size, and a PNG of step time and
-peak memory per rank against the parameter count.
+sharding grows with the model is visible: one table of ratios per size, and a PNG of step time,
+peak memory per rank in a step and while wrapping (the `init` figure) against the parameter
+count. The table also gives the unsharded fp32 weights beside each wrap peak.
 
 Each size is a full bench run of its own (a fresh world, the configs interleaved step by step
 inside it), so every ratio compares configs measured side by side; figures of different sizes
@@ -45,7 +46,8 @@ def format_sweep(reports: list[dict]) -> str:
     lines = ["sweep: ratios measured side by side within each size's run",
              f"  {'size':16s}{'params':>8s}{'dtype':>6s}{'ours/faster native':>20s}"
              f"{'ours/plain':>12s}{'peak ours/fsdp2':>17s}{'peak MiB fsdp2':>16s}"
-             f"{'peak MiB ours':>15s}"]
+             f"{'peak MiB ours':>15s}{'weights MiB':>13s}{'init MiB fsdp1':>16s}"
+             f"{'init MiB ours':>15s}"]
     for report in reports:
         s = report["settings"]
         size = f"{s['hidden']}x{s['layers']} v{s['vocab']}"
@@ -59,6 +61,9 @@ def format_sweep(reports: list[dict]) -> str:
                 f"{'n/a' if peak_ratio is None else f'{peak_ratio:.3f}':>17s}"
                 f"{bench_report.mib(max(figs['fsdp2']['peak_bytes_per_rank'])):>16s}"
                 f"{bench_report.mib(max(figs['ours']['peak_bytes_per_rank'])):>15s}"
+                f"{bench_report.mib(report['parameters'] * 4):>13s}"
+                f"{bench_report.mib(max(figs['fsdp1']['init_peak_bytes_per_rank'])):>16s}"
+                f"{bench_report.mib(max(figs['ours']['init_peak_bytes_per_rank'])):>15s}"
             )
     return "\n".join(lines)
 
@@ -71,7 +76,7 @@ def plot_sweep(reports: list[dict], path: str) -> None:
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    figure, (time_axis, memory_axis) = plt.subplots(1, 2, figsize=(11, 4.2))
+    figure, (time_axis, memory_axis, init_axis) = plt.subplots(1, 3, figsize=(15, 4.2))
     millions = [report["parameters"] / 1e6 for report in reports]
     for dtype_name in reports[0]["dtypes"]:
         for config in PLOTTED:
@@ -80,12 +85,18 @@ def plot_sweep(reports: list[dict], path: str) -> None:
             time_axis.plot(millions, [f["median_step_ms"] for f in figs], marker="o", label=label)
             memory_axis.plot(millions, [max(f["peak_bytes_per_rank"]) / 2**20 for f in figs],
                              marker="o", label=label)
+            init_axis.plot(millions, [max(f["init_peak_bytes_per_rank"]) / 2**20 for f in figs],
+                           marker="o", label=label)
+    init_axis.plot(millions, [4 * m * 1e6 / 2**20 for m in millions], linestyle="--",
+                   color="grey", label="unsharded fp32 weights")
     for axis, title, unit in ((time_axis, "step time (median)", "ms"),
-                              (memory_axis, "peak memory per rank", "MiB")):
+                              (memory_axis, "peak memory per rank, step", "MiB"),
+                              (init_axis, "peak memory per rank, wrap from meta", "MiB")):
         axis.set(title=title, xlabel="parameters (millions)", ylabel=unit, xscale="log",
                  yscale="log")
         axis.grid(True, which="both", alpha=0.3)
     memory_axis.legend(fontsize=7)
+    init_axis.legend(fontsize=7)
     world = reports[0]["settings"]["nproc"]
     figure.suptitle(f"fsdp-bridge bench --sweep: world {world} on gloo, CPU")
     figure.tight_layout()

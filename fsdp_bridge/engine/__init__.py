@@ -99,8 +99,8 @@ def shard_model(
     topology = topology_of_groups(plan.mode, shard_group, replicate_group)
     comm = Comm(topology.shard_group, topology.replicate_group, topology.world_group)
     device = torch.device(device) if device is not None else default_device(topology.shard_group)
-    with restored_on_failure(module, buffer_values=plan.sync_module_states):
-        sharded = ShardedModel(module, plan, comm, device, param_init_fn)
+    with restored_on_failure(module, buffer_values=plan.sync_module_states) as record:
+        sharded = ShardedModel(module, plan, comm, device, param_init_fn, record)
         tag_parameters(sharded)
         # object.__setattr__: keep the state out of the module tree (not a submodule).
         object.__setattr__(module, ATTRIBUTE, sharded)

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_bridge.engine.comm import Comm
+from fsdp_bridge.engine.layout import innermost_common_unit
 from fsdp_bridge.plan import Plan
 
 
@@ -31,42 +32,163 @@ def _has_meta_state(module: nn.Module) -> bool:
     return any(t.is_meta for t in tensors)
 
 
-def materialize(
-    module: nn.Module, device: torch.device, param_init_fn: Optional[Callable[[nn.Module], None]]
-) -> None:
-    """Give meta-device modules real storage, then move everything to `device`.
+def _named_states(module: nn.Module):
+    yield from module.named_parameters(recurse=False)
+    yield from module.named_buffers(recurse=False)
 
-    With `param_init_fn`, it is called on each module that still has meta parameters or
-    buffers, outermost first (FSDP1/YaFSDP semantics: it may initialise the whole subtree).
-    Without it, each such module gets `to_empty` and its own `reset_parameters()`.
-    """
-    for submodule in module.modules():
-        if not _has_meta_state(submodule):
-            continue
-        if param_init_fn is not None:
-            param_init_fn(submodule)
-        else:
+
+def function_name(function: Callable) -> str:
+    return getattr(function, "__qualname__", None) or repr(function)
+
+
+# [Note: a unit at a time]
+# The engine never holds the whole unsharded model: each unit, in the Plan's order (inner units
+# first, the root last), is materialised, moved, broadcast, flattened and sharded, and its full
+# parameters are freed before the next unit is touched, as native FSDP1 and FSDP2 do. A unit
+# materialises its *region*: the modules whose innermost enclosing unit it is (the modules of
+# inner units were materialised with them, before).
+
+
+def unit_regions(module: nn.Module, unit_names) -> dict[str, list[tuple[str, nn.Module]]]:
+    """Each unit's region (see [Note: a unit at a time]), outermost module first."""
+    regions: dict[str, list[tuple[str, nn.Module]]] = {name: [] for name in unit_names}
+    for name, submodule in module.named_modules():
+        regions[innermost_common_unit([name], list(unit_names))].append((name, submodule))
+    return regions
+
+
+def materialize_region(
+    region: list[tuple[str, nn.Module]], device: torch.device,
+    param_init_fn: Optional[Callable[[nn.Module], None]],
+) -> tuple[bool, Optional[Exception]]:
+    """Give storage to the meta modules of one region, outermost first: `param_init_fn` on each
+    module that still has meta parameters or buffers of its own (FSDP1/YaFSDP semantics), else
+    `to_empty(device, recurse=False)` and the module's own `reset_parameters()`. Returns whether
+    anything was materialised, and what the initialisation raised (not raised here: every rank
+    first learns whether the others failed too, see `agree_on_unit`)."""
+    materialised = False
+    try:
+        for _, submodule in region:
+            if not _has_meta_state(submodule):
+                continue
+            materialised = True
+            if param_init_fn is not None:
+                param_init_fn(submodule)
+                continue
             submodule.to_empty(device=device, recurse=False)
             reset = getattr(submodule, "reset_parameters", None)
             if callable(reset):
                 reset()
-    still_meta = [name for name, t in _named_states(module) if t.is_meta]
-    if still_meta:
-        raise ValueError(
-            f"param_init_fn left {len(still_meta)} tensors on the meta device "
-            f"(first: {still_meta[0]!r}). It is called once per module that has meta "
-            "parameters or buffers and must give them storage, e.g. "
-            "`lambda m: m.to_empty(device=device, recurse=False)` followed by your init."
-        )
-    # Only when something is elsewhere: `to()` swaps DTensor parameters for new objects, which
-    # fails while torch.compile holds references to them.
-    if any(t.device != device for _, t in _named_states(module)):
-        module.to(device)
+    except Exception as error:  # noqa: BLE001 - re-raised by agree_on_unit on every rank
+        return materialised, error
+    return materialised, None
 
 
-def _named_states(module: nn.Module):
-    yield from module.named_parameters(remove_duplicate=False)
-    yield from module.named_buffers(remove_duplicate=False)
+def region_problem(region: list[tuple[str, nn.Module]],
+                   param_init_fn: Optional[Callable[[nn.Module], None]]) -> Optional[str]:
+    """What is wrong with a region after materialising it: tensors still on meta."""
+    still_meta = [f"{prefix}.{name}" if prefix else name
+                  for prefix, submodule in region
+                  for name, tensor in _named_states(submodule) if tensor.is_meta]
+    if not still_meta:
+        return None
+    who = (f"param_init_fn {function_name(param_init_fn)}" if param_init_fn is not None
+           else "reset_parameters")
+    return (f"{who} left {len(still_meta)} tensors on the meta device (first: "
+            f"{still_meta[0]!r}). It is called once per module that has meta parameters or "
+            "buffers of its own and must give them storage, e.g. `lambda m: "
+            "m.to_empty(device=device, recurse=False)` followed by your init.")
+
+
+def meta_params(regions: dict) -> set[tuple[int, str]]:
+    """(module id, attribute) of every meta parameter of the model."""
+    return {(id(submodule), attr)
+            for region in regions.values() for _, submodule in region
+            for attr, param in submodule._parameters.items()
+            if param is not None and param.is_meta}
+
+
+def warn_if_reached_beyond(regions: dict, later_units: list[str], meta_before: set, plan: Plan,
+                           param_init_fn: Callable[[nn.Module], None]) -> None:
+    """A `param_init_fn` that materialises modules it was not called on (a closure over the
+    whole model, `to_empty` on the root) allocates them unsharded ahead of their unit: say so."""
+    early = [f"{prefix}.{attr}" if prefix else attr
+             for name in later_units for prefix, submodule in regions[name]
+             for attr, param in submodule._parameters.items()
+             if (id(submodule), attr) in meta_before and param is not None and not param.is_meta]
+    if early:
+        warnings.warn(
+            f"fsdp_bridge ({plan.frontend}): param_init_fn {function_name(param_init_fn)} gave "
+            f"storage to {len(early)} parameters of modules it was not called on (first: "
+            f"{early[0]!r}) while the first unit was materialised. The wrap materialises and "
+            "shards one unit at a time; these stay unsharded until their own unit is sharded "
+            "(with a function that materialises everything, the whole model on every rank). "
+            "Expected: a function that materialises the module it is given, e.g. "
+            "`lambda m: m.to_empty(device=device, recurse=False)` followed by its init.",
+            stacklevel=5)
+
+
+def describe_unit(unit_name: str, slots, region) -> str:
+    """What every rank must agree on once a unit is materialised: its parameters' names,
+    shapes, dtypes and requires_grad, and its region's buffers (values aside)."""
+    lines = [f"unit {unit_name or '<root>'} as materialised:"]
+    lines.extend(f"  {slot.fqn} {tuple(slot.param.shape)} {slot.param.dtype} "
+                 f"grad={slot.param.requires_grad}" for slot in slots)
+    lines.extend(f"  buffer {f'{prefix}.{name}' if prefix else name} {tuple(buffer.shape)} "
+                 f"{buffer.dtype}"
+                 for prefix, submodule in region for name, buffer in submodule._buffers.items()
+                 if buffer is not None)
+    return "\n".join(lines)
+
+
+def changed_slots(layouts, param_init_fn) -> Optional[str]:
+    """A parameter whose shape, dtype or requires_grad the initialisation changed: the layout
+    (and the plan every rank agreed on) was made from the model as it was given."""
+    for layout in layouts:
+        for slot in layout.slots:
+            param = slot.param
+            found = (tuple(param.shape), param.dtype, param.requires_grad)
+            expected = (tuple(slot.shape), layout.dtype, layout.requires_grad)
+            if found != expected:
+                who = (f"param_init_fn {function_name(param_init_fn)}"
+                       if param_init_fn is not None else "reset_parameters")
+                return (f"{who} changed parameter {slot.fqn!r} from (shape, dtype, "
+                        f"requires_grad) {expected} to {found}. Expected: the same shape, dtype "
+                        "and requires_grad as on the meta device (the sharding layout is made "
+                        "from them). Build the model with its final dtypes (or cast it after "
+                        "wrapping), and change requires_grad before wrapping.")
+    return None
+
+
+def agree_on_unit(plan: Plan, description: str, problem: Optional[str],
+                  error: Optional[Exception], comm: Comm) -> None:
+    """Every rank learns whether a unit's materialisation went the same everywhere before the
+    unit's first collective: a failure seen by all ranks is raised by all of them (and the
+    rollback, a collective, runs everywhere); ranks that differ (a rank-dependent
+    `param_init_fn`, a failure on some ranks only) get the difference, on every rank."""
+    failure = f"{type(error).__name__}: {error}" if error is not None else problem
+    text = description + (f"\nfailed: {failure}" if failure else "")
+    check_ranks_agree(plan, text, comm, subject="materialise each unit alike (param_init_fn / "
+                      "reset_parameters give every rank the same shapes and dtypes, and fail on "
+                      "all ranks or none); the difference")
+    if error is not None:
+        raise error
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def move_region(region: list[tuple[str, nn.Module]], ignored: set[str],
+                device: torch.device) -> None:
+    """Move a region's buffers, and its parameters that stay whole (`ignored`, by name), to
+    `device`; the sharded parameters move as they are flattened, one unit at a time."""
+    for prefix, submodule in region:
+        for name, buffer in submodule._buffers.items():
+            if buffer is not None and buffer.device != device:
+                submodule._buffers[name] = buffer.to(device)
+        for attr, param in submodule._parameters.items():
+            fqn = f"{prefix}.{attr}" if prefix else attr
+            if param is not None and fqn in ignored and param.device != device:
+                param.data = param.data.to(device)
 
 
 def describe_rank(module: nn.Module, device: torch.device) -> str:
@@ -78,9 +200,15 @@ def describe_rank(module: nn.Module, device: torch.device) -> str:
     return "\n".join(lines)
 
 
-def check_ranks_agree(plan: Plan, layout_text: str, comm: Comm) -> None:
+_DIFFERENT_PLANS = ("wrap the same modules of the same model with the same settings; the "
+                    "difference")
+
+
+def check_ranks_agree(plan: Plan, layout_text: str, comm: Comm,
+                      subject: str = _DIFFERENT_PLANS) -> None:
     """Fail with a readable diff, instead of hanging in a collective later, when ranks built
-    different plans (different wrapping, dtypes, or parameter shapes)."""
+    different plans (different wrapping, dtypes, or parameter shapes). `subject`: what every
+    rank must do, and what the difference shows."""
     group = comm.world_group
     if group is None or dist.get_world_size(group) == 1:
         return
@@ -108,23 +236,28 @@ def check_ranks_agree(plan: Plan, layout_text: str, comm: Comm) -> None:
     )
     raise ValueError(
         f"fsdp_bridge: ranks disagree on the sharding plan (plan built by {plan.frontend}): "
-        f"rank 0 and rank {first_other} differ. Every rank must wrap the same modules of the "
-        f"same model with the same settings; the difference:\n{diff}"
+        f"rank 0 and rank {first_other} differ. Every rank must {subject}:\n{diff}"
     )
 
 
-def prepare_buffers(module: nn.Module, plan: Plan, comm: Comm) -> dict[str, torch.dtype]:
-    """Broadcast rank 0's buffers (sync_module_states) and cast floating buffers to
-    `buffer_dtype`. Returns each cast buffer's original dtype, for full state dicts."""
+def prepare_region_buffers(region: list[tuple[str, nn.Module]], plan: Plan, comm: Comm,
+                           seen: set[int]) -> dict[str, torch.dtype]:
+    """Broadcast rank 0's buffers of one region (sync_module_states) and cast floating ones to
+    `buffer_dtype`. Returns each cast buffer's original dtype by name, for full state dicts.
+    `seen`: buffers already prepared (one object held by several modules is prepared once)."""
     original_dtypes = {}
     buffer_dtype = plan.mixed_precision.buffer_dtype
-    for name, buffer in module.named_buffers():
-        if plan.sync_module_states:
-            comm.broadcast_from_first(buffer)
-        if buffer_dtype is not None and buffer.is_floating_point() and buffer.dtype != buffer_dtype:
-            original_dtypes[name] = buffer.dtype
-            owner, _, attr = name.rpartition(".")
-            module.get_submodule(owner)._buffers[attr] = buffer.to(buffer_dtype)
+    for prefix, submodule in region:
+        for attr, buffer in list(submodule._buffers.items()):
+            if buffer is None or id(buffer) in seen:
+                continue
+            seen.add(id(buffer))
+            if plan.sync_module_states:
+                comm.broadcast_from_first(buffer)
+            if (buffer_dtype is not None and buffer.is_floating_point()
+                    and buffer.dtype != buffer_dtype):
+                original_dtypes[f"{prefix}.{attr}" if prefix else attr] = buffer.dtype
+                submodule._buffers[attr] = buffer.to(buffer_dtype)
     return original_dtypes
 
 

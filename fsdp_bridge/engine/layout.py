@@ -62,6 +62,14 @@ class ParamSlot:
         self.shape = gathered_form(self.param).shape
         self.numel = self.shape.numel()
 
+    def refresh(self) -> None:
+        """Follow a parameter replaced on its module since the layout was made (a
+        `param_init_fn` may assign new Parameters while materialising)."""
+        module, attr = self.owners[0]
+        current = module._parameters.get(attr)
+        if current is not None:
+            self.param = current
+
 
 @dataclasses.dataclass
 class GroupLayout:
@@ -98,7 +106,7 @@ def _is_within(module_name: str, unit_name: str) -> bool:
     return unit_name == "" or module_name == unit_name or module_name.startswith(unit_name + ".")
 
 
-def _innermost_common_unit(module_names: list[str], unit_names: list[str]) -> str:
+def innermost_common_unit(module_names: list[str], unit_names: list[str]) -> str:
     """The deepest unit containing every module in `module_names` (the root always does)."""
     best = ""
     for unit in unit_names:
@@ -120,7 +128,7 @@ def assign_groups(model: nn.Module, plan: Plan) -> list[GroupLayout]:
         if all(name in norm_modules for name in modules):
             per_unit[""].append(slot)
         else:
-            per_unit[_innermost_common_unit(modules, unit_names)].append(slot)
+            per_unit[innermost_common_unit(modules, unit_names)].append(slot)
     groups: list[GroupLayout] = []
     for unit_name in unit_names:
         keyed: dict[tuple[bool, torch.dtype], list[ParamSlot]] = {}

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,9 @@ from fsdp_bridge.engine.flat_group import FlatGroup, local_part
 from fsdp_bridge.engine.layout import assign_groups, describe_layout
 from fsdp_bridge.engine.row_group import RowGroup
 from fsdp_bridge.plan import MixedPrecision, ParamLayout, Plan, UnitSpec
+
+if TYPE_CHECKING:
+    from fsdp_bridge.engine.rollback import WrapRecord
 
 
 class StepPhase(enum.Enum):
@@ -58,6 +61,23 @@ class PendingReduce:
     # of it), dropped once done.
     source: Optional[torch.Tensor]
     landed: bool = False  # added to the gradient shard by the collective's thread
+
+
+class WrapStart(enum.Enum):
+    """Where a unit's parameters were when the wrap reached it (what its init allocated)."""
+
+    META = "meta"  # materialised by the wrap, on the engine's device
+    REAL = "real"  # real on the engine's device; freed once sharded
+    KEPT = "kept"  # real, kept until the wrap ends (sync_module_states, ranks other than 0)
+    MOVED = "moved"  # on another device; copied to the engine's as they were flattened
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitInit:
+    """How a unit came to be sharded, for the wrap's memory estimate."""
+
+    name: str
+    start: WrapStart
 
 
 class Unit:
@@ -97,6 +117,7 @@ class ShardedModel:
         comm: Comm,
         device: torch.device,
         param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+        record: Optional["WrapRecord"] = None,
     ):
         self.module = module
         self.plan = plan
@@ -112,39 +133,121 @@ class ShardedModel:
         self.phase = StepPhase.FORWARD
 
         engine_init.warn_unhonoured_offload(plan, device)
-        engine_init.materialize(module, device, param_init_fn)
+        # The layout is made from the model as given (meta tensors have shapes and dtypes), and
+        # every rank agrees on it before the first collective.
         layouts = assign_groups(module, plan)
         engine_init.check_ranks_agree(plan, engine_init.describe_rank(module, device) + "\n"
                                       + describe_layout(layouts), comm)
-        self.buffer_dtypes = engine_init.prepare_buffers(module, plan, comm)
+        self.buffer_dtypes: dict[str, torch.dtype] = {}
+        self.init_steps: list[UnitInit] = []
+        self.units = self._build_units(layouts, param_init_fn, record)
         self.ignored_params = engine_init.ignored_parameters(module, plan)
-        self.units = self._build_units(layouts)
         self.unit_of_group = {id(g): unit for unit in self.units for g in unit.groups}
         self._allocate_buffers()
         self._register_hooks()
 
     # -- construction -------------------------------------------------------------------------
 
-    def _build_units(self, layouts) -> list[Unit]:
-        units = []
-        group_class = RowGroup if self.plan.param_layout is ParamLayout.ROWS else FlatGroup
+    def _build_units(self, layouts, param_init_fn, record: Optional["WrapRecord"]) -> list[Unit]:
+        """Unit by unit, in the Plan's order (see [Note: a unit at a time] in engine/init.py):
+        materialise, move, broadcast, flatten and shard one unit, free its full parameters,
+        then the next."""
+        regions = engine_init.unit_regions(self.module, self.plan.unit_names)
+        meta_at_start = engine_init.meta_params(regions) if param_init_fn is not None else set()
+        ignored = set(self.plan.ignored_params)
+        seen_buffers: set[int] = set()
+        units: list[Unit] = []
         for spec in self.plan.units:
+            region = regions[spec.name]
+            unit_layouts = [layout for layout in layouts if layout.unit_name == spec.name]
+            materialised, error = engine_init.materialize_region(region, self.device,
+                                                                 param_init_fn)
+            if materialised and meta_at_start and param_init_fn is not None:
+                later = [s.name for s in self.plan.units[len(units) + 1:]]
+                engine_init.warn_if_reached_beyond(regions, later, meta_at_start, self.plan,
+                                                   param_init_fn)
+                meta_at_start = set()  # once: a function that reaches beyond does so at once
+            for layout in unit_layouts:
+                for slot in layout.slots:
+                    slot.refresh()
+            problem = (engine_init.region_problem(region, param_init_fn)
+                       or engine_init.changed_slots(unit_layouts, param_init_fn)
+                       or (self._overwritten_unit(units, spec.name, param_init_fn)
+                           if materialised else None))
+            slots = [slot for layout in unit_layouts for slot in layout.slots]
+            engine_init.agree_on_unit(self.plan, engine_init.describe_unit(spec.name, slots,
+                                                                           region),
+                                      problem, error, self.comm)
+            engine_init.move_region(region, ignored, self.device)
+            self.buffer_dtypes.update(
+                engine_init.prepare_region_buffers(region, self.plan, self.comm, seen_buffers))
+            start = self._start_of(slots, materialised)
             mp = spec.mixed_precision or self.mp
-            groups = [
-                group_class(
-                    layout,
-                    self.comm,
-                    self.device,
-                    compute_dtype=mp.param_dtype or layout.dtype,
-                    reduce_dtype=mp.effective_reduce_dtype(layout.dtype),
-                    sync_module_states=self.plan.sync_module_states,
-                )
-                for layout in layouts
-                if layout.unit_name == spec.name
-            ]
+            groups = [self._build_group(layout, mp, record) for layout in unit_layouts]
             module = self.module.get_submodule(spec.name)
             units.append(Unit(spec, module, groups, spec.name == "", self.mp))
+            self.init_steps.append(UnitInit(spec.name, start))
         return units
+
+    def _start_of(self, slots, materialised: bool) -> WrapStart:
+        if any(slot.param.device != self.device for slot in slots):
+            return WrapStart.MOVED
+        if materialised:
+            return WrapStart.META
+        return WrapStart.KEPT if self._keeps_originals else WrapStart.REAL
+
+    @property
+    def _keeps_originals(self) -> bool:
+        """Whether this rank's original values outlive their sharding until the wrap ends:
+        `sync_module_states` overwrites them in the shards of ranks other than the first, so
+        a failed wrap could not give them back otherwise."""
+        return self.plan.sync_module_states and self.comm.world_rank != 0
+
+    def _build_group(self, layout, mp: MixedPrecision,
+                     record: Optional["WrapRecord"]) -> FlatGroup:
+        """One flat group, sharded now: its parameters become views of this rank's shard and
+        their full tensors are freed (the rollback record lets go of them too)."""
+        row_layout = self.plan.param_layout is ParamLayout.ROWS
+        group_class = RowGroup if row_layout else FlatGroup
+        group = group_class(
+            layout,
+            self.comm,
+            self.device,
+            compute_dtype=mp.param_dtype or layout.dtype,
+            reduce_dtype=mp.effective_reduce_dtype(layout.dtype),
+            sync_module_states=self.plan.sync_module_states,
+        )
+        if record is not None and not row_layout:  # row groups keep DTensor shards: small
+            record.release_originals([slot.param for slot in group.slots],
+                                     lambda: [value for _, value in
+                                              group.split(group.gather_full_master())],
+                                     keep=self._keeps_originals)
+        return group
+
+    @staticmethod
+    def _overwritten_unit(done: list[Unit], unit_name: str, param_init_fn) -> Optional[str]:
+        """A `param_init_fn` called on a module that contains units sharded already (inner
+        units come first) must not give their parameters new storage (`to_empty` with
+        `recurse=True`): their shards would no longer be what the model computes with."""
+        if param_init_fn is None:
+            return None
+        for unit in done:
+            if not (unit_name == "" or unit.name.startswith(unit_name + ".")):
+                continue
+            for group in unit.groups:
+                master = group.master.untyped_storage().data_ptr()
+                for slot in group.slots:
+                    if local_part(slot.param).untyped_storage().data_ptr() != master:
+                        return (
+                            f"param_init_fn {engine_init.function_name(param_init_fn)} gave new "
+                            f"storage to parameter {slot.fqn!r} of unit {unit.name!r}, which was "
+                            f"already sharded, while unit {unit_name or '<root>'!r} was "
+                            "materialised. Units are materialised and sharded one at a time, "
+                            "inner units first; the function is called on each module with meta "
+                            "tensors of its own and must materialise only that module's own "
+                            "tensors, e.g. `lambda m: m.to_empty(device=device, recurse=False)` "
+                            "followed by its init.")
+        return None
 
     def _is_leaf(self, unit: Unit) -> bool:
         prefix = unit.name + "."
