@@ -441,7 +441,7 @@ class FlatGroup:
         assert self.grad_shard is not None and self.accumulator is not None
         if self.accumulator is not self.grad_shard:  # the user kept last cycle's .grad
             self.grad_shard.add_(self.accumulator, alpha=1.0 / divisor)
-        else:
+        elif divisor != 1:  # a divide by one would be a pass over the shard for nothing
             self.grad_shard.div_(divisor)
         for index, param in enumerate(self.local_params):
             if index not in without_grad or param.grad is not None:

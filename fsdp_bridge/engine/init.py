@@ -78,16 +78,17 @@ def describe_rank(module: nn.Module, device: torch.device) -> str:
     return "\n".join(lines)
 
 
-def check_ranks_agree(plan: Plan, layout_text: str, comm: Comm) -> None:
+def check_ranks_agree(plan: Plan, layout_text: str, comm: Comm, device: torch.device) -> None:
     """Fail with a readable diff, instead of hanging in a collective later, when ranks built
     different plans (different wrapping, dtypes, or parameter shapes)."""
     group = comm.world_group
     if group is None or dist.get_world_size(group) == 1:
         return
     description = plan.describe() + "\n" + layout_text
-    mine = torch.tensor([plan.fingerprint(layout_text)], dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        mine = mine.cuda()
+    # NCCL communicates device tensors only: the engine's device, not the current one (a
+    # rank whose device_id is not the current device would talk through another GPU).
+    on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    mine = torch.tensor([plan.fingerprint(layout_text)], dtype=torch.int64, device=on)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)
     if all(int(g) == int(gathered[0]) for g in gathered):

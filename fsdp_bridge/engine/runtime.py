@@ -32,6 +32,7 @@ from fsdp_bridge.engine.autograd import Unflatten
 from fsdp_bridge.engine.buffers import GatherBuffer
 from fsdp_bridge.engine.casting import cast_floating
 from fsdp_bridge.engine.comm import Comm
+from fsdp_bridge.engine.device import BackwardPrefetch, default_backward_prefetch, select_device
 from fsdp_bridge.engine.flat_group import FlatGroup, local_part
 from fsdp_bridge.engine.layout import assign_groups, describe_layout
 from fsdp_bridge.engine.row_group import RowGroup
@@ -111,11 +112,14 @@ class ShardedModel:
         self.pending_reduces: list[PendingReduce] = []
         self.phase = StepPhase.FORWARD
 
+        self.backward_prefetch = default_backward_prefetch(device)
+
+        select_device(device)
         engine_init.warn_unhonoured_offload(plan, device)
         engine_init.materialize(module, device, param_init_fn)
         layouts = assign_groups(module, plan)
         engine_init.check_ranks_agree(plan, engine_init.describe_rank(module, device) + "\n"
-                                      + describe_layout(layouts), comm)
+                                      + describe_layout(layouts), comm, device)
         self.buffer_dtypes = engine_init.prepare_buffers(module, plan, comm)
         self.ignored_params = engine_init.ignored_parameters(module, plan)
         self.units = self._build_units(layouts)
@@ -334,6 +338,10 @@ class ShardedModel:
             unit.in_use = True
             for group in unit.groups:
                 self._ensure_gathered(group)
+            if self.backward_prefetch is BackwardPrefetch.PRE_BACKWARD:
+                # See [Note: backward prefetch per device]: before this unit's backward is
+                # queued, so that the gather runs beside it.
+                self._prefetch(self._next_to_gather_in_backward(unit))
             # [Note: recomputation in backward] Activation checkpointing runs the unit's
             # forward again inside backward, often without its hooks (Hugging Face checkpoints
             # `forward`, inside `__call__`). So the modules hold gathered parameters through
@@ -360,9 +368,11 @@ class ShardedModel:
             # Every use of its parameters in this backward has run: free its weights before
             # the full gradient is laid out, and start gathering the next unit backward
             # needs, to overlap this unit's reduction. [Note: no prefetch beside a unit's
-            # backward] Not earlier: a unit's backward is heaviest at its start (for the
-            # first unit of backward, with every activation of the step still saved), and on
-            # gloo a gather in flight also holds a full-size output of its own.
+            # backward] Not earlier on the CPU: a unit's backward is heaviest at its start
+            # (for the first unit of backward, with every activation of the step still
+            # saved), and on gloo a gather in flight also holds a full-size output of its
+            # own. (On NCCL the pre-backward has started it already, where it could: see
+            # [Note: backward prefetch per device].)
             if unit.reshard_after_forward:
                 self._release_buffers_of(unit)
             self._prefetch(self._next_to_gather_in_backward(unit))
