@@ -33,6 +33,7 @@ def test_the_cpu_engine_keeps_the_post_backward_schedule():
     model = M.tiny_llama(device="cpu")
     sharded = engine.shard_model(model, llama_plan(), device=torch.device("cpu"))
     assert sharded.backward_prefetch is BackwardPrefetch.POST_BACKWARD
+    assert sharded.replica_stream is None  # no streams: the replica all-reduce runs at finish
 
 
 def record_schedule(sharded):

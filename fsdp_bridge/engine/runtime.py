@@ -32,7 +32,12 @@ from fsdp_bridge.engine.autograd import Unflatten
 from fsdp_bridge.engine.buffers import GatherBuffer
 from fsdp_bridge.engine.casting import cast_floating
 from fsdp_bridge.engine.comm import Comm
-from fsdp_bridge.engine.device import BackwardPrefetch, default_backward_prefetch, select_device
+from fsdp_bridge.engine.device import (
+    BackwardPrefetch,
+    default_backward_prefetch,
+    has_streams,
+    select_device,
+)
 from fsdp_bridge.engine.flat_group import FlatGroup, local_part
 from fsdp_bridge.engine.layout import assign_groups, describe_layout
 from fsdp_bridge.engine.row_group import RowGroup
@@ -59,6 +64,7 @@ class PendingReduce:
     # of it), dropped once done.
     source: Optional[torch.Tensor]
     landed: bool = False  # added to the gradient shard by the collective's thread
+    replicas_summed: bool = False  # `work` includes the hybrid replicate all-reduce
 
 
 class Unit:
@@ -113,6 +119,10 @@ class ShardedModel:
         self.phase = StepPhase.FORWARD
 
         self.backward_prefetch = default_backward_prefetch(device)
+        # Hybrid sharding's replicate all-reduce runs here, beside compute (see
+        # _track_reduce); without streams it runs when the reduction is finished.
+        self.replica_stream = (torch.cuda.Stream(device) if has_streams(device)
+                               and comm.replicate_size > 1 and comm.shard_size > 1 else None)
 
         select_device(device)
         engine_init.warn_unhonoured_offload(plan, device)
@@ -402,6 +412,9 @@ class ShardedModel:
                       source: torch.Tensor) -> None:
         pending = PendingReduce(group, work, output, source)
         hooked = self.unit_of_group[id(group)].all_reduce_hook is not None
+        if work is not None and self.replica_stream is not None:
+            pending.work = self.comm.all_reduce_replicas_after(work, output, self.replica_stream)
+            pending.replicas_summed = True
         if (work is not None and self.comm.wait_on_futures and self.comm.replicate_size == 1
                 and not hooked):  # a user's hook runs on the main thread
             # [Note: reductions land early] On gloo the reduction runs on the process group's
@@ -429,7 +442,8 @@ class ShardedModel:
             pending.work.wait()
         if not pending.landed:
             assert pending.output is not None
-            if self.comm.shard_size > 1:  # hybrid: shards are summed across replicas too
+            if self.comm.shard_size > 1 and not pending.replicas_summed:
+                # Hybrid without streams: shards are summed across replicas here.
                 self.comm.all_reduce_replicas(pending.output, async_op=False)
             self._run_all_reduce_hook(pending.group, pending.output)
             pending.group.accumulate(pending.output)
