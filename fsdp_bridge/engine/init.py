@@ -12,17 +12,18 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_bridge.engine.comm import Comm
-from fsdp_bridge.plan import Plan
+from fsdp_bridge.plan import ParamLayout, Plan
 
 
 def warn_unhonoured_offload(plan: Plan, device: torch.device) -> None:
-    """CPU offload is not implemented: on a CPU device there is nothing to do, on an
-    accelerator the masters and gradients stay on it. Say so rather than pretend."""
-    if plan.cpu_offload and device.type != "cpu":
+    """CPU offload is implemented for flat parameters; fully_shard's DTensor parameters stay
+    on an accelerator. Say so rather than pretend. (On a CPU device nothing moves anyway.)"""
+    if plan.cpu_offload and device.type != "cpu" and plan.param_layout is ParamLayout.ROWS:
         warnings.warn(
-            f"fsdp_bridge ({plan.frontend}): CPU offload is not implemented yet; the master "
-            f"shards and their gradients stay on {device}. Numerics are the same; memory on "
-            "the device is not reduced. Drop the offload setting to silence this warning.",
+            f"fsdp_bridge ({plan.frontend}): CPU offload is not implemented yet for "
+            f"fully_shard's DTensor parameters; the master shards and their gradients stay "
+            f"on {device}. Numerics are the same; memory on the device is not reduced. Drop "
+            "the offload setting to silence this warning.",
             stacklevel=3)
 
 

@@ -156,6 +156,9 @@ class ShardedModel:
                 for layout in layouts
                 if layout.unit_name == spec.name
             ]
+            if self.plan.cpu_offload and group_class is FlatGroup:
+                for group in groups:
+                    group.offload_to_host()  # see [Note: CPU offload]
             module = self.module.get_submodule(spec.name)
             units.append(Unit(spec, module, groups, spec.name == "", self.mp))
         return units
@@ -571,7 +574,7 @@ class ShardedModel:
         total = _grad_norm(sharded, local, norm_type, self.comm, self.device)
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in sharded + local:
-            grad.mul_(clip_coef.to(grad.dtype))
+            grad.mul_(clip_coef.to(grad.device, grad.dtype))
         return total
 
     def collective_stats(self):
@@ -584,6 +587,8 @@ def _grad_norm(sharded, local, norm_type, comm: Comm, device) -> torch.Tensor:
         if not grads:
             return torch.zeros((), dtype=torch.float32, device=device)
         norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
+        # On the compute device: offloaded gradients are on the host, collectives are not.
+        norms = norms.to(device)
         if norm_type == float("inf"):
             return norms.max()
         return norms.pow(norm_type).sum()

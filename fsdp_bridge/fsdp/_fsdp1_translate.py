@@ -51,9 +51,10 @@ TABLE = register_table(
             rejected("mixed_precision._module_classes_to_ignore", "with an auto_wrap_policy, "
                      "FSDP1 runs these modules (BatchNorm) in fp32 as separate units; per-unit "
                      "precision is not supported yet: a model containing them is refused"),
-            translated("cpu_offload", "Plan.cpu_offload: on a CPU device masters and "
-                       "gradients are on the CPU anyway; on an accelerator offload is not "
-                       "implemented yet and the engine warns by name"),
+            translated("cpu_offload", "Plan.cpu_offload: on an accelerator the fp32 master "
+                       "shards, their gradients and so the optimizer state live in pinned host "
+                       "memory and the optimizer steps on the CPU; on a CPU device they are "
+                       "there anyway"),
             translated("process_group", "the shard group; a tuple (shard_pg, replicate_pg) "
                        "with a hybrid strategy"),
             rejected("process_group of a nested wrapper", "a hand-nested wrapper over other "
