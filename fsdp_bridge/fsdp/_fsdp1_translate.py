@@ -75,10 +75,12 @@ TABLE = register_table(
                        "own Parameter objects (1-D local shards under their names), so an "
                        "optimizer built before wrapping trains; False only changes what native "
                        "FSDP1 shows in named_parameters() (FlatParameters)"),
-            ignored("backward_prefetch", "the engine starts a unit's gather in backward when "
-                    "the unit before it has finished its backward, beside that unit's "
-                    "reduction (BACKWARD_POST's point, for the lower peak memory); "
-                    "BACKWARD_PRE and None are ignored (numerics are identical)"),
+            ignored("backward_prefetch", "the engine chooses the point by device: on the "
+                    "CPU a unit's gather starts when the unit before it has finished its "
+                    "backward, beside that unit's reduction (BACKWARD_POST's point, for the "
+                    "lower peak memory); on CUDA before that unit's backward is queued "
+                    "(BACKWARD_PRE's point, so that NCCL overlaps it); the value given is "
+                    "ignored (numerics are identical)"),
             ignored("forward_prefetch", "the engine always prefetches the next unit in the "
                     "recorded forward order; numerics are identical"),
             ignored("limit_all_gathers", "the engine never holds more than two units' "
