@@ -34,7 +34,8 @@ pytestmark = pytest.mark.skipif(
 
 MEMORY_STEPS = 50
 
-WORLD1_CASES = [
+# The training cases of the world-2 run over gloo on one GPU (the multi-rank CUDA path).
+GLOO_WORLD2_CASES = [
     C.case_llama_zero3,
     C.case_llama_zero2,
     C.case_llama_replicate,
@@ -42,6 +43,9 @@ WORLD1_CASES = [
     C.case_accumulation_declared,
     C.case_accumulation_no_sync,
     C.case_clip,
+]
+
+WORLD1_CASES = GLOO_WORLD2_CASES + [
     C.case_frozen_embedding,
     C.case_meta_init,
     C.case_sync_module_states,
@@ -133,17 +137,6 @@ def device_not_current(rank, world):
 def world2_nccl_cases(rank, world):
     return {"collectives": nccl_collectives(rank, world),
             "device_not_current": device_not_current(rank, world)}
-
-
-GLOO_WORLD2_CASES = [
-    C.case_llama_zero3,
-    C.case_llama_zero2,
-    C.case_llama_replicate,
-    C.case_gpt2_zero3,
-    C.case_accumulation_declared,
-    C.case_accumulation_no_sync,
-    C.case_clip,
-]
 
 
 def gloo_world2_cases(rank, world, names):
