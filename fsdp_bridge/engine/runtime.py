@@ -7,9 +7,11 @@ Order of events in one training step (ZeRO-3, units u0..u3 inside the root):
                        the root unit is gathered
     ui pre-forward     wait for ui's gather, install its views, prefetch u(i+1)
     ui post-forward    remove the views and free ui's gathered weights (the last unit's too)
-    ui pre-backward    (hook on ui's outputs) wait for ui's gather, or gather it now
-    ui post-backward   (Unflatten.backward) free ui's weights, prefetch u(i-1), lay out the
-                       gradient and start its reduction
+    ui pre-backward    (hook on ui's outputs) wait for ui's gather, or gather it now; on CUDA
+                       prefetch u(i-1) (see [Note: backward prefetch per device])
+    ui post-backward   (Unflatten.backward) free ui's weights, prefetch u(i-1) (on the CPU, or
+                       where the pre-backward could not), lay out the gradient and start its
+                       reduction
     end of backward    finish the reductions; on the last micro-step divide once and expose
                        .grad; every gathered copy, the root's included, is freed
 """
@@ -118,13 +120,12 @@ class ShardedModel:
         self.pending_reduces: list[PendingReduce] = []
         self.phase = StepPhase.FORWARD
 
+        select_device(device)
         self.backward_prefetch = default_backward_prefetch(device)
         # Hybrid sharding's replicate all-reduce runs here, beside compute (see
         # _track_reduce); without streams it runs when the reduction is finished.
         self.replica_stream = (torch.cuda.Stream(device) if has_streams(device)
                                and comm.replicate_size > 1 and comm.shard_size > 1 else None)
-
-        select_device(device)
         engine_init.warn_unhonoured_offload(plan, device)
         engine_init.materialize(module, device, param_init_fn)
         layouts = assign_groups(module, plan)
