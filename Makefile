@@ -41,6 +41,9 @@ test: $(STAMP)
 # than the number of GPUs are skipped by name (-rs lists them). See README "GPU".
 GPU_TESTS ?= tests/test_gpu.py tests/test_engine_parity.py tests/frontends/test_parity_native.py \
 	tests/checkpoint/test_checkpoints.py
+# Then the engine's multi-rank worlds over gloo with CUDA tensors: gloo lets ranks share a GPU,
+# so one GPU runs the world-2 and world-4 cases on the multi-rank CUDA path.
+GPU_GLOO_TESTS ?= tests/test_engine_parity.py
 test-gpu: $(STAMP)
 	@$(BIN)/python -c "import sys, torch; ok = torch.cuda.is_available(); \
 	ok or sys.exit('make test-gpu: no CUDA device: it runs the tests with FSDP_BRIDGE_DEVICE=cuda, ' \
@@ -48,6 +51,7 @@ test-gpu: $(STAMP)
 	', CUDA build: ' + str(torch.version.cuda) + '). Install the CUDA build of torch for ' \
 	'your driver into .venv (https://download.pytorch.org/whl/), or run make test (CPU + gloo).')"
 	FSDP_BRIDGE_DEVICE=cuda $(BIN)/python -m pytest -q -rs $(GPU_TESTS)
+	FSDP_BRIDGE_DEVICE=cuda FSDP_BRIDGE_BACKEND=gloo $(BIN)/python -m pytest -q -rs $(GPU_GLOO_TESTS)
 
 bench: $(STAMP)
 	$(BIN)/python -m fsdp_bridge bench

@@ -28,6 +28,7 @@ weights), are left out: they are small beside a unit.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Optional
 
 import torch
@@ -183,6 +184,10 @@ def _backward_peak(sharded, held: int, layers, resident_units) -> int:
 def estimate_step_memory(sharded, optimizer=None) -> StepMemory:
     """Predict the bytes one rank of `sharded` (a ShardedModel) needs for a training step."""
     groups = sharded.flat_groups()
+    if any(g.master.device != g.device for g in groups):
+        warnings.warn("fsdp_bridge: estimate_step_memory does not model CPU offload yet: the "
+                      "master shards, gradient shards and optimizer state it counts live in "
+                      "host memory, not on the device.", stacklevel=2)
     ignored = sum(p.numel() * p.element_size() for p in sharded.ignored_params)
     params = sum(_nbytes(g.shard_numel, g.master.dtype) for g in groups) + ignored
     grads = sum(_grad_shard_bytes(u) for u in sharded.units) + sum(

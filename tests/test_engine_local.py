@@ -127,13 +127,32 @@ def test_layer_gather_buffers_hold_memory_only_while_needed():
     assert not any(g.buffer.holds_memory for unit in sharded.units for g in unit.groups)
 
 
-def test_cpu_offload_on_an_accelerator_is_warned_about_by_name():
+def test_cpu_offload_is_warned_about_only_where_it_is_not_implemented():
     from fsdp_bridge.engine.init import warn_unhonoured_offload
+    from fsdp_bridge.plan import ParamLayout
 
-    plan = Plan(units=(UnitSpec(""),), cpu_offload=True, frontend="FullyShardedDataParallel")
-    with pytest.warns(UserWarning, match=r"FullyShardedDataParallel.*CPU offload is not "
-                                         r"implemented.*stay on cuda:0"):
-        warn_unhonoured_offload(plan, torch.device("cuda", 0))
+    rows = Plan(units=(UnitSpec(""),), cpu_offload=True, frontend="fully_shard",
+                param_layout=ParamLayout.ROWS)
+    with pytest.warns(UserWarning, match=r"fully_shard.*CPU offload is not implemented yet "
+                                         r"for fully_shard's DTensor.*stay on cuda:0"):
+        warn_unhonoured_offload(rows, torch.device("cuda", 0))
+    flat = Plan(units=(UnitSpec(""),), cpu_offload=True, frontend="FullyShardedDataParallel")
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # nothing to say on a CPU device
-        warn_unhonoured_offload(plan, torch.device("cpu"))
+        warnings.simplefilter("error")  # flat parameters are offloaded; on a CPU nothing moves
+        warn_unhonoured_offload(flat, torch.device("cuda", 0))
+        warn_unhonoured_offload(rows, torch.device("cpu"))
+
+
+def test_cpu_offload_on_a_cpu_device_trains_as_the_plain_model():
+    plain, model = M.tiny_llama(device="cpu"), M.tiny_llama(device="cpu")
+    plan = Plan(units=llama_plan().units, cpu_offload=True)
+    sharded = engine.shard_model(model, plan, device=torch.device("cpu"))
+    masters = [group.master for group in sharded.flat_groups()]
+    for group in sharded.flat_groups():
+        group.offload_to_host()  # already on the host: nothing moves
+    assert all(group.master is master for group, master in zip(sharded.flat_groups(), masters))
+    ids = M.global_batches(1, 2)[0]
+    M.lm_loss(plain, ids).backward()
+    M.lm_loss(model, ids).backward()
+    for (name, p), (_, ref) in zip(model.named_parameters(), plain.named_parameters()):
+        assert p.device.type == "cpu" and torch.equal(p.grad, ref.grad.reshape(-1)), name

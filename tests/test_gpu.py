@@ -2,9 +2,13 @@
 
 - the engine's training cases at world 1 against the single-process reference (so a machine
   with one GPU still trains every strategy on NCCL; the world-2/4 suites need 2/4 GPUs);
+- the same cases at world 2 over gloo with CUDA tensors, both ranks on one GPU: at world 1 no
+  collective runs (a gather is a local copy), so this is what exercises the multi-rank CUDA
+  path on a machine with one GPU;
+- at world 2 on NCCL (2 GPUs): the collectives NCCL is given, and ranks whose current device
+  is not their `device_id`;
 - memory flat over 50 steps (prefetch streams and events leak nothing);
 - `device_id` as an int, a `torch.device`, and None (the current device, set from LOCAL_RANK);
-- the NCCL path of the collectives (reduce_scatter_tensor, not gloo's in-place all-reduce);
 - `cpu_offload`: fp32 master shards kept on the CPU in pinned memory.
 
 On the CPU (the default) every test here is skipped: the same cases run at world 2 and 4 on
@@ -30,7 +34,8 @@ pytestmark = pytest.mark.skipif(
 
 MEMORY_STEPS = 50
 
-WORLD1_CASES = [
+# The training cases of the world-2 run over gloo on one GPU (the multi-rank CUDA path).
+GLOO_WORLD2_CASES = [
     C.case_llama_zero3,
     C.case_llama_zero2,
     C.case_llama_replicate,
@@ -38,6 +43,9 @@ WORLD1_CASES = [
     C.case_accumulation_declared,
     C.case_accumulation_no_sync,
     C.case_clip,
+]
+
+WORLD1_CASES = GLOO_WORLD2_CASES + [
     C.case_frozen_embedding,
     C.case_meta_init,
     C.case_sync_module_states,
@@ -84,7 +92,7 @@ def device_id_forms(rank, world):
 
 
 def nccl_collectives(rank, world):
-    """Which collectives ZeRO-3 calls on NCCL, over one step."""
+    """Which collectives ZeRO-3 calls over one step (and the flags the backend set)."""
     model = C.yafsdp_llama(M.tiny_llama())
     comm = model._sharded.comm
     comm.stats.reset()
@@ -115,11 +123,34 @@ def offload_placement(rank, world):
     return {"placement": placement, **C.result(rank, world, wrapped)}
 
 
+def device_not_current(rank, world):
+    """Every rank's current device is cuda:0, its device_id its own GPU: the engine must make
+    the device_id current (NCCL talks on the current device: two ranks on cuda:0 fail)."""
+    torch.cuda.set_device(0)
+    model = C.yafsdp_llama(M.tiny_llama(device="cpu"), device_id=rank)
+    losses, _ = C.train(rank, world, model, steps=1)
+    return {"current": torch.cuda.current_device(),
+            "param_devices": sorted({str(p.device) for p in model.parameters()}),
+            "losses": losses}
+
+
+def world2_nccl_cases(rank, world):
+    return {"collectives": nccl_collectives(rank, world),
+            "device_not_current": device_not_current(rank, world)}
+
+
+def gloo_world2_cases(rank, world, names):
+    out = C.run_cases(rank, world, names)
+    model = C.yafsdp_llama(M.tiny_llama())
+    out["param_devices"] = sorted({str(p.device) for p in model.parameters()})
+    out["collectives"] = nccl_collectives(rank, world)["calls"]
+    return out
+
+
 def world1_cases(rank, world, names):
     out = C.run_cases(rank, world, names)
     out["memory_over_steps"] = memory_over_steps(rank, world)
     out["device_id_forms"] = device_id_forms(rank, world)
-    out["nccl_collectives"] = nccl_collectives(rank, world)
     out["offload"] = offload_placement(rank, world)
     return out
 
@@ -134,7 +165,13 @@ def world1():
 
 @pytest.fixture(scope="module")
 def world2():
-    return run_world(nccl_collectives, 2)
+    return run_world(world2_nccl_cases, 2, backend_name="nccl")
+
+
+@pytest.fixture(scope="module")
+def world2_gloo():
+    names = [case.__name__ for case in GLOO_WORLD2_CASES]
+    return run_world(gloo_world2_cases, 2, names, backend_name="gloo")
 
 
 @pytest.mark.parametrize(
@@ -178,16 +215,39 @@ def test_device_id_forms_put_parameters_on_the_gpu(world1, form):
     assert out[form]["loss_device"] == out["expected"]
 
 
-def test_nccl_uses_its_own_reduce_scatter(world1):
-    out = world1["nccl_collectives"]
-    assert out["in_place_all_reduce"] is False and out["waits_on_futures"] is False
-
-
 def test_nccl_zero3_reduce_scatters_at_world2(world2):
-    calls = world2[0]["calls"]
+    calls = world2[0]["collectives"]["calls"]
     assert calls.get("reduce_scatter", 0) > 0, calls
     assert calls.get("all_reduce", 0) == 0, calls
     assert calls.get("all_gather", 0) > 0, calls
+
+
+def test_ranks_train_on_their_device_id_not_the_current_device(world2):
+    for rank, out in enumerate(world2):
+        out = out["device_not_current"]
+        assert out["current"] == rank
+        assert out["param_devices"] == [f"cuda:{rank}"]
+    assert world2[0]["device_not_current"]["losses"] == world2[1]["device_not_current"]["losses"]
+
+
+@pytest.mark.parametrize("case, model", [
+    ("case_llama_zero3", "llama"), ("case_llama_zero2", "llama"), ("case_llama_replicate", "llama"),
+    ("case_gpt2_zero3", "gpt2"), ("case_accumulation_declared", "llama"),
+    ("case_accumulation_no_sync", "llama"),
+])
+def test_world2_over_gloo_on_cuda_matches_reference(world2_gloo, case, model):
+    assert_matches_reference(world2_gloo[0][case], reference(model))
+
+
+def test_world2_over_gloo_on_cuda_communicates_cuda_tensors(world2_gloo):
+    assert world2_gloo[0]["param_devices"] == [str(device())]
+    calls = world2_gloo[0]["collectives"]
+    assert calls.get("all_gather", 0) > 0 and calls.get("reduce_scatter", 0) > 0, calls
+    losses, norms, state = reference("llama", clip=0.5)
+    clipped = world2_gloo[0]["case_clip"]
+    torch.testing.assert_close(torch.tensor(clipped["norms"]), torch.tensor(norms),
+                               rtol=1e-5, atol=1e-6)
+    assert_matches_reference(clipped, (losses, norms, state))
 
 
 def test_cpu_offload_keeps_pinned_masters_on_the_cpu(world1):

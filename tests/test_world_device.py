@@ -57,3 +57,27 @@ def test_to_cpu_moves_nested_tensors_and_keeps_containers():
 
 def test_the_fixture_gives_the_test_device(test_device):
     assert test_device == W.device()
+
+
+def test_the_backend_follows_the_device_unless_named(monkeypatch):
+    monkeypatch.delenv(W.DEVICE_VARIABLE, raising=False)
+    monkeypatch.setenv(W.BACKEND_VARIABLE, " GLOO ")
+    assert W.backend() == "gloo"
+    monkeypatch.setenv(W.BACKEND_VARIABLE, "nccl")  # NCCL needs CUDA tensors
+    with pytest.raises(ValueError, match=r"FSDP_BRIDGE_BACKEND='nccl'.*FSDP_BRIDGE_DEVICE=cpu.*'gloo'"):
+        W.backend()
+    monkeypatch.setenv(W.DEVICE_VARIABLE, "cuda")
+    assert W.backend() == "nccl"
+    monkeypatch.setenv(W.BACKEND_VARIABLE, "gloo")  # ranks share a GPU
+    assert W.backend() == "gloo"
+    monkeypatch.setenv(W.BACKEND_VARIABLE, "mpi")
+    with pytest.raises(ValueError, match=r"FSDP_BRIDGE_BACKEND='mpi'.*'gloo', 'nccl'"):
+        W.backend()
+
+
+def test_gloo_worlds_share_gpus_and_nccl_worlds_do_not(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    W.require_cuda(2, "gloo")  # ranks share the GPU: nothing raised
+    with pytest.raises(pytest.skip.Exception, match=r"needs 2 CUDA devices .*found 1"):
+        W.require_cuda(2, "nccl")

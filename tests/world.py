@@ -2,8 +2,11 @@
 `fsdp_bridge.harness.world`, the package's one spawner), on the test device.
 
 The suite runs on CPU + gloo by default, on CUDA + NCCL with `FSDP_BRIDGE_DEVICE=cuda` (see
-`device_type`). Tests take the device from `device()` wherever they build models or tensors;
-rank results come back to the parent on the CPU, so comparisons there never mix devices.
+`device_type`), and on CUDA + gloo with `FSDP_BRIDGE_DEVICE=cuda FSDP_BRIDGE_BACKEND=gloo`: gloo
+lets several ranks share one GPU, so a machine with a single GPU still runs multi-rank worlds on
+CUDA tensors (the engine's multi-rank CUDA path: real collectives, device copies, streams).
+Tests take the device from `device()` wherever they build models or tensors; rank results come
+back to the parent on the CPU, so comparisons there never mix devices.
 
 Spawning costs a few seconds, so a test module runs *many cases inside one world*: the rank
 function loops over its cases and returns a dict of results; the parent asserts on them.
@@ -13,9 +16,9 @@ function loops over its cases and returns a dict of results; the parent asserts 
 `fn(rank, world_size, *args)` must be importable (a module-level function). Exceptions on any
 rank are re-raised in the parent with that rank's traceback.
 
-On CUDA each rank gets its own GPU (`rank % device_count`). NCCL refuses two ranks on one GPU,
-so a world larger than the number of GPUs is not run: its tests are skipped with a reason that
-names how many GPUs they need (never run on fewer ranks in disguise).
+On CUDA each rank gets the GPU `rank % device_count`. NCCL refuses two ranks on one GPU, so on
+NCCL a world larger than the number of GPUs is not run: its tests are skipped with a reason that
+names how many GPUs they need (never run on fewer ranks in disguise). On gloo ranks share GPUs.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from fsdp_bridge.harness.world import RankSetup, WorldFailed, spawn
 
 DEVICE_VARIABLE = "FSDP_BRIDGE_DEVICE"
 DEVICE_TYPES = ("cpu", "cuda")
+BACKEND_VARIABLE = "FSDP_BRIDGE_BACKEND"
+BACKENDS = ("gloo", "nccl")
 
 
 def device_type() -> str:
@@ -43,8 +48,17 @@ def device_type() -> str:
 
 
 def backend() -> str:
-    """The process-group backend for the test device: NCCL on CUDA, gloo on CPU."""
-    return "nccl" if device_type() == "cuda" else "gloo"
+    """The process-group backend: FSDP_BRIDGE_BACKEND when set (gloo, or nccl on CUDA), else
+    NCCL on CUDA and gloo on CPU."""
+    value = os.environ.get(BACKEND_VARIABLE, "").strip().lower()
+    if not value:
+        return "nccl" if device_type() == "cuda" else "gloo"
+    if value not in BACKENDS or (value == "nccl" and device_type() != "cuda"):
+        accepted = BACKENDS if device_type() == "cuda" else ("gloo",)
+        raise ValueError(f"{BACKEND_VARIABLE}={os.environ[BACKEND_VARIABLE]!r} is not a backend "
+                         f"for {DEVICE_VARIABLE}={device_type()}: use one of {accepted} (unset "
+                         "means nccl on cuda, gloo on cpu).")
+    return value
 
 
 def device() -> torch.device:
@@ -54,16 +68,17 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def require_cuda(world_size: int = 1) -> None:
+def require_cuda(world_size: int = 1, backend_name: str = "nccl") -> None:
     """Under FSDP_BRIDGE_DEVICE=cuda: fail when there is no CUDA device at all (a misconfigured
-    run), skip (by name, with the count needed) when a world needs more GPUs than there are."""
+    run), skip (by name, with the count needed) when an NCCL world needs more GPUs than there
+    are (gloo ranks share GPUs)."""
     if not torch.cuda.is_available():
         raise RuntimeError(f"{DEVICE_VARIABLE}=cuda but torch sees no CUDA device "
                            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda}): "
                            "run on a machine with an NVIDIA GPU and a CUDA build of torch, "
                            f"or unset {DEVICE_VARIABLE} to test on the CPU.")
     found = torch.cuda.device_count()
-    if world_size > found:
+    if backend_name == "nccl" and world_size > found:
         import pytest
 
         pytest.skip(f"needs {world_size} CUDA devices (one per NCCL rank), found {found}")
@@ -86,9 +101,10 @@ def to_cpu(value):
     return value
 
 
-def _setup():
-    """How a test rank joins its world: NCCL with a GPU of its own on CUDA, else gloo."""
-    return RankSetup(backend=backend(), one_gpu_per_rank=device_type() == "cuda")
+def _setup(backend_name: str):
+    """How a test rank joins its world: on CUDA with the GPU `rank % device_count` (its own on
+    NCCL, shared on gloo), else on the CPU."""
+    return RankSetup(backend=backend_name, one_gpu_per_rank=device_type() == "cuda")
 
 
 def _test_rank(rank, world_size, fn, args):
@@ -96,14 +112,15 @@ def _test_rank(rank, world_size, fn, args):
     return to_cpu(value) if device_type() == "cuda" else value
 
 
-def run_world(fn, world_size: int = 2, *args, timeout: float = 600.0):
+def run_world(fn, world_size: int = 2, *args, timeout: float = 600.0, backend_name=None):
     """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return their results.
-    (`timeout` is accepted for the callers that pass it: a hung rank is ended by the process
-    group's own timeout.)"""
+    `backend_name`: the process-group backend (default: `backend()`). (`timeout` is accepted
+    for the callers that pass it: a hung rank is ended by the process group's own timeout.)"""
+    backend_name = backend_name or backend()
     if device_type() == "cuda":
-        require_cuda(world_size)
+        require_cuda(world_size, backend_name)
     try:
-        return spawn(_test_rank, world_size, (fn, args), _setup())
+        return spawn(_test_rank, world_size, (fn, args), _setup(backend_name))
     except WorldFailed as failed:
         raise AssertionError("distributed run failed:\n" + "\n".join(failed.errors)) from None
 

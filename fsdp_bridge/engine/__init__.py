@@ -74,10 +74,17 @@ __all__ = [
     "unshard_unit",
 ]
 
-def default_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
-    """The compute device implied by the process group's backend: CUDA for NCCL, else CPU."""
+def default_device(group: Optional[dist.ProcessGroup] = None,
+                   module: Optional[nn.Module] = None) -> torch.device:
+    """The compute device when none is given: the current CUDA device for NCCL; else the CUDA
+    device `module` already lives on (gloo communicates CUDA tensors too: a model on a GPU is
+    not moved off it), else the CPU."""
     if dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
+    if module is not None:
+        devices = {t.device for t in (*module.parameters(), *module.buffers()) if not t.is_meta}
+        if len(devices) == 1 and next(iter(devices)).type == "cuda":
+            return devices.pop()
     return torch.device("cpu")
 
 
@@ -98,7 +105,7 @@ def shard_model(
         )
     topology = topology_of_groups(plan.mode, shard_group, replicate_group)
     comm = Comm(topology.shard_group, topology.replicate_group, topology.world_group)
-    device = torch.device(device) if device is not None else default_device(topology.shard_group)
+    device = torch.device(device) if device is not None else default_device(topology.shard_group, module)
     with restored_on_failure(module, buffer_values=plan.sync_module_states) as record:
         sharded = ShardedModel(module, plan, comm, device, param_init_fn, record)
         tag_parameters(sharded)

@@ -162,6 +162,16 @@ class Comm:
             tensor.data, op=dist.ReduceOp.SUM, group=self.replicate_group, async_op=async_op
         )
 
+    def all_reduce_replicas_after(self, work, tensor: torch.Tensor, stream):
+        """Sum `tensor` over the replicate group once `work` (the reduce-scatter writing it)
+        is done, without holding up the compute stream: the wait and the all-reduce are issued
+        from the CUDA `stream`, so only that stream waits for the reduce-scatter, and the
+        compute stream waits only when the returned work is waited on (as FSDP2 runs HSDP's
+        all-reduce on a stream of its own)."""
+        with torch.cuda.stream(stream):
+            work.wait()
+            return self.all_reduce_replicas(tensor, async_op=True)
+
     def all_reduce_shards(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
         """Combine per-shard partial results (e.g. squared norms) over the shard group."""
         if self.shard_size > 1:

@@ -10,6 +10,16 @@ optimizers built on `model.parameters()` (before or after wrapping) or on name-b
 update the masters in place, and `.grad` is a view into the flat gradient shard. While a unit
 runs, the full parameters are views of its gathered buffer, installed in the owner module's
 `__dict__`, which shadows `_parameters` for attribute lookup.
+
+[Note: CPU offload]
+With `offload_to_host`, the master shard (and so the parameters the optimizer steps, its state,
+and the gradient shard that `.grad` views) lives in host memory, pinned where CUDA can copy from
+it asynchronously, as FSDP2's CPUOffloadPolicy: only gathered weights and the gradients on their
+way to a reduction are on the compute device (`self.device`). A gather copies the shard to the
+device (cast for compute) as its input; a reduced shard is copied to the host when it joins the
+gradient. Collectives that read the master directly (full state dicts) send a device copy.
+TODO(offload speed): the host-to-device copy runs on the compute stream and the copy back
+blocks until the reduction is done; FSDP2 overlaps both with compute on streams of their own.
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ class FlatGroup:
         self.slots = layout.slots
         self.requires_grad = layout.requires_grad
         self.comm = comm
+        self.device = device  # where the group computes; the master may be on the host
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
         self.numels = [slot.numel for slot in self.slots]
@@ -187,6 +198,17 @@ class FlatGroup:
                 module._parameters[attr] = slot.param
         return [slot.param for slot in self.slots]
 
+    def offload_to_host(self) -> None:
+        """Keep the master shard in host memory (see [Note: CPU offload])."""
+        if self.master.device.type == "cpu":
+            return
+        host = torch.empty(self.master.shape, dtype=self.master.dtype, device="cpu",
+                           pin_memory=self.device.type == "cuda")
+        host.copy_(self.master)
+        self.master = host
+        for index in range(len(self.slots)):
+            self._point_at_master(index)
+
     def _point_at_master(self, index: int) -> None:
         lo, hi = self.local_range(index)
         param = self.slots[index].param
@@ -214,11 +236,13 @@ class FlatGroup:
         """What this rank sends. Cast for compute, it is written straight into its own place in
         the gather's output (gathered rank after rank), as FSDP2 does, rather than into a copy
         that the collective would keep alive beside the output until it finishes."""
-        if self.master.dtype == self.compute_dtype or self.comm.shard_size == 1:
-            return self.master.to(self.compute_dtype)
+        if ((self.master.dtype == self.compute_dtype and self.master.device == target.device)
+                or self.comm.shard_size == 1):
+            return self.master.to(device=target.device, dtype=self.compute_dtype,
+                                  non_blocking=True)
         start = self.comm.shard_rank * self.shard_numel
         own_place = target.data[start : start + self.shard_numel]
-        own_place.copy_(self.master)
+        own_place.copy_(self.master, non_blocking=True)  # from the host: see [Note: CPU offload]
         return own_place
 
     def _gather_target(self) -> torch.Tensor:
@@ -330,7 +354,7 @@ class FlatGroup:
         """Inside no_sync: add this backward's full gradient to a local, unreduced sum."""
         if self.unsynced_grad is None:
             self.unsynced_grad = torch.empty(
-                self.padded_numel, dtype=self.reduce_dtype, device=self.master.device
+                self.padded_numel, dtype=self.reduce_dtype, device=self.device
             )
             self.write_full_grad(grads, self.unsynced_grad)
             return
@@ -348,7 +372,7 @@ class FlatGroup:
         shard-sized result tensor, what the reduction reads from until it is done)."""
         if self.comm.swaps_halves and self.unsynced_grad is None:
             return self._start_pair_reduce(grads)
-        full = torch.empty(self.padded_numel, dtype=self.reduce_dtype, device=self.master.device)
+        full = torch.empty(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
         self.write_full_grad(grads, full)
         self.add_unsynced_grad_into(full)
         work, output = self.start_reduce(full)
@@ -360,7 +384,7 @@ class FlatGroup:
         themselves once the other rank's contribution has arrived. Half the copying of a full
         layout, and half its memory while backward goes on."""
         rank = self.comm.shard_rank
-        theirs = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.master.device)
+        theirs = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
         self.write_grad_part(grads, 1 - rank, theirs)
         own = self.grad_part_pieces(grads, rank)
         output = torch.empty_like(theirs)
@@ -395,12 +419,16 @@ class FlatGroup:
         this group's gradient state, which the main thread reads again only after waiting on
         that reduction."""
         if self.grad_cycle is GradCycle.CLOSED:
-            if self._reduces_in_full_buffer or reduced.dtype != self.master.dtype:
-                reduced = reduced.to(self.master.dtype, copy=True)
+            if (self._reduces_in_full_buffer or reduced.dtype != self.master.dtype
+                    or reduced.device != self.master.device):
+                # To the host under CPU offload: a blocking copy, so the optimizer (on the
+                # host) never reads a gradient still on its way.
+                reduced = reduced.to(device=self.master.device, dtype=self.master.dtype,
+                                     copy=True)
             self._begin_cycle(reduced)
             return
         assert self.accumulator is not None
-        self.accumulator.add_(reduced)
+        self.accumulator.add_(reduced.to(self.accumulator.device))
 
     def _begin_cycle(self, first: torch.Tensor) -> None:
         # [Note: gradient memory follows .grad] Between cycles the engine holds the gradient
@@ -441,7 +469,7 @@ class FlatGroup:
         assert self.grad_shard is not None and self.accumulator is not None
         if self.accumulator is not self.grad_shard:  # the user kept last cycle's .grad
             self.grad_shard.add_(self.accumulator, alpha=1.0 / divisor)
-        else:
+        elif divisor != 1:  # a divide by one would be a pass over the shard for nothing
             self.grad_shard.div_(divisor)
         for index, param in enumerate(self.local_params):
             if index not in without_grad or param.grad is not None:
@@ -472,7 +500,8 @@ class FlatGroup:
 
     def gather_full(self, shard: torch.Tensor) -> torch.Tensor:
         """Every rank's `shard` (laid out like the master shard) as one full flat tensor in
-        the order `split` reads. A blocking collective."""
+        the order `split` reads, on the compute device. A blocking collective."""
+        shard = shard.to(self.device)  # from the host under CPU offload
         full = torch.empty(self.padded_numel, dtype=shard.dtype, device=shard.device)
         work = self.comm.all_gather(full, shard)
         if work is not None:

@@ -45,5 +45,5 @@ def clip_grads_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Te
     total = grad_norm(parameters, norm_type)
     clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for param in parameters:
-        param.grad.mul_(clip_coef.to(param.grad.dtype))
+        param.grad.mul_(clip_coef.to(param.grad.device, param.grad.dtype))
     return total

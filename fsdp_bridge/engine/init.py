@@ -13,17 +13,18 @@ from torch import nn
 
 from fsdp_bridge.engine.comm import Comm
 from fsdp_bridge.engine.layout import innermost_common_unit
-from fsdp_bridge.plan import Plan
+from fsdp_bridge.plan import ParamLayout, Plan
 
 
 def warn_unhonoured_offload(plan: Plan, device: torch.device) -> None:
-    """CPU offload is not implemented: on a CPU device there is nothing to do, on an
-    accelerator the masters and gradients stay on it. Say so rather than pretend."""
-    if plan.cpu_offload and device.type != "cpu":
+    """CPU offload is implemented for flat parameters; fully_shard's DTensor parameters stay
+    on an accelerator. Say so rather than pretend. (On a CPU device nothing moves anyway.)"""
+    if plan.cpu_offload and device.type != "cpu" and plan.param_layout is ParamLayout.ROWS:
         warnings.warn(
-            f"fsdp_bridge ({plan.frontend}): CPU offload is not implemented yet; the master "
-            f"shards and their gradients stay on {device}. Numerics are the same; memory on "
-            "the device is not reduced. Drop the offload setting to silence this warning.",
+            f"fsdp_bridge ({plan.frontend}): CPU offload is not implemented yet for "
+            f"fully_shard's DTensor parameters; the master shards and their gradients stay "
+            f"on {device}. Numerics are the same; memory on the device is not reduced. Drop "
+            "the offload setting to silence this warning.",
             stacklevel=3)
 
 
@@ -161,14 +162,14 @@ def changed_slots(layouts, param_init_fn) -> Optional[str]:
 
 
 def agree_on_unit(plan: Plan, description: str, problem: Optional[str],
-                  error: Optional[Exception], comm: Comm) -> None:
+                  error: Optional[Exception], comm: Comm, device: torch.device) -> None:
     """Every rank learns whether a unit's materialisation went the same everywhere before the
     unit's first collective: a failure seen by all ranks is raised by all of them (and the
     rollback, a collective, runs everywhere); ranks that differ (a rank-dependent
     `param_init_fn`, a failure on some ranks only) get the difference, on every rank."""
     failure = f"{type(error).__name__}: {error}" if error is not None else problem
     text = description + (f"\nfailed: {failure}" if failure else "")
-    check_ranks_agree(plan, text, comm, subject="materialise each unit alike (param_init_fn / "
+    check_ranks_agree(plan, text, comm, device, subject="materialise each unit alike (param_init_fn / "
                       "reset_parameters give every rank the same shapes and dtypes, and fail on "
                       "all ranks or none); the difference")
     if error is not None:
@@ -204,7 +205,7 @@ _DIFFERENT_PLANS = ("wrap the same modules of the same model with the same setti
                     "difference")
 
 
-def check_ranks_agree(plan: Plan, layout_text: str, comm: Comm,
+def check_ranks_agree(plan: Plan, layout_text: str, comm: Comm, device: torch.device,
                       subject: str = _DIFFERENT_PLANS) -> None:
     """Fail with a readable diff, instead of hanging in a collective later, when ranks built
     different plans (different wrapping, dtypes, or parameter shapes). `subject`: what every
@@ -213,9 +214,10 @@ def check_ranks_agree(plan: Plan, layout_text: str, comm: Comm,
     if group is None or dist.get_world_size(group) == 1:
         return
     description = plan.describe() + "\n" + layout_text
-    mine = torch.tensor([plan.fingerprint(layout_text)], dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        mine = mine.cuda()
+    # NCCL communicates device tensors only: the engine's device, not the current one (a
+    # rank whose device_id is not the current device would talk through another GPU).
+    on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    mine = torch.tensor([plan.fingerprint(layout_text)], dtype=torch.int64, device=on)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)
     if all(int(g) == int(gathered[0]) for g in gathered):

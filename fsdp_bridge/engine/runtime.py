@@ -7,9 +7,11 @@ Order of events in one training step (ZeRO-3, units u0..u3 inside the root):
                        the root unit is gathered
     ui pre-forward     wait for ui's gather, install its views, prefetch u(i+1)
     ui post-forward    remove the views and free ui's gathered weights (the last unit's too)
-    ui pre-backward    (hook on ui's outputs) wait for ui's gather, or gather it now
-    ui post-backward   (Unflatten.backward) free ui's weights, prefetch u(i-1), lay out the
-                       gradient and start its reduction
+    ui pre-backward    (hook on ui's outputs) wait for ui's gather, or gather it now; on CUDA
+                       prefetch u(i-1) (see [Note: backward prefetch per device])
+    ui post-backward   (Unflatten.backward) free ui's weights, prefetch u(i-1) (on the CPU, or
+                       where the pre-backward could not), lay out the gradient and start its
+                       reduction
     end of backward    finish the reductions; on the last micro-step divide once and expose
                        .grad; every gathered copy, the root's included, is freed
 """
@@ -32,6 +34,12 @@ from fsdp_bridge.engine.autograd import Unflatten
 from fsdp_bridge.engine.buffers import GatherBuffer
 from fsdp_bridge.engine.casting import cast_floating
 from fsdp_bridge.engine.comm import Comm
+from fsdp_bridge.engine.device import (
+    BackwardPrefetch,
+    default_backward_prefetch,
+    has_streams,
+    select_device,
+)
 from fsdp_bridge.engine.flat_group import FlatGroup, local_part
 from fsdp_bridge.engine.layout import assign_groups, describe_layout
 from fsdp_bridge.engine.row_group import RowGroup
@@ -61,6 +69,7 @@ class PendingReduce:
     # of it), dropped once done.
     source: Optional[torch.Tensor]
     landed: bool = False  # added to the gradient shard by the collective's thread
+    replicas_summed: bool = False  # `work` includes the hybrid replicate all-reduce
 
 
 class WrapStart(enum.Enum):
@@ -132,12 +141,18 @@ class ShardedModel:
         self.pending_reduces: list[PendingReduce] = []
         self.phase = StepPhase.FORWARD
 
+        select_device(device)
+        self.backward_prefetch = default_backward_prefetch(device)
+        # Hybrid sharding's replicate all-reduce runs here, beside compute (see
+        # _track_reduce); without streams it runs when the reduction is finished.
+        self.replica_stream = (torch.cuda.Stream(device) if has_streams(device)
+                               and comm.replicate_size > 1 and comm.shard_size > 1 else None)
         engine_init.warn_unhonoured_offload(plan, device)
         # The layout is made from the model as given (meta tensors have shapes and dtypes), and
         # every rank agrees on it before the first collective.
         layouts = assign_groups(module, plan)
         engine_init.check_ranks_agree(plan, engine_init.describe_rank(module, device) + "\n"
-                                      + describe_layout(layouts), comm)
+                                      + describe_layout(layouts), comm, device)
         self.buffer_dtypes: dict[str, torch.dtype] = {}
         self.init_steps: list[UnitInit] = []
         self.units = self._build_units(layouts, param_init_fn, record)
@@ -177,7 +192,7 @@ class ShardedModel:
             slots = [slot for layout in unit_layouts for slot in layout.slots]
             engine_init.agree_on_unit(self.plan, engine_init.describe_unit(spec.name, slots,
                                                                            region),
-                                      problem, error, self.comm)
+                                      problem, error, self.comm, self.device)
             engine_init.move_region(region, ignored, self.device)
             self.buffer_dtypes.update(
                 engine_init.prepare_region_buffers(region, self.plan, self.comm, seen_buffers))
@@ -217,6 +232,8 @@ class ShardedModel:
             reduce_dtype=mp.effective_reduce_dtype(layout.dtype),
             sync_module_states=self.plan.sync_module_states,
         )
+        if self.plan.cpu_offload and not row_layout:
+            group.offload_to_host()  # see [Note: CPU offload]
         if record is not None and not row_layout:  # row groups keep DTensor shards: small
             record.release_originals([slot.param for slot in group.slots],
                                      lambda: [value for _, value in
@@ -437,6 +454,10 @@ class ShardedModel:
             unit.in_use = True
             for group in unit.groups:
                 self._ensure_gathered(group)
+            if self.backward_prefetch is BackwardPrefetch.PRE_BACKWARD:
+                # See [Note: backward prefetch per device]: before this unit's backward is
+                # queued, so that the gather runs beside it.
+                self._prefetch(self._next_to_gather_in_backward(unit))
             # [Note: recomputation in backward] Activation checkpointing runs the unit's
             # forward again inside backward, often without its hooks (Hugging Face checkpoints
             # `forward`, inside `__call__`). So the modules hold gathered parameters through
@@ -463,9 +484,11 @@ class ShardedModel:
             # Every use of its parameters in this backward has run: free its weights before
             # the full gradient is laid out, and start gathering the next unit backward
             # needs, to overlap this unit's reduction. [Note: no prefetch beside a unit's
-            # backward] Not earlier: a unit's backward is heaviest at its start (for the
-            # first unit of backward, with every activation of the step still saved), and on
-            # gloo a gather in flight also holds a full-size output of its own.
+            # backward] Not earlier on the CPU: a unit's backward is heaviest at its start
+            # (for the first unit of backward, with every activation of the step still
+            # saved), and on gloo a gather in flight also holds a full-size output of its
+            # own. (On NCCL the pre-backward has started it already, where it could: see
+            # [Note: backward prefetch per device].)
             if unit.reshard_after_forward:
                 self._release_buffers_of(unit)
             self._prefetch(self._next_to_gather_in_backward(unit))
@@ -495,6 +518,9 @@ class ShardedModel:
                       source: torch.Tensor) -> None:
         pending = PendingReduce(group, work, output, source)
         hooked = self.unit_of_group[id(group)].all_reduce_hook is not None
+        if work is not None and self.replica_stream is not None:
+            pending.work = self.comm.all_reduce_replicas_after(work, output, self.replica_stream)
+            pending.replicas_summed = True
         if (work is not None and self.comm.wait_on_futures and self.comm.replicate_size == 1
                 and not hooked):  # a user's hook runs on the main thread
             # [Note: reductions land early] On gloo the reduction runs on the process group's
@@ -522,7 +548,8 @@ class ShardedModel:
             pending.work.wait()
         if not pending.landed:
             assert pending.output is not None
-            if self.comm.shard_size > 1:  # hybrid: shards are summed across replicas too
+            if self.comm.shard_size > 1 and not pending.replicas_summed:
+                # Hybrid without streams: shards are summed across replicas here.
                 self.comm.all_reduce_replicas(pending.output, async_op=False)
             self._run_all_reduce_hook(pending.group, pending.output)
             pending.group.accumulate(pending.output)
@@ -650,7 +677,7 @@ class ShardedModel:
         total = _grad_norm(sharded, local, norm_type, self.comm, self.device)
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in sharded + local:
-            grad.mul_(clip_coef.to(grad.dtype))
+            grad.mul_(clip_coef.to(grad.device, grad.dtype))
         return total
 
     def collective_stats(self):
@@ -663,6 +690,8 @@ def _grad_norm(sharded, local, norm_type, comm: Comm, device) -> torch.Tensor:
         if not grads:
             return torch.zeros((), dtype=torch.float32, device=device)
         norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
+        # On the compute device: offloaded gradients are on the host, collectives are not.
+        norms = norms.to(device)
         if norm_type == float("inf"):
             return norms.max()
         return norms.pow(norm_type).sum()

@@ -51,9 +51,10 @@ TABLE = register_table(
             rejected("mixed_precision._module_classes_to_ignore", "with an auto_wrap_policy, "
                      "FSDP1 runs these modules (BatchNorm) in fp32 as separate units; per-unit "
                      "precision is not supported yet: a model containing them is refused"),
-            translated("cpu_offload", "Plan.cpu_offload: on a CPU device masters and "
-                       "gradients are on the CPU anyway; on an accelerator offload is not "
-                       "implemented yet and the engine warns by name"),
+            translated("cpu_offload", "Plan.cpu_offload: on an accelerator the fp32 master "
+                       "shards, their gradients and so the optimizer state live in pinned host "
+                       "memory and the optimizer steps on the CPU; on a CPU device they are "
+                       "there anyway"),
             translated("process_group", "the shard group; a tuple (shard_pg, replicate_pg) "
                        "with a hybrid strategy"),
             rejected("process_group of a nested wrapper", "a hand-nested wrapper over other "
@@ -74,10 +75,12 @@ TABLE = register_table(
                        "own Parameter objects (1-D local shards under their names), so an "
                        "optimizer built before wrapping trains; False only changes what native "
                        "FSDP1 shows in named_parameters() (FlatParameters)"),
-            ignored("backward_prefetch", "the engine starts a unit's gather in backward when "
-                    "the unit before it has finished its backward, beside that unit's "
-                    "reduction (BACKWARD_POST's point, for the lower peak memory); "
-                    "BACKWARD_PRE and None are ignored (numerics are identical)"),
+            ignored("backward_prefetch", "the engine chooses the point by device: on the "
+                    "CPU a unit's gather starts when the unit before it has finished its "
+                    "backward, beside that unit's reduction (BACKWARD_POST's point, for the "
+                    "lower peak memory); on CUDA before that unit's backward is queued "
+                    "(BACKWARD_PRE's point, so that NCCL overlaps it); the value given is "
+                    "ignored (numerics are identical)"),
             ignored("forward_prefetch", "the engine always prefetches the next unit in the "
                     "recorded forward order; numerics are identical"),
             ignored("limit_all_gathers", "the engine never holds more than two units' "

@@ -54,7 +54,8 @@ TABLE = register_table(
                      "its param_dtype and reduce_dtype: refused at the first forward"),
             translated("offload_policy", "CPUOffloadPolicy -> Plan.cpu_offload (on a CPU "
                        "device nothing moves; on an accelerator offload is not implemented yet "
-                       "and the engine warns by name); OffloadPolicy() / None -> no offload"),
+                       "for fully_shard's DTensor parameters and the engine warns by name); "
+                       "OffloadPolicy() / None -> no offload"),
             translated("ignored_params", "Plan.ignored_params: neither sharded nor reduced "
                        "(parameters outside the call's modules are accepted and change nothing, "
                        "as in FSDP2)"),

@@ -201,7 +201,7 @@ def _load_groups(parts, present, source, broadcast: bool = False) -> None:
                 continue
             if all(name is not None for name in names):
                 flat = torch.zeros(group.padded_numel, dtype=group.master.dtype,
-                                   device=group.master.device)
+                                   device=group.device)
             else:  # keep the current values of what the state dict lacks
                 flat = group.gather_full_master()
             if not broadcast or world_rank() == 0:

@@ -40,8 +40,8 @@ TABLE = register_table(
                        "auto_wrap=True)"),
             translated("(fixed) backward_prefetch=BACKWARD_PRE, forward_prefetch=True, "
                        "use_orig_params=True", "same numerics; the engine prefetches the next "
-                       "unit in forward, and in backward at BACKWARD_POST's point (the lower "
-                       "peak memory)"),
+                       "unit in forward, and in backward at BACKWARD_POST's point on the CPU (the "
+                       "lower peak memory), BACKWARD_PRE's on CUDA"),
         ),
     )
 )
