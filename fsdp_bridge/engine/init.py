@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_bridge.engine.comm import Comm
-from fsdp_bridge.engine.layout import innermost_common_unit
+from fsdp_bridge.engine.layout import gathered_form, innermost_common_unit
 from fsdp_bridge.plan import ParamLayout, Plan
 
 
@@ -148,7 +148,7 @@ def changed_slots(layouts, param_init_fn) -> Optional[str]:
     for layout in layouts:
         for slot in layout.slots:
             param = slot.param
-            found = (tuple(param.shape), param.dtype, param.requires_grad)
+            found = (tuple(gathered_form(param).shape), param.dtype, param.requires_grad)
             expected = (tuple(slot.shape), layout.dtype, layout.requires_grad)
             if found != expected:
                 who = (f"param_init_fn {function_name(param_init_fn)}"

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.frontends.dtensor_cases import _both
 from tests.frontends.parity_cases import dialect
 from tests.world import device, run_case_table
 
-WHICH = ("native", "ours")
 STEPS = 4
 GLOBAL_BATCH = 8
 DIM = 16
@@ -76,11 +76,13 @@ def _global_mean(value: float, world: int) -> float:
     return t.item() / world
 
 
-def _train(model, rank, world, use_aux_on, micro_steps=1):
-    """AdamW with weight decay (it moves a parameter with a zero gradient, not one without);
-    the loss of step s uses the branch when `use_aux_on(s, micro)` is true. Returns losses,
-    the names holding a gradient after each step's backward, and the final full parameters."""
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+def _train(model, rank, world, use_aux_on, micro_steps=1, loss_of=None, optimizer=None):
+    """AdamW with weight decay by default (it moves a parameter with a zero gradient, not one
+    without); the loss of step s uses the branch when `use_aux_on(s, micro)` is true, or is
+    `loss_of(model, x)`. Returns losses, the names holding a gradient after each step's
+    backward, and the final full parameters."""
+    optim = (optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)))(
+        model.parameters())
     losses, with_grad = [], []
     for step in range(STEPS):
         x = _batch(step, rank, world)
@@ -89,7 +91,8 @@ def _train(model, rank, world, use_aux_on, micro_steps=1):
             last = micro == micro_steps - 1
             if micro_steps > 1 and hasattr(model, "set_requires_gradient_sync"):
                 model.set_requires_gradient_sync(last)
-            loss = model(chunk, use_aux=use_aux_on(step, micro)).pow(2).mean() / micro_steps
+            loss = (loss_of(model, chunk) if loss_of is not None else
+                    model(chunk, use_aux=use_aux_on(step, micro)).pow(2).mean()) / micro_steps
             loss.backward()
             losses.append(_global_mean(loss.item(), world))
         with_grad.append(sorted(n for n, p in model.named_parameters() if p.grad is not None))
@@ -119,19 +122,9 @@ def accumulation(which, rank, world):
 def partial_forwards(which, rank, world):
     """Two forwards per step, each through part of the model, one backward of their sum:
     `aux` never runs, `side` does."""
-    model = _shard(which, _model(), aux_unit=True)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    losses, with_grad = [], []
-    for step in range(STEPS):
-        x = _batch(step, rank, world)
-        loss = model(x, use_aux=False).pow(2).mean() + model.side_loss(x)
-        loss.backward()
-        losses.append(_global_mean(loss.item(), world))
-        with_grad.append(sorted(n for n, p in model.named_parameters() if p.grad is not None))
-        optim.step()
-        optim.zero_grad()
-    return {"losses": losses, "with_grad": with_grad,
-            "state": {n: _full(p).detach().cpu().clone() for n, p in model.named_parameters()}}
+    return _train(_shard(which, _model(), aux_unit=True), rank, world, None,
+                  loss_of=lambda model, x: model(x, use_aux=False).pow(2).mean()
+                  + model.side_loss(x))
 
 
 def rank_dependent(rank, world):
@@ -363,27 +356,10 @@ def all_reduce_hook(which, rank, world):
         reduced.mul_(0.5)
 
     model.trunk.set_all_reduce_hook(hook)
-    optim = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step in range(STEPS):
-        loss = model(_batch(step, rank, world)).pow(2).mean()
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        losses.append(_global_mean(loss.item(), world))
-    return {"losses": losses, "seen": seen,
-            "state": {n: _full(p).detach().cpu().clone() for n, p in model.named_parameters()}}
-
-
-def _both(fn, *args, **kwargs):
-    def run(rank, world):
-        out = {}
-        for which in WHICH:
-            torch.manual_seed(0)
-            out[which] = fn(which, rank, world, *args, **kwargs)
-            dist.barrier()
-        return out
-    return run
+    out = _train(model, rank, world, lambda s, m: True,
+                 optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    out["seen"] = seen
+    return out
 
 
 def _with_reference(fn, use_aux_on, **kwargs):
