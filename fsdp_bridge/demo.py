@@ -33,6 +33,8 @@ def add_arguments(parser) -> None:
                         help="the YaFSDP script of part 2 (default: the one shipped, "
                              "fsdp_bridge/examples/yafsdp_llama.py)")
     parser.add_argument("--out", help="folder for the rewrites and the plot (default: a temp dir)")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress on stderr (it is drawn only on a terminal anyway)")
 
 
 def _load_example(path: Path):
@@ -82,7 +84,8 @@ def run(args) -> int:
         from fsdp_bridge.harness.demo_flow import run_demo_flow
 
         print("== 1. fsdp-bridge migrate, then compare-scripts: the rewrites against the original ==")
-        codes.append(run_demo_flow(nproc=args.nproc, steps=args.migrate_steps, out_dir=args.out))
+        codes.append(run_demo_flow(nproc=args.nproc, steps=args.migrate_steps, out_dir=args.out,
+                                   quiet=args.quiet))
     if args.only in (None, "yafsdp"):
         print("\n== 2. The YaFSDP example on our engine, beside a single-process reference ==")
         codes.append(run_yafsdp(args))
@@ -93,6 +96,9 @@ def run_yafsdp(args) -> int:
     example = _load_example(args.example)
     print(f"Training {args.example.name} through fsdp_bridge.ya_fsdp.YaFSDP on {args.nproc} "
           f"CPU ranks (gloo), and a single-process reference on the same global batches...")
+    from fsdp_bridge.progress import note
+
+    note(f"demo: training on {args.nproc} ranks ({args.steps} steps)...", args.quiet)
     ours = sharded_losses(args.example, args.steps, args.nproc)
     reference = reference_losses(example, args.steps)
     if len(ours) != args.steps:

@@ -37,7 +37,9 @@ def migrate_copy(example: str, target: str, out_dir: str) -> str:
 
 
 def run_demo_flow(example: str = EXAMPLE, nproc: int = 2, steps: int = 3,
-                  out_dir: Optional[str] = None, show: Callable[[str], None] = print) -> int:
+                  out_dir: Optional[str] = None, show: Callable[[str], None] = print,
+                  quiet: bool = False) -> int:
+    from fsdp_bridge import progress
     from fsdp_bridge.harness.compare import tolerance_for
     from fsdp_bridge.harness.report import render_table, save_plot
     from fsdp_bridge.harness.scripts import compare_scripts
@@ -47,8 +49,11 @@ def run_demo_flow(example: str = EXAMPLE, nproc: int = 2, steps: int = 3,
     rewrites = [migrate_copy(example, target, out_dir) for target in TARGETS]
     for target, path in zip(TARGETS, rewrites):
         show(f"migrated --to {target}: {path}")
-    report = compare_scripts(example, rewrites, nproc=nproc, args=["--steps", str(steps)],
-                             tolerance=tolerance_for("fp32"))
+    # The original runs twice (its determinism is checked), then each rewrite once.
+    with progress.bar(2 + len(rewrites), "demo: script runs", "run", quiet) as runs_done:
+        report = compare_scripts(example, rewrites, nproc=nproc, args=["--steps", str(steps)],
+                                 tolerance=tolerance_for("fp32"),
+                                 on_run=lambda run: runs_done.update(1))
     show(render_table(report))
     for error in report.errors:
         show(f"error: {error}")
