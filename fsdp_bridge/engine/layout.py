@@ -19,6 +19,9 @@ from fsdp_bridge.plan import Plan
 
 # On a DTensor parameter a front-end sharded: its GatheredForm (see below).
 GATHERED_FORM = "_fsdp_bridge_gathered_form"
+# On each local parameter: a weakref to its ShardedModel (see ownership.py); here so that the
+# rollback can recognise the engine's parameters without importing the runtime.
+OWNER_ATTRIBUTE = "_fsdp_bridge_owner"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,10 +15,10 @@ from typing import Optional
 
 import torch
 
+from fsdp_bridge.engine.layout import OWNER_ATTRIBUTE
 from fsdp_bridge.engine.row_group import RowGroup
 from fsdp_bridge.engine.runtime import ShardedModel
 
-OWNER_ATTRIBUTE = "_fsdp_bridge_owner"  # on each local parameter: weakref to its ShardedModel
 ATTRIBUTE = "_fsdp_bridge"  # on each sharded module: its ShardedModel
 
 

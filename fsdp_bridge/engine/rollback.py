@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from fsdp_bridge.engine.ownership import OWNER_ATTRIBUTE
+from fsdp_bridge.engine.layout import OWNER_ATTRIBUTE
 
 _ACTIVE: dict[int, "WrapRecord"] = {}  # id(model) -> the record of the wrap under way
 
