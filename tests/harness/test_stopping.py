@@ -37,11 +37,19 @@ def _running(pid: int) -> bool:
     return text[text.rindex(")") + 2] != "Z"
 
 
-def _survivors(session: int, tag: str) -> list[int]:
-    found = set(_pgrep("-s", str(session)))
-    if tag:
-        found |= set(_pgrep("-f", tag))
-    return sorted(pid for pid in found if _running(pid))
+def _survivors(session: int, tag: str, grace: float = 5.0) -> list[int]:
+    """Processes of the session (or tagged) still running once `grace` seconds have passed: a
+    rank killed as the command returns may still be tearing down its memory (its command line
+    already empty) for a moment on a loaded machine."""
+    deadline = time.monotonic() + grace
+    while True:
+        found = set(_pgrep("-s", str(session)))
+        if tag:
+            found |= set(_pgrep("-f", tag))
+        left = sorted(pid for pid in found if _running(pid))
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 def _command(pid: int) -> str:
