@@ -10,8 +10,10 @@ depends on what `model` is. A receiver is *proven* when scope analysis (libcst's
 shows every assignment that can reach it is `FSDP(...)`, or one top-level `model = FSDP(...)` in
 the same function follows all other assignments and precedes the use. `self.x` is proven when
 every `self.x = ...` in the class assigns `FSDP(...)` (or None). A receiver whose *name* is
-assigned from `FSDP(...)` somewhere else in the file, or passed to one of FSDP1's static methods
-(`FSDP.state_dict_type(model, ...)`), is *maybe* one: its calls go through runtime helpers that
+assigned from `FSDP(...)` somewhere else in the file, passed to one of FSDP1's static methods
+(`FSDP.state_dict_type(model, ...)`), a parameter annotated with the FSDP1 class, or a parameter
+that a call in this file passes one of those names to (`accumulate(model, batches)` reaching
+`def accumulate(wrapped, ...)`), is *maybe* one: its calls go through runtime helpers that
 check `isinstance` when the script runs. Other receivers are not touched: importing FSDP does not
 make every `x.state_dict()` of the file an FSDP1 model's (it may be a DDP model, a scheduler, or
 a module already sharded with `fully_shard`, whose state dict the helper would make full).
@@ -25,7 +27,8 @@ import libcst as cst
 from libcst.helpers import get_full_name_for_node
 from libcst.metadata import ScopeProvider
 
-from fsdp_bridge.codemods.helpers import dotted, is_literal
+from fsdp_bridge.codemods.fsdp1 import STATE_DICT_TYPE_PARAMS
+from fsdp_bridge.codemods.helpers import call_arguments, dotted, is_literal
 from fsdp_bridge.codemods.names import FSDP1, FSDP2_MARKERS, FSDP2_NAMES, FSDP_MODULES, STATE_DICT_TYPE
 
 PROVEN, MAYBE = "proven", "maybe"
@@ -39,8 +42,10 @@ class FileFacts(cst.CSTVisitor):
         self.names: list[cst.BaseExpression] = []  # every Name and Attribute
         self.assigns: list[tuple[cst.BaseSmallStatement, cst.ClassDef | None]] = []  # and the class it is in
         self.function_bodies: list[Sequence[cst.BaseStatement]] = []
+        self.functions: list[cst.FunctionDef] = []
         self.withs: list[cst.With] = []
         self.attribute_calls: list[cst.Call] = []
+        self.name_calls: list[cst.Call] = []  # `f(...)`: calls of a plain name
         self.branch_imports = False  # an import inside an `if`/`try` (conditional or fallback)
         self.imported_modules: set[str] = set()  # `a.b` of `import a.b` and `from a.b import c`
         self._classes: list[cst.ClassDef] = []
@@ -64,6 +69,7 @@ class FileFacts(cst.CSTVisitor):
         self._classes.pop()
 
     def visit_FunctionDef(self, node) -> None:
+        self.functions.append(node)
         if isinstance(node.body, cst.IndentedBlock):
             self.function_bodies.append(node.body.body)
 
@@ -73,6 +79,8 @@ class FileFacts(cst.CSTVisitor):
     def visit_Call(self, node) -> None:
         if isinstance(node.func, cst.Attribute):
             self.attribute_calls.append(node)
+        elif isinstance(node.func, cst.Name):
+            self.name_calls.append(node)
 
     def _enter(self, node) -> None:
         self._branches += 1
@@ -101,6 +109,11 @@ class FactsMixin:
         self.wrapped_names: set[str] = set()  # "model", "self.model": assigned from FSDP(...) somewhere in this file
         # "model": passed as the module to an FSDP1 static method (state_dict_type, optim_state_dict...)
         self.fsdp1_arguments: set[str] = set()
+        # "wrapped": a parameter annotated with the FSDP1 class, or passed one of the names above
+        # by a call in this file (`accumulate(model, ...)` after `model = FSDP(...)`)
+        self.fsdp1_parameters: set[str] = set()
+        self.assigned_values: dict[int, cst.BaseExpression] = {}  # id(Name target) -> value of `x = value`
+        self.config_arguments: set[int] = set()  # ids of the config arguments of state_dict_type calls
         self.fsdp_targets: set[int] = set()  # ids of the Name targets of `x = FSDP(...)`
         self.top_level_targets: set[int] = set()  # ... of those that are a top-level statement of their scope
         self.class_attributes: dict = {}  # id(ClassDef) -> `self.x` names only ever assigned FSDP(...)
@@ -131,6 +144,7 @@ class FactsMixin:
                           or bool(self.names_in_file & FSDP2_MARKERS))
         self._note_assignments(node, facts)
         self._note_state_dict_types(facts)
+        self._note_parameters(facts)
         if facts.branch_imports:
             self.remove_unused_imports = False  # an import in a branch: removing it may empty the branch
 
@@ -139,6 +153,8 @@ class FactsMixin:
         for assign, cls in facts.assigns:
             targets = [t.target for t in assign.targets] if isinstance(assign, cst.Assign) else [assign.target]
             self.store_targets.update(id(t) for t in targets)
+            if isinstance(assign, cst.Assign) and assign.value is not None:
+                self.assigned_values.update((id(t), assign.value) for t in targets if isinstance(t, cst.Name))
             is_fsdp = isinstance(assign.value, cst.Call) and self.fsdp(assign.value.func) == FSDP1
             if is_fsdp:
                 self.wrapped_names.update(d for d in map(dotted, targets) if d)
@@ -160,6 +176,10 @@ class FactsMixin:
                                               if isinstance(item.item, cst.Call)
                                               and self.fsdp(item.item.func) == STATE_DICT_TYPE)
         for call in facts.attribute_calls:
+            if self.fsdp(call.func) == STATE_DICT_TYPE:
+                bound = call_arguments(call, STATE_DICT_TYPE_PARAMS) or {}
+                self.config_arguments.update(id(bound[name].value) for name in STATE_DICT_TYPE_PARAMS[2:]
+                                             if name in bound)
             if (self.fsdp(call.func) or "").startswith(FSDP1 + ".") and call.args and not call.args[0].keyword:
                 name = dotted(call.args[0].value)
                 if name is not None:
@@ -167,6 +187,35 @@ class FactsMixin:
         self.runtime_state_dict_type = any(
             self.fsdp(call.func) == STATE_DICT_TYPE and id(call) not in self.state_dict_type_items
             for call in facts.attribute_calls)
+
+    def _note_parameters(self, facts: FileFacts) -> None:
+        """Parameters that may hold an FSDP1 model: annotated with the FSDP1 class, or passed a
+        name that may hold one by a call in this file to a function of that name (`self.f(...)`
+        for methods), followed through such calls until nothing new is found."""
+        functions: dict[str, list[cst.FunctionDef]] = {}
+        for function in facts.functions:
+            functions.setdefault(function.name.value, []).append(function)
+            self.fsdp1_parameters.update(
+                param.name.value for param in _parameters(function)
+                if param.annotation is not None and self._names_fsdp1(param.annotation.annotation))
+        calls = [(call, call.func.value, False) for call in facts.name_calls if call.func.value in functions]
+        calls += [(call, call.func.attr.value, True) for call in facts.attribute_calls
+                  if call.func.attr.value in functions and dotted(call.func.value) == "self"]
+        while True:
+            known = self.wrapped_names | self.fsdp1_arguments | self.fsdp1_parameters
+            found = {name for call, function_name, is_method in calls for function in functions[function_name]
+                     for name in _receiving(function, call, is_method, known)}
+            if found <= self.fsdp1_parameters:
+                return
+            self.fsdp1_parameters |= found
+
+    def _names_fsdp1(self, annotation: cst.BaseExpression) -> bool:
+        """`FSDP`, `Optional[FSDP]`, `Union[FSDP, DDP]`... (any name in it that is the FSDP1 class)."""
+        if self.fsdp(annotation) == FSDP1:
+            return True
+        return isinstance(annotation, cst.Subscript) and any(
+            isinstance(element.slice, cst.Index) and self._names_fsdp1(element.slice.value)
+            for element in annotation.slice)
 
     def _note_self_attributes(self, cls: cst.ClassDef, assign: cst.Assign, is_fsdp: bool) -> None:
         """Track `self.x` only ever assigned `FSDP(...)` (or None) in this class."""
@@ -193,7 +242,8 @@ class FactsMixin:
         if (isinstance(node, cst.Attribute) and dotted(node.value) == "self" and self.classes
                 and node.attr.value in self.class_attributes.get(id(self.classes[-1]), ())):
             return PROVEN
-        return MAYBE if name in self.wrapped_names or name in self.fsdp1_arguments else None
+        maybe = name in self.wrapped_names or name in self.fsdp1_arguments or name in self.fsdp1_parameters
+        return MAYBE if maybe else None
 
     def _proven_name(self, node: cst.Name) -> bool:
         if not self.fsdp_targets:
@@ -216,6 +266,23 @@ class FactsMixin:
             isinstance(getattr(r, "node", None), cst.CSTNode) and 0 < self.line_of(r.node) < line for r in others
         )
 
+    def literal_value(self, node: cst.BaseExpression) -> cst.BaseExpression | None:
+        """The value of `name = value` for a `name` passed as a state_dict_type config, when that
+        is the only assignment of the name that can reach `node` (libcst's scopes) and every use
+        of the name is such an argument, so nothing can change the object before it is read;
+        None otherwise (another assignment, an attribute set, the object passed elsewhere)."""
+        scope = self.get_metadata(ScopeProvider, node, None) if isinstance(node, cst.Name) else None
+        if scope is None:
+            return None
+        referents = {r for access in scope.accesses[node.value] if access.node is node for r in access.referents}
+        if len(referents) != 1:
+            return None
+        (assignment,) = referents
+        value = self.assigned_values.get(id(getattr(assignment, "node", None)))
+        if value is None or any(id(use.node) not in self.config_arguments for use in assignment.references):
+            return None
+        return value
+
     def fresh(self, base: str) -> str:
         """A name not yet used in the file, for a loop variable the rewrite introduces."""
         name, index = base, 1
@@ -223,3 +290,27 @@ class FactsMixin:
             name, index = f"{base}_{index}", index + 1
         self.names_in_file.add(name)
         return name
+
+
+def _parameters(function: cst.FunctionDef) -> list[cst.Param]:
+    params = function.params
+    return [*params.posonly_params, *params.params, *params.kwonly_params]
+
+
+def _receiving(function: cst.FunctionDef, call: cst.Call, is_method: bool, known: set[str]) -> set[str]:
+    """The parameters of `function` that `call` passes one of the `known` names to."""
+    positional = [*function.params.posonly_params, *function.params.params][1 if is_method else 0:]
+    by_keyword = {param.name.value for param in _parameters(function)}
+    names = set()
+    for index, arg in enumerate(call.args):
+        if arg.star:
+            if arg.star == "*":
+                positional = []  # positions after a *args are unknown
+            continue
+        if dotted(arg.value) not in known:
+            continue
+        if arg.keyword is None and index < len(positional):
+            names.add(positional[index].name.value)
+        elif arg.keyword is not None and arg.keyword.value in by_keyword:
+            names.add(arg.keyword.value)
+    return names

@@ -69,10 +69,13 @@ CONSTRUCTOR_AT_RUN_TIME = _rule("FB101", "FSDP(...) with values known at run tim
     same arguments; the runtime helper translates them when the script runs.""")
 NO_SYNC = _rule("FB102", "no_sync()", (FSDP2,), """
     `with model.no_sync():` becomes `set_requires_gradient_sync(False)` before a `try` whose
-    `finally` sets it back to True; other calls of `no_sync()` go through `fsdp1_no_sync`.""")
+    `finally` sets it back to True where the receiver is proven to be the wrapped model; other
+    calls of `no_sync()` on a receiver that may be one go through `fsdp1_no_sync`; on any other
+    receiver (a DDP model) the call is left as it was.""")
 CLIP_GRAD_NORM = _rule("FB103", "clip_grad_norm_()", (FSDP2,), """
     `model.clip_grad_norm_(...)` becomes `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`
-    where the receiver is proven to be the wrapped model, `fsdp1_clip_grad_norm_` elsewhere.""")
+    where the receiver is proven to be the wrapped model, `fsdp1_clip_grad_norm_` where it may be
+    one; any other receiver is flagged as FB215.""")
 STATE_DICT = _rule("FB104", "state dicts", (FSDP2,), """
     `with FSDP.state_dict_type(...)` blocks, `model.state_dict()` / `load_state_dict()` and
     `FSDP.optim_state_dict*` become `torch.distributed.checkpoint.state_dict` calls with
@@ -83,9 +86,12 @@ FSDP2_TYPE_CHECK = _rule("FB105", "isinstance and annotations, FSDP2", (FSDP2,),
 MODULE_ATTRIBUTE = _rule("FB106", "model.module", (FSDP2, YAFSDP), """
     `model.module` becomes `model` where `model` is proven to hold the wrapper (neither fully_shard
     nor YaFSDP leaves a `.module`), `fsdp1_unwrap(model)` where it may.""")
-RUNTIME_HELPER = _rule("FB107", "FSDP1 API served by a runtime helper", (FSDP2,), """
-    `FSDP.fsdp_modules`, `FSDP.scatter_full_optim_state_dict` and `model.no_sync` used as a value
-    become calls of the runtime helpers that give the same result for FSDP2 modules.""")
+RUNTIME_HELPER = _rule("FB107", "FSDP1 API with no one-call FSDP2 form", (FSDP2,), """
+    `FSDP.fsdp_modules(model)` becomes a list of the `FSDPModule`s in `model.modules()` where the
+    migrated tree keeps no FSDP1 constructor, `fsdp1_fsdp_modules` (which finds FSDP1 wrappers
+    too) where it does or cannot be known; `FSDP.scatter_full_optim_state_dict` and
+    `model.no_sync` used as a value become calls of the runtime helpers that give the same
+    result for FSDP2 modules.""")
 DROPPED_COMMENT = _rule("FB110", "comment on a dropped argument", (FSDP2, YAFSDP), """
     An FSDP1 argument the new call does not take carried a comment: the comment moves into a
     TODO above the statement, so nothing the user wrote is lost.""")
@@ -136,9 +142,10 @@ INEXACT_STATE_DICT_OPTIONS = _rule("FB214", "state-dict config DCP cannot expres
     differ: DCP's `cpu_offload` means both at once, so the block is translated with the closer
     option and a TODO says where the state dict now lives.""")
 CLIP_ELSEWHERE = _rule("FB215", "clip_grad_norm_ of a model wrapped elsewhere", (FSDP2,), """
-    `model.clip_grad_norm_(max_norm)` in a file that imports no FSDP class: FSDP1's method on a
-    model wrapped in another file; fully_shard modules have none, so the call is flagged with
-    the torch.nn.utils form to use.""")
+    `model.clip_grad_norm_(max_norm)` in a file that imports no FSDP class, or on a receiver the
+    file does not show to hold an FSDP1 model: FSDP1's method on a model wrapped in another
+    file; fully_shard modules have none, so the call is flagged with the torch.nn.utils form to
+    use.""")
 OTHER_FSDP1_USE = _rule("FB299", "any other FSDP1 API use", (FSDP2, YAFSDP), """
     An FSDP1 name used in a way no rule translates (passed on as a class, an unknown static
     method, arguments outside the translated forms).""")

@@ -23,6 +23,7 @@ from fsdp_bridge.codemods.helpers import (
     dotted,
     keyword_arg,
     leftmost,
+    parse_expr,
     unwrap_with,
 )
 from fsdp_bridge.codemods.names import DCP, FSDP1, RUNTIME_MODULE, STATE_DICT_METHODS, STATE_DICT_TYPE
@@ -133,9 +134,7 @@ class StateDictRules:
                       "no automatic FSDP2 translation for this FSDP1 API (or for these arguments)")
             return updated
         if method == "fsdp_modules":
-            return self._runtime_call(original, updated, rules.RUNTIME_HELPER, "fsdp1_fsdp_modules", args,
-                                      "the FSDP2 modules (FSDPModule) under the module, and any FSDP1 wrappers a "
-                                      "constructor left untranslated still builds")
+            return self._fsdp_modules(original, updated, args)
         if method == "scatter_full_optim_state_dict":
             return self._runtime_call(original, updated, rules.RUNTIME_HELPER,
                                       "fsdp1_scatter_full_optim_state_dict", args,
@@ -154,13 +153,11 @@ class StateDictRules:
             else:
                 options = self._optim_options()
             if options is not None:
-                args = [*args, keyword_arg("options", options)]
-                self.need(DCP, "StateDictOptions")
+                args = [*args, self._options_arg(options)]
             return self._runtime_call(original, updated, rules.STATE_DICT, "fsdp1_optim_state_dict", args, why)
         # optim_state_dict_to_load
         if not runtime_options:
-            args = [*args, keyword_arg("options", self._optim_options())]
-            self.need(DCP, "StateDictOptions")
+            args = [*args, self._options_arg(self._optim_options())]
         return self._runtime_call(original, updated, rules.STATE_DICT, "fsdp1_optim_state_dict_to_load", args,
                                   "loads the state through set_optimizer_state_dict and returns the "
                                   "loaded optimizer state")
@@ -188,6 +185,24 @@ class StateDictRules:
         return [new_by_old[id(bound[name])].with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT)
                 for name in wanted]
 
+    def _fsdp_modules(self, original: cst.Call, updated: cst.Call, args: list[cst.Arg]) -> cst.BaseExpression:
+        """`FSDP.fsdp_modules(model)` (root_only=False): the FSDPModules among `model.modules()`,
+        in that order as FSDP1's, where no constructor left in the tree builds FSDP1 wrappers;
+        the helper, which finds those too, where one may."""
+        module = args[0].value
+        if not isinstance(module, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)) or not self.tree_keeps_no_fsdp1():
+            return self._runtime_call(original, updated, rules.RUNTIME_HELPER, "fsdp1_fsdp_modules", args,
+                                      "the FSDP2 modules (FSDPModule) under the module, and the FSDP1 wrappers "
+                                      "that constructors left as FSDP1 (here or in other files) still build")
+        self.site(rules.RUNTIME_HELPER, IN_PLACE, original, code(original.func) + "(...)",
+                  "the FSDPModule instances among the module's modules(), in the same order; no constructor "
+                  "left in the migrated tree builds FSDP1 wrappers")
+        self.need("torch.distributed.fsdp", "FSDPModule")
+        self.drop_import_of(original.func)
+        source = code(module)
+        unit = next(name for name in ("submodule", "unit", "fsdp_module") if name not in source)
+        return parse_expr(f"[{unit} for {unit} in {source}.modules() if isinstance({unit}, FSDPModule)]")
+
     def _runtime_call(self, original, updated, rule: str, helper: str, args: list[cst.Arg], reason: str) -> cst.Call:
         self.site(rule, RUNTIME, original, code(original.func) + "(...)", reason)
         self.need(RUNTIME_MODULE, helper)
@@ -199,16 +214,21 @@ class StateDictRules:
         current = self.current_state_dict_block()
         if current is not None:
             return current[2]
-        self.need(DCP, "StateDictOptions")
         return "StateDictOptions(full_state_dict=True)"  # FSDP1's default state-dict type is FULL
 
     def _dcp_call(self, original, updated, function: str, args: list[cst.Arg], options: str) -> cst.Call:
         self.site(rules.STATE_DICT, IN_PLACE, original, code(original.func) + "(...)",
                   f"{function} from torch.distributed.checkpoint.state_dict")
         self.need(DCP, function)
-        self.need(DCP, "StateDictOptions")
         self.drop_import_of(original.func)
-        return call_like(cst.Name(function), [*args, keyword_arg("options", options)], updated)
+        return call_like(cst.Name(function), [*args, self._options_arg(options)], updated)
+
+    def _options_arg(self, options: str) -> cst.Arg:
+        """`options=...`, importing StateDictOptions where the code names it (not where a runtime
+        helper builds the options)."""
+        if options.startswith("StateDictOptions("):
+            self.need(DCP, "StateDictOptions")
+        return keyword_arg("options", options)
 
     # -- model.state_dict() / load_state_dict() -------------------------------------------
 
@@ -242,21 +262,22 @@ class StateDictRules:
         if strict is not None:  # StateDictOptions takes it: strict=... goes into the options
             options_of_block = f"{options_of_block[:-1]}, strict={code(strict.value)})"
             block = block and (block[0], options_of_block, block[2])
-        if kind == PROVEN and (block is not None or not self.runtime_state_dict_type):
+        # The block's own model holds FSDP modules: FSDP1's state_dict_type(model) completes only
+        # on one that does (see `_state_dict_context`).
+        if block is not None or (kind == PROVEN and not self.runtime_state_dict_type):
             # Outside a state_dict_type block FSDP1 gives a full state dict; FSDP2 would give DTensors.
             function = "get_model_state_dict" if method == "state_dict" else "set_model_state_dict"
             return self._dcp_call(original, updated, function, args, options_of_block)
-        if strict is not None and block is None:
+        if strict is not None:
             args.append(strict)
         helper = "fsdp1_state_dict" if method == "state_dict" else "fsdp1_load_state_dict"
-        if block is not None:
-            args.append(keyword_arg("options", block[1]))
-            self.need(DCP, "StateDictOptions")
-            why = "the block's options, applied if the receiver turns out to hold FSDP2 modules"
+        if kind == PROVEN:
+            why = "the model is an FSDP module, but a state_dict_type context held in a variable may set its options"
         else:
-            why = "the options of an active fsdp1_state_dict_type context, FSDP1's FULL default otherwise"
-        reason = (f"{receiver} is not proven to be the wrapped model here: " if kind != PROVEN else "") + \
-            f"{helper}() checks for FSDP2 modules at run time ({why})"
+            why = (f"{receiver} is not proven to be the wrapped model here (it may be a DDP or plain module, "
+                   "whose own state dict stays)")
+        reason = f"{helper}() checks for FSDP2 modules at run time: {why}; it uses the options of an active " \
+            "fsdp1_state_dict_type context, FSDP1's FULL default otherwise"
         self.site(rules.STATE_DICT, RUNTIME, original, f"{receiver}.{method}(...)", reason)
         self.need(RUNTIME_MODULE, helper)
         return call_like(cst.Name(helper), args, updated)
@@ -279,16 +300,25 @@ class StateDictRules:
                 continue
             if self.fsdp(call.func) == STATE_DICT_TYPE:
                 self._with_node = node
-                context = self._state_dict_context(call)
-                if context is None or item.asname is not None or configures_elsewhere(node, context[0], self.fsdp):
-                    context = KEPT
-                self.state_dict_blocks[-1] = context
+                args = call_arguments(call, STATE_DICT_TYPE_PARAMS) or {}
+                model = dotted(args["module"].value) if "module" in args else None
+                # A kept block is decided first: its configs are not translated (nor flagged as inexact).
+                kept = item.asname is not None or configures_elsewhere(node, model, self.fsdp)
+                context = None if kept else self._state_dict_context(call)
+                self.state_dict_blocks[-1] = KEPT if context is None else context
 
     def leave_state_dict_block(self):
         return self.state_dict_blocks.pop()
 
     def _state_dict_context(self, call: cst.Call):
-        """(model name, model options code, optimizer options code) for a state_dict_type call."""
+        """(model name, model options code, optimizer options code) for a state_dict_type call.
+
+        Inside the block, the model's own state-dict calls become `get_/set_model_state_dict`
+        whatever the model's receiver kind: torch's `state_dict_type(module)` sets the type on
+        each FSDP1 module under `module` and, on leaving, restores the type it found on them;
+        under a module holding none it finds none and the restore raises (KeyError: None), so a
+        block that ran to its end was given a module holding FSDP modules. DCP's functions take
+        FSDP1 and FSDP2 modules alike, for a model built in a file left as FSDP1 too."""
         args = call_arguments(call, STATE_DICT_TYPE_PARAMS)
         if args is None or "state_dict_type" not in args or "module" not in args:
             return None
@@ -302,8 +332,8 @@ class StateDictRules:
             full = kind == "StateDictType.FULL_STATE_DICT"
             model_arg = args.get("state_dict_config")
             optim_arg = args.get("optim_state_dict_config")
-            model_cfg = state_dict_config(model_arg and model_arg.value, self.fsdp, False)
-            optim_cfg = state_dict_config(optim_arg and optim_arg.value, self.fsdp, True)
+            model_cfg = state_dict_config(self._config_value(model_arg), self.fsdp, False)
+            optim_cfg = state_dict_config(self._config_value(optim_arg), self.fsdp, True)
             if model_cfg is not None and optim_cfg is not None:
                 (model_options, model_problem), (optim_options, optim_problem) = (
                     _options(full, *model_cfg), _options(full, *optim_cfg))
@@ -317,6 +347,13 @@ class StateDictRules:
                            for a in call.args if a is not args["module"])
         return (model, f"fsdp1_state_dict_options({passed})",
                 f"fsdp1_state_dict_options({passed}, for_optimizer=True)")
+
+    def _config_value(self, arg: cst.Arg | None) -> cst.BaseExpression | None:
+        """A config argument as written, or the literal call a variable passed there holds
+        (`cfg = FullStateDictConfig(...)`, see `literal_value`), so both translate alike."""
+        if arg is None:
+            return None
+        return self.literal_value(arg.value) or arg.value
 
     def translate_state_dict_block(self, original: cst.With, updated: cst.With, context):
         """The `with` block left, given what `enter_state_dict_block` pushed for it."""

@@ -3,9 +3,13 @@
 are handed to `state_dict.py`.
 
 FSDP2 modules have no `no_sync()` context: a `with model.no_sync():` on a proven receiver
-becomes `set_requires_gradient_sync(False)` before a `try` whose `finally` restores it; any
-other use goes through `fsdp1_no_sync`, which does the same on FSDP2 modules and calls
-`no_sync()` on anything else.
+becomes `set_requires_gradient_sync(False)` before a `try` whose `finally` restores it; a
+receiver that may be one (see [Note: which receivers are FSDP modules] in `facts.py`) goes
+through `fsdp1_no_sync`, which does the same on FSDP2 modules and calls `no_sync()` on anything
+else; any other receiver keeps its line (DDP's `no_sync()` is the usual one there).
+
+`clip_grad_norm_` differs: no torch module but FSDP1's has that method, so a receiver of
+unknown kind is flagged as in a file that imports no FSDP class (FB215), not left alone.
 """
 
 from __future__ import annotations
@@ -32,28 +36,18 @@ class WrapperMethodRules:
         method = original.func.attr.value
         receiver = dotted(original.func.value)
         if method == "no_sync" and not original.args:
-            if id(original) in self.no_sync_blocks:
-                return updated
+            if id(original) in self.no_sync_blocks or self.receiver(original.func.value) is None:
+                return updated  # expanded with its block, or not an FSDP1 model of this file
             self.site(rules.NO_SYNC, RUNTIME, original, f"{code(original.func)}()",
-                      "fsdp1_no_sync() toggles set_requires_gradient_sync on FSDP2 modules and "
-                      "calls no_sync() on anything else")
+                      f"{self._may_be_fsdp(original.func.value)}: fsdp1_no_sync() toggles "
+                      "set_requires_gradient_sync on FSDP2 modules and calls no_sync() on anything else")
             self.need(RUNTIME_MODULE, "fsdp1_no_sync")
             return cst.Call(func=cst.Name("fsdp1_no_sync"), args=[cst.Arg(updated.func.value)])
         if method not in ("clip_grad_norm_", "summon_full_params", *STATE_DICT_METHODS):
             return updated
         kind = self.receiver(original.func.value)
         if method == "clip_grad_norm_":
-            if kind == PROVEN:
-                self.site(rules.CLIP_GRAD_NORM, IN_PLACE, original, f"{receiver}.clip_grad_norm_(...)",
-                          "torch.nn.utils.clip_grad_norm_ over the parameters (returns a DTensor)")
-                self.need("torch")
-                params = cst.Arg(parse_expr(f"{receiver}.parameters()"))
-                return call_like(parse_expr("torch.nn.utils.clip_grad_norm_"), [params, *updated.args], updated)
-            self.site(rules.CLIP_GRAD_NORM, RUNTIME, original, f"{code(original.func)}(...)",
-                      f"{code(original.func.value)} is not proven to be assigned from FSDP(...) here; "
-                      "fsdp1_clip_grad_norm_ dispatches at run time")
-            self.need(RUNTIME_MODULE, "fsdp1_clip_grad_norm_")
-            return call_like(cst.Name("fsdp1_clip_grad_norm_"), [cst.Arg(updated.func.value), *updated.args], updated)
+            return self._clip_grad_norm(original, updated, kind)
         if method == "summon_full_params":
             if kind is not None:
                 rule, reason = UNTRANSLATED_STATICS[method]
@@ -61,22 +55,55 @@ class WrapperMethodRules:
             return updated
         return self.route_model_state_dict(original, updated, receiver, method, kind)
 
+    def _clip_grad_norm(self, original: cst.Call, updated: cst.Call, kind) -> cst.BaseExpression:
+        receiver = code(original.func.value)
+        if kind == PROVEN:
+            self.site(rules.CLIP_GRAD_NORM, IN_PLACE, original, f"{receiver}.clip_grad_norm_(...)",
+                      "torch.nn.utils.clip_grad_norm_ over the parameters (returns a DTensor)")
+            self.need("torch")
+            params = cst.Arg(parse_expr(f"{receiver}.parameters()"))
+            return call_like(parse_expr("torch.nn.utils.clip_grad_norm_"), [params, *updated.args], updated)
+        if kind is None:
+            # Not an FSDP1 model of this file, yet only FSDP1 modules have this method: the model
+            # may be wrapped in another file, so flag it as where no FSDP class is imported.
+            self.flag_clip_elsewhere(original, "this file does not wrap (it may be wrapped elsewhere)")
+            return updated
+        self.site(rules.CLIP_GRAD_NORM, RUNTIME, original, f"{code(original.func)}(...)",
+                  f"{self._may_be_fsdp(original.func.value)}: fsdp1_clip_grad_norm_() clips an FSDP2 module's "
+                  "parameters with torch.nn.utils (a plain tensor back, as FSDP1's) and calls the method on "
+                  "anything else")
+        self.need(RUNTIME_MODULE, "fsdp1_clip_grad_norm_")
+        return call_like(cst.Name("fsdp1_clip_grad_norm_"), [cst.Arg(updated.func.value), *updated.args], updated)
+
+    def _may_be_fsdp(self, node: cst.BaseExpression) -> str:
+        """Why a receiver goes through a runtime helper: it may be an FSDP model, or not."""
+        return (f"{code(node)} may hold an FSDP model or another object (it is not proven to be "
+                "assigned from FSDP(...) here)")
+
     def check_method_elsewhere(self, original: cst.Call) -> None:
         """`model.clip_grad_norm_(max_norm)` in a file that imports no FSDP class: the model is
         wrapped in another file, and fully_shard modules have no such method."""
+        if original.func.attr.value == "clip_grad_norm_" and not self.names_fsdp:
+            self.flag_clip_elsewhere(original, "wrapped elsewhere")
+
+    def flag_clip_elsewhere(self, original: cst.Call, why: str) -> None:
+        """FB215 on FSDP1's `model.clip_grad_norm_(max_norm)` (not on accelerate's, AMP's...,
+        which are named so or take the parameters first)."""
         owner = (dotted(original.func.value) or "").split(".")[-1]
         first = original.args[0].value if original.args else None
         takes_parameters = isinstance(first, cst.Call) and (dotted(first.func) or "").endswith("parameters")
-        if (original.func.attr.value != "clip_grad_norm_" or not owner or takes_parameters
-                or NOT_FSDP1_CLIP.search(owner) or self.names_fsdp):
+        if not owner or takes_parameters or NOT_FSDP1_CLIP.search(owner):
             return
         self.todo(rules.CLIP_ELSEWHERE, original, f"{code(original.func)}(...)",
-                  "FSDP1's clip_grad_norm_ on a model wrapped elsewhere: fully_shard modules have no such "
+                  f"FSDP1's clip_grad_norm_ on a model {why}: fully_shard modules have no such "
                   f"method; use torch.nn.utils.clip_grad_norm_({code(original.func.value)}.parameters(), ...) "
                   "(it returns a DTensor: call .full_tensor() for a plain number)")
 
     def translate_no_sync_reference(self, original: cst.Attribute, updated: cst.Attribute):
-        """`model.no_sync` as a value -> `functools.partial(fsdp1_no_sync, model)`."""
+        """`model.no_sync` as a value -> `functools.partial(fsdp1_no_sync, model)` (the receiver
+        as for a call: left where it is not an FSDP1 model of this file)."""
+        if self.receiver(original.value) is None:
+            return updated
         self.site(rules.RUNTIME_HELPER, RUNTIME, original, f"{code(original)} (not called)", "a method reference: "
                   "functools.partial(fsdp1_no_sync, ...) gives the same context manager")
         self.need(RUNTIME_MODULE, "fsdp1_no_sync")
