@@ -171,6 +171,8 @@ class StateDictRules:
         default = 3 if method.endswith("_load") else 2
         required = {"fsdp_modules": 1, "scatter_full_optim_state_dict": 2}.get(method, default)
         wanted = [*signature[:required]] + (["optim"] if method == "scatter_full_optim_state_dict" else [])
+        if method == "fsdp_modules" and "root_only" in bound and code(bound["root_only"].value) != "False":
+            wanted.append("root_only")  # fsdp1_fsdp_modules takes it
         defaults = {"root_only": "False", "optim_state_dict": "None", "group": "None", "optim_input": "None",
                     "is_named_optimizer": "False", "load_directly": "False", "rank0_only": "True"}
         if method == "optim_state_dict":
@@ -181,8 +183,10 @@ class StateDictRules:
         if any(name not in bound for name in wanted):
             return None
         new_by_old = {id(old): new for old, new in zip(original.args, updated.args)}
-        # The argument nodes themselves (their line comments with them), made positional.
-        return [new_by_old[id(bound[name])].with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT)
+        # The argument nodes themselves (their line comments with them), made positional but for
+        # root_only (last, and clearer by name).
+        return [new_by_old[id(bound[name])] if name == "root_only" else
+                new_by_old[id(bound[name])].with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT)
                 for name in wanted]
 
     def _fsdp_modules(self, original: cst.Call, updated: cst.Call, args: list[cst.Arg]) -> cst.BaseExpression:
@@ -190,10 +194,12 @@ class StateDictRules:
         in that order as FSDP1's, where no constructor left in the tree builds FSDP1 wrappers;
         the helper, which finds those too, where one may."""
         module = args[0].value
-        if not isinstance(module, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)) or not self.tree_keeps_no_fsdp1():
+        if (len(args) > 1 or not isinstance(module, (cst.Name, cst.Attribute, cst.Call, cst.Subscript))
+                or not self.tree_keeps_no_fsdp1()):
             return self._runtime_call(original, updated, rules.RUNTIME_HELPER, "fsdp1_fsdp_modules", args,
                                       "the FSDP2 modules (FSDPModule) under the module, and the FSDP1 wrappers "
-                                      "that constructors left as FSDP1 (here or in other files) still build")
+                                      "that constructors left as FSDP1 (here or in other files) still build; "
+                                      "root_only=True keeps the outermost ones")
         self.site(rules.RUNTIME_HELPER, IN_PLACE, original, code(original.func) + "(...)",
                   "the FSDPModule instances among the module's modules(), in the same order; no constructor "
                   "left in the migrated tree builds FSDP1 wrappers")

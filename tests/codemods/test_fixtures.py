@@ -8,10 +8,12 @@ review the diff.
 import ast
 import os
 import pathlib
+import re
 
 import pytest
 
-from fsdp_bridge.migrate.driver import transform_source
+from fsdp_bridge.migrate.driver import FileResult, transform_source
+from fsdp_bridge.migrate.report import fsdp_bridge_sites
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 PAIRS = sorted(FIXTURES.glob("*/*.in.py"))
@@ -38,3 +40,18 @@ def test_fixture(source_path: pathlib.Path):
     ast.parse(output)
     again, _ = transform_source(output, target)
     assert again == output, "a second run must change nothing"
+
+
+CORPUS = sorted((FIXTURES.parent / "corpus").glob("*.py"))
+
+
+@pytest.mark.parametrize("source_path", [p for p in PAIRS if p.parent.name == "fsdp2"] + CORPUS,
+                         ids=lambda p: p.stem if p in CORPUS else _id(p))
+def test_fsdp2_report_counts_a_site_exactly_where_the_output_imports_fsdp_bridge(source_path):
+    """The per-file count of sites that still need this package (fixtures and corpus) is 0
+    exactly when the migrated file needs torch alone."""
+    source = source_path.read_text()
+    output, sites = transform_source(source, "fsdp2")
+    result = FileResult(path=str(source_path), new_source=output.encode() if output != source else None, sites=sites)
+    imports = re.search(r"^\s*(from|import) fsdp_bridge\b", output, re.MULTILINE)
+    assert bool(fsdp_bridge_sites(result, "fsdp2")) == bool(imports)
