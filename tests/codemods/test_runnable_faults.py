@@ -4,8 +4,9 @@ before and after `migrate --to fsdp2` inside one 2-rank gloo world:
 - fsdp1_meta_sync.py: ranks other than 0 on meta + sync_module_states + param_init_fn (the
   runtime helper must materialise before it broadcasts, or the ranks issue different collectives);
 - fsdp1_checkpoint_styles.py: state_dict_type held in a variable and chosen at run time, a save
-  helper that receives FSDP or DDP modules, a state dict taken outside any context, optimizer
-  state through full_optim_state_dict / scatter_full_optim_state_dict / optim_state_dict_to_load.
+  helper that receives FSDP or DDP modules, a state dict taken outside any context, blocks on a
+  parameter with literal configs held in variables (rewritten to torch alone), optimizer state
+  through full_optim_state_dict / scatter_full_optim_state_dict / optim_state_dict_to_load.
 """
 
 import importlib.util
@@ -40,6 +41,9 @@ def test_rewritten_fixtures_behave_like_fsdp1(tmp_path):
         source, sites = transform_source((RUNNABLE / f"{name}.py").read_text(), "fsdp2")
         assert "FullyShardedDataParallel as FSDP" not in source or "TODO" not in source
         rewritten = tmp_path / f"{name}_fsdp2.py"
+        if name == "fsdp1_checkpoint_styles":  # the blocks with literal configs in variables: torch alone
+            assert "get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))" in source
+            assert "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))" in source
         rewritten.write_text(source)
         pairs.append((name, str(RUNNABLE / f"{name}.py"), str(rewritten)))
         all_sites[name] = {(s["rule"], s["status"]) for s in sites}
@@ -56,5 +60,7 @@ def test_rewritten_fixtures_behave_like_fsdp1(tmp_path):
     assert {kind for kind, _ in rank0["sharded=True"].values()} == {"sharded"}
     assert {kind for kind, _ in rank0["sharded=False"].values()} == {"full"}
     assert rank1["sharded=False"] == {}  # rank0_only
+    assert {kind for kind, _ in rank0["sharded, literal config in a variable"].values()} == {"sharded"}
+    assert {kind for kind, _ in rank1["full, literal config in a variable"].values()} == {"full"}
     assert rank0["ddp"] == ["module.bias", "module.weight"]
     assert len(rank0["optimizer losses"]) == 4

@@ -1,7 +1,7 @@
 """A runnable FSDP1 fixture with the checkpoint code real repositories write: the state-dict
 setting chosen at run time and held in a variable, a helper that saves whatever module it is given
-(an FSDP model on one path, DDP on the other), a state dict taken outside any context (FULL), and
-an optimizer saved full on rank 0, scattered back, and loaded by keyword arguments.
+(an FSDP model on one path, DDP on the other), a state dict taken outside any context (FULL),
+blocks on a parameter with configs held in variables, and an optimizer saved full on rank 0, scattered back, and loaded by keyword arguments.
 The test runs it before and after `--to fsdp2` in one 2-rank world and compares what each
 state dict holds."""
 
@@ -32,6 +32,22 @@ def save(module):
     return module.state_dict()
 
 
+# Configs held in variables with a literal value, used by blocks whose model is a parameter: the
+# migration writes DCP calls with literal options here (torch alone).
+FULL_CONFIG = FullStateDictConfig()
+
+
+def save_full(model):
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FULL_CONFIG):
+        return model.state_dict()
+
+
+def save_sharded(model):
+    config = ShardedStateDictConfig(offload_to_cpu=False)
+    with FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT, config):
+        return model.state_dict()
+
+
 def describe(state):
     """Key -> ("sharded", shape) or ("full", sum), comparable between FSDP1 and FSDP2."""
     out = {}
@@ -52,6 +68,8 @@ def train(rank):
         ctx = checkpoint_context(model, sharded)
         with ctx:
             results[f"sharded={sharded}"] = describe(model.state_dict())
+    results["full, literal config in a variable"] = describe(save_full(model))
+    results["sharded, literal config in a variable"] = describe(save_sharded(model))
     ddp = wrap(nn.Linear(2, 2), use_fsdp=False)
     results["ddp"] = sorted(save(ddp))
     results["rank"] = dist.get_rank()

@@ -1,6 +1,7 @@
-"""A runnable FSDP1 fixture whose settings are *not* literals: a kwargs dict, a policy and a mixed
-precision built elsewhere, a model passed in as a parameter. `--to fsdp2` routes all of it through
-the runtime helpers; the test runs it before and after rewriting in one 2-rank world."""
+"""A runnable FSDP1 fixture whose settings are *not* literals: a kwargs dict, a policy, a mixed
+precision and a state-dict config built elsewhere, a model passed in as a parameter. `--to fsdp2`
+routes all of it through the runtime helpers; the test runs it before and after rewriting in one
+2-rank world."""
 
 import torch
 from torch import nn
@@ -30,6 +31,10 @@ def make_settings(zero2):
     return {"auto_wrap_policy": policy, "mixed_precision": mp, "sharding_strategy": strategy}
 
 
+def make_state_dict_config(rank0_only):
+    return FullStateDictConfig(offload_to_cpu=rank0_only, rank0_only=rank0_only)
+
+
 def accumulate(wrapped, micro_batches):
     for x in micro_batches[:-1]:
         with wrapped.no_sync():
@@ -53,7 +58,7 @@ def train(rank, steps=3, zero2=True):
         optimizer.step()
         optimizer.zero_grad()
         losses.append((round(loss.item(), 6), round(float(norm), 6)))
-    config = FullStateDictConfig()
+    config = make_state_dict_config(rank0_only=False)
     with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
         state = model.state_dict()
     return losses, {k: v.sum().item() for k, v in state.items()}
