@@ -42,13 +42,14 @@ class FileFacts(cst.CSTVisitor):
         self.names: list[cst.BaseExpression] = []  # every Name and Attribute
         self.assigns: list[tuple[cst.BaseSmallStatement, cst.ClassDef | None]] = []  # and the class it is in
         self.function_bodies: list[Sequence[cst.BaseStatement]] = []
-        self.functions: list[cst.FunctionDef] = []
+        self.functions: list[tuple[cst.FunctionDef, bool]] = []  # and whether it is a method
         self.withs: list[cst.With] = []
         self.attribute_calls: list[cst.Call] = []
         self.name_calls: list[cst.Call] = []  # `f(...)`: calls of a plain name
         self.branch_imports = False  # an import inside an `if`/`try` (conditional or fallback)
         self.imported_modules: set[str] = set()  # `a.b` of `import a.b` and `from a.b import c`
         self._classes: list[cst.ClassDef] = []
+        self._in_class: list[bool] = []  # per enclosing class or function: is it a class?
         self._branches = 0
 
     def visit_Name(self, node) -> None:
@@ -64,14 +65,20 @@ class FileFacts(cst.CSTVisitor):
 
     def visit_ClassDef(self, node) -> None:
         self._classes.append(node)
+        self._in_class.append(True)
 
     def leave_ClassDef(self, node) -> None:
         self._classes.pop()
+        self._in_class.pop()
 
     def visit_FunctionDef(self, node) -> None:
-        self.functions.append(node)
+        self.functions.append((node, bool(self._in_class) and self._in_class[-1]))
+        self._in_class.append(False)
         if isinstance(node.body, cst.IndentedBlock):
             self.function_bodies.append(node.body.body)
+
+    def leave_FunctionDef(self, node) -> None:
+        self._in_class.pop()
 
     def visit_With(self, node) -> None:
         self.withs.append(node)
@@ -192,19 +199,20 @@ class FactsMixin:
         """Parameters that may hold an FSDP1 model: annotated with the FSDP1 class, or passed a
         name that may hold one by a call in this file to a function of that name (`self.f(...)`
         for methods), followed through such calls until nothing new is found."""
-        functions: dict[str, list[cst.FunctionDef]] = {}
-        for function in facts.functions:
-            functions.setdefault(function.name.value, []).append(function)
+        functions: dict[tuple[str, bool], list[cst.FunctionDef]] = {}  # by (name, is a method)
+        for function, is_method in facts.functions:
+            functions.setdefault((function.name.value, is_method), []).append(function)
             self.fsdp1_parameters.update(
                 param.name.value for param in _parameters(function)
                 if param.annotation is not None and self._names_fsdp1(param.annotation.annotation))
-        calls = [(call, call.func.value, False) for call in facts.name_calls if call.func.value in functions]
-        calls += [(call, call.func.attr.value, True) for call in facts.attribute_calls
-                  if call.func.attr.value in functions and dotted(call.func.value) == "self"]
+        calls = [(call, (call.func.value, False)) for call in facts.name_calls]
+        calls += [(call, (call.func.attr.value, True)) for call in facts.attribute_calls
+                  if dotted(call.func.value) == "self"]
+        calls = [(call, key) for call, key in calls if key in functions]
         while True:
             known = self.wrapped_names | self.fsdp1_arguments | self.fsdp1_parameters
-            found = {name for call, function_name, is_method in calls for function in functions[function_name]
-                     for name in _receiving(function, call, is_method, known)}
+            found = {name for call, key in calls for function in functions[key]
+                     for name in _receiving(function, call, key[1], known)}
             if found <= self.fsdp1_parameters:
                 return
             self.fsdp1_parameters |= found
@@ -299,7 +307,8 @@ def _parameters(function: cst.FunctionDef) -> list[cst.Param]:
 
 def _receiving(function: cst.FunctionDef, call: cst.Call, is_method: bool, known: set[str]) -> set[str]:
     """The parameters of `function` that `call` passes one of the `known` names to."""
-    positional = [*function.params.posonly_params, *function.params.params][1 if is_method else 0:]
+    bound_first = is_method and not any(dotted(d.decorator) == "staticmethod" for d in function.decorators)
+    positional = [*function.params.posonly_params, *function.params.params][1 if bound_first else 0:]
     by_keyword = {param.name.value for param in _parameters(function)}
     names = set()
     for index, arg in enumerate(call.args):

@@ -381,7 +381,9 @@ class StateDictRules:
             return updated
         status = RUNTIME if "fsdp1_state_dict_options" in context[1] else IN_PLACE
         self.site(rules.STATE_DICT, status, original, "with FSDP.state_dict_type(...)",
-                  "the block's state-dict calls take StateDictOptions instead")
+                  "the block's state-dict calls take StateDictOptions instead" + (
+                      "; the state-dict type or a config is not a literal (nor a variable assigned once from "
+                      "one), so fsdp1_state_dict_options() builds them at run time" if status == RUNTIME else ""))
         if status == RUNTIME:
             self.need(RUNTIME_MODULE, "fsdp1_state_dict_options")
         self.drop_import_of(call.func)
