@@ -206,7 +206,7 @@ class StateDictRules:
         self.need("torch.distributed.fsdp", "FSDPModule")
         self.drop_import_of(original.func)
         source = code(module)
-        unit = next(name for name in ("submodule", "unit", "fsdp_module") if name not in source)
+        unit = next((name for name in ("submodule", "unit") if name not in source), None) or self.fresh("fsdp_module")
         return parse_expr(f"[{unit} for {unit} in {source}.modules() if isinstance({unit}, FSDPModule)]")
 
     def _runtime_call(self, original, updated, rule: str, helper: str, args: list[cst.Arg], reason: str) -> cst.Call:

@@ -44,6 +44,7 @@ def test_rewritten_fixtures_behave_like_fsdp1(tmp_path):
         if name == "fsdp1_checkpoint_styles":  # the blocks with literal configs in variables: torch alone
             assert "get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))" in source
             assert "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))" in source
+            assert "isinstance(submodule, FSDPModule)]" in source
         rewritten.write_text(source)
         pairs.append((name, str(RUNNABLE / f"{name}.py"), str(rewritten)))
         all_sites[name] = {(s["rule"], s["status"]) for s in sites}
@@ -63,4 +64,5 @@ def test_rewritten_fixtures_behave_like_fsdp1(tmp_path):
     assert {kind for kind, _ in rank0["sharded, literal config in a variable"].values()} == {"sharded"}
     assert {kind for kind, _ in rank1["full, literal config in a variable"].values()} == {"full"}
     assert rank0["ddp"] == ["module.bias", "module.weight"]
+    assert rank0["fsdp units"] == 1  # and the same count before the rewrite (fsdp1 == fsdp2 above)
     assert len(rank0["optimizer losses"]) == 4

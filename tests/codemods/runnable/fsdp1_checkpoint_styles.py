@@ -69,6 +69,7 @@ def train(rank):
         with ctx:
             results[f"sharded={sharded}"] = describe(model.state_dict())
     results["full, literal config in a variable"] = describe(save_full(model))
+    results["fsdp units"] = len(FSDP.fsdp_modules(model))  # rewritten as a list of FSDPModules
     results["sharded, literal config in a variable"] = describe(save_sharded(model))
     ddp = wrap(nn.Linear(2, 2), use_fsdp=False)
     results["ddp"] = sorted(save(ddp))
