@@ -190,22 +190,24 @@ class StateDictRules:
                 for name in wanted]
 
     def _fsdp_modules(self, original: cst.Call, updated: cst.Call, args: list[cst.Arg]) -> cst.BaseExpression:
-        """`FSDP.fsdp_modules(model)` (root_only=False): the FSDPModules among `model.modules()`,
-        in that order as FSDP1's, where no constructor left in the tree builds FSDP1 wrappers;
-        the helper, which finds those too, where one may."""
-        module = args[0].value
-        if (len(args) > 1 or not isinstance(module, (cst.Name, cst.Attribute, cst.Call, cst.Subscript))
-                or not self.tree_keeps_no_fsdp1()):
+        """`FSDP.fsdp_modules(model)`: the FSDPModules among `model.modules()`, in that order as
+        FSDP1's, where no constructor left in the tree builds FSDP1 wrappers; the helper, which
+        finds those too (and takes root_only=True), where one may."""
+        kept = None if len(args) > 1 else self.fsdp1_still_built()
+        if len(args) > 1 or kept is not None:
+            why = "root_only=True keeps the outermost ones" if kept is None else f"FSDP1 wrappers may exist: {kept}"
             return self._runtime_call(original, updated, rules.RUNTIME_HELPER, "fsdp1_fsdp_modules", args,
-                                      "the FSDP2 modules (FSDPModule) under the module, and the FSDP1 wrappers "
-                                      "that constructors left as FSDP1 (here or in other files) still build; "
-                                      "root_only=True keeps the outermost ones")
+                                      f"fsdp1_fsdp_modules() finds the FSDP2 modules (FSDPModule) and the FSDP1 "
+                                      f"wrappers under the module; {why}")
         self.site(rules.RUNTIME_HELPER, IN_PLACE, original, code(original.func) + "(...)",
                   "the FSDPModule instances among the module's modules(), in the same order; no constructor "
                   "left in the migrated tree builds FSDP1 wrappers")
         self.need("torch.distributed.fsdp", "FSDPModule")
         self.drop_import_of(original.func)
+        module = args[0].value
         source = code(module)
+        if not isinstance(module, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)):
+            source = f"({source})"  # `(a if c else b).modules()`
         unit = next((name for name in ("submodule", "unit") if name not in source), None) or self.fresh("fsdp_module")
         return parse_expr(f"[{unit} for {unit} in {source}.modules() if isinstance({unit}, FSDPModule)]")
 

@@ -49,14 +49,14 @@ class TypeCheckRules:
                     "build FSDP1 modules")
         return None
 
-    def tree_keeps_no_fsdp1(self) -> bool:
-        """True if, as far as this run knows, no constructor left in the migrated tree builds
-        FSDP1 modules; a rewrite that relies on it counts as a narrowing, so the driver redoes the
-        file if this file or another turns out to keep one."""
-        if self._accept_fsdp1_reason() is not None:
-            return False
-        self.context.scratch[FILE_FACTS_KEY]["narrowed"] = True
-        return True
+    def fsdp1_still_built(self) -> str | None:
+        """Why FSDP1 modules may still exist in the migrated tree, or None if, as far as this run
+        knows, none does; the caller then relies on it, which counts as a narrowing: the driver
+        redoes the file if this file or another turns out to keep an FSDP1 constructor."""
+        reason = self._accept_fsdp1_reason()
+        if reason is None:
+            self.context.scratch[FILE_FACTS_KEY]["narrowed"] = True
+        return reason
 
     def translate_type_check(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         if len(original.args) != 2:
