@@ -13,8 +13,9 @@ every `self.x = ...` in the class assigns `FSDP(...)` (or None). A receiver whos
 assigned from `FSDP(...)` somewhere else in the file, passed to one of FSDP1's static methods
 (`FSDP.state_dict_type(model, ...)`), a parameter annotated with the FSDP1 class, or a parameter
 that a call in this file passes one of those names to (`accumulate(model, batches)` reaching
-`def accumulate(wrapped, ...)`), is *maybe* one: its calls go through runtime helpers that
-check `isinstance` when the script runs. Other receivers are not touched: importing FSDP does not
+`def accumulate(wrapped, ...)`), or one tested by an enclosing `if isinstance(x, FSDP):`, is
+*maybe* one: its calls go through runtime helpers that check `isinstance` when the script runs.
+Other receivers are not touched: importing FSDP does not
 make every `x.state_dict()` of the file an FSDP1 model's (it may be a DDP model, a scheduler, or
 a module already sharded with `fully_shard`, whose state dict the helper would make full).
 """
@@ -250,7 +251,8 @@ class FactsMixin:
         if (isinstance(node, cst.Attribute) and dotted(node.value) == "self" and self.classes
                 and node.attr.value in self.class_attributes.get(id(self.classes[-1]), ())):
             return PROVEN
-        maybe = name in self.wrapped_names or name in self.fsdp1_arguments or name in self.fsdp1_parameters
+        maybe = (name in self.wrapped_names or name in self.fsdp1_arguments or name in self.fsdp1_parameters
+                 or self.guarded_as_fsdp(node))  # inside `if isinstance(model, FSDP):`
         return MAYBE if maybe else None
 
     def _proven_name(self, node: cst.Name) -> bool:

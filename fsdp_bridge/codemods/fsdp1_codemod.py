@@ -133,6 +133,9 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
         self.version_guards.append(any(n.value in FSDP2_MARKERS for n in m.findall(node.test, m.Name())))
         self.type_guards.append(self._tested_as_fsdp(node.test) if self.uses_fsdp1 else set())
 
+    def visit_If_orelse(self, node: cst.If) -> None:
+        self.type_guards[-1] = set()  # the `else` of `isinstance(x, FSDP)`: x is not tested as FSDP there
+
     def leave_If(self, original: cst.If, updated: cst.If):
         self.version_guards.pop()
         self.type_guards.pop()
@@ -151,7 +154,7 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
         return names - {""}
 
     def guarded_as_fsdp(self, node: cst.BaseExpression) -> bool:
-        """True inside `if isinstance(node, FSDP):`; the check is widened or narrowed by the
+        """True inside the body of `if isinstance(node, FSDP):`; the check is widened or narrowed by the
         migration, and what the block reads of FSDP1's wrapper may not exist on the new class."""
         name = dotted(node)
         return name is not None and any(name in names for names in self.type_guards)
