@@ -138,13 +138,15 @@ class StateDictRules:
         if method == "scatter_full_optim_state_dict":
             return self._runtime_call(original, updated, rules.RUNTIME_HELPER,
                                       "fsdp1_scatter_full_optim_state_dict", args,
-                                      "set_optimizer_state_dict with broadcast_from_rank0; returns the "
-                                      "loaded optimizer state")
+                                      "FSDP1 returned rank 0's state scattered, for optim.load_state_dict(); "
+                                      "DCP loads it directly (set_optimizer_state_dict, broadcast_from_rank0), so "
+                                      "the helper loads it and returns the loaded state for that call")
         runtime_options = self.runtime_state_dict_type and self.current_state_dict_block() is None
         if method in ("optim_state_dict", "full_optim_state_dict"):
             # get_optimizer_state_dict shares some tensors with the optimizer (Adam's step); FSDP1
             # returned copies, so the helper copies those.
-            why = "get_optimizer_state_dict, with the entries it shares with the optimizer copied"
+            why = ("get_optimizer_state_dict shares some tensors with the optimizer (Adam's step) where FSDP1 "
+                   "returned copies: the helper copies those")
             if method == "full_optim_state_dict":
                 # FSDP1's default is rank0_only=True: with cpu_offload, DCP gives the full dict on rank 0.
                 options = "StateDictOptions(full_state_dict=True, cpu_offload=True)"
@@ -159,8 +161,9 @@ class StateDictRules:
         if not runtime_options:
             args = [*args, self._options_arg(self._optim_options())]
         return self._runtime_call(original, updated, rules.STATE_DICT, "fsdp1_optim_state_dict_to_load", args,
-                                  "loads the state through set_optimizer_state_dict and returns the "
-                                  "loaded optimizer state")
+                                  "FSDP1 returned a state for optim.load_state_dict(); DCP loads it directly "
+                                  "(set_optimizer_state_dict), so the helper loads it and returns the loaded state "
+                                  "for that call")
 
     def _static_args(self, original: cst.Call, updated: cst.Call, method: str) -> list[cst.Arg] | None:
         """The call's arguments in FSDP1's positional order, or None if it passes any we do not map."""

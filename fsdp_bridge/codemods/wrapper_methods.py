@@ -104,8 +104,9 @@ class WrapperMethodRules:
         as for a call: left where it is not an FSDP1 model of this file)."""
         if self.receiver(original.value) is None:
             return updated
-        self.site(rules.RUNTIME_HELPER, RUNTIME, original, f"{code(original)} (not called)", "a method reference: "
-                  "functools.partial(fsdp1_no_sync, ...) gives the same context manager")
+        self.site(rules.RUNTIME_HELPER, RUNTIME, original, f"{code(original)} (not called)", "a method reference, not "
+                  f"a call; {self._may_be_fsdp(original.value)}: FSDP2 modules have no no_sync, and "
+                  "functools.partial(fsdp1_no_sync, ...) gives the context manager for either")
         self.need(RUNTIME_MODULE, "fsdp1_no_sync")
         self.need("functools")
         return cst.Call(func=parse_expr("functools.partial"), args=[
