@@ -161,7 +161,7 @@ class FactsMixin:
         for assign, cls in facts.assigns:
             targets = [t.target for t in assign.targets] if isinstance(assign, cst.Assign) else [assign.target]
             self.store_targets.update(id(t) for t in targets)
-            if isinstance(assign, cst.Assign) and assign.value is not None:
+            if assign.value is not None:  # `x = value` or `x: T = value`
                 self.assigned_values.update((id(t), assign.value) for t in targets if isinstance(t, cst.Name))
             is_fsdp = isinstance(assign.value, cst.Call) and self.fsdp(assign.value.func) == FSDP1
             if is_fsdp:
