@@ -62,6 +62,13 @@ def test_bench_rejects_bad_options(capsys, tmp_path):
     assert "--plot" in capsys.readouterr().err
     assert main(["bench", "--sweep", "--device", "cuda"]) == 2
     assert "CPU bench only" in capsys.readouterr().err
+    assert main(["bench", "--cap-mib", "100"]) == 2
+    assert "add --sweep" in capsys.readouterr().err
+    assert main(["bench", "--sweep", "--cap-mib", "-1", "--plot", str(tmp_path / "p.png")]) == 2
+    assert "--cap-mib -1" in capsys.readouterr().err
+    # A cap above the largest size's weights: no size of the sweep would reach past it.
+    assert main(["bench", "--sweep", "--cap-mib", "100000", "--plot", str(tmp_path / "p.png")]) == 2
+    assert "choose a cap below 575 MiB" in capsys.readouterr().err
 
 
 def test_sweep_prints_ratios_per_size_and_draws_the_plot(tmp_path, capsys, monkeypatch):
@@ -70,13 +77,17 @@ def test_sweep_prints_ratios_per_size_and_draws_the_plot(tmp_path, capsys, monke
     # Two tiny sizes stand in for the real ones (minutes each); everything else is the same.
     monkeypatch.setattr(bench_sweep, "SIZES", ((64, 1, 64), (128, 2, 96)))
     plot, out = tmp_path / "sweep.png", tmp_path / "sweep.json"
+    # A cap between the two sizes' fp32 weights: the larger one is over it.
     code = main(["bench", "--sweep", "--seq", "8", "--batch", "2", "--dtype", "fp32",
                  "--steps", "1", "--warmup", "0", "--repeats", "1", "--plot", str(plot),
-                 "--json", str(out)])
+                 "--json", str(out), "--cap-mib", "0.5"])
     assert code == 0
     printed = capsys.readouterr().out
     assert "64x1 v64" in printed and "128x2 v96" in printed
     assert "init MiB ours" in printed and "weights MiB" in printed
+    cap_rows = printed.split("per-rank cap 0.5 MiB at world 2")[1].splitlines()[2:4]
+    small, large = (row.split()[3] for row in cap_rows)  # size (2 words), dtype, weights
+    assert not small.endswith("*") and large.endswith("*")  # the unsharded fp32 weights
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     reports = json.loads(out.read_text())["sweep"]
     assert [r["settings"]["hidden"] for r in reports] == [64, 128]

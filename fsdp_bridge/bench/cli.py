@@ -8,6 +8,7 @@ from fsdp_bridge.bench.report import format_report, summarize, write_figures
 from fsdp_bridge.bench.schedule import run_world
 
 DEFAULT_PLOT = "bench_sweep.png"  # where --sweep draws its plot unless --plot says otherwise
+DEFAULT_CAP_MIB = 512.0  # --sweep's per-rank cap: below the largest size's 573 MiB of fp32 weights
 
 
 def add_arguments(parser) -> None:
@@ -31,11 +32,17 @@ def add_arguments(parser) -> None:
                         help="cpu only: run the bench at three model sizes (hidden x layers, "
                              "vocab: 256x4 1000, 512x8 4000, 1024x8 8000; --hidden, --layers, "
                              "--vocab and --heads are set per size) and print the ratios per "
-                             "size; takes several minutes per size at the default --steps, "
-                             "e.g. add --steps 4 --warmup 1 --repeats 1")
+                             "size, and which wrap and step peaks stay under one rank's cap "
+                             "(--cap-mib); takes several minutes per size at the default "
+                             "--steps, e.g. add --steps 4 --warmup 1 --repeats 1")
     parser.add_argument("--plot", metavar="PNG", default=None,
                         help="with --sweep: where to draw step time and peak memory against the "
                              "parameter count (default: bench_sweep.png)")
+    parser.add_argument("--cap-mib", type=float, default=None, metavar="MIB",
+                        help="with --sweep: one rank's memory cap in MiB (default "
+                             f"{DEFAULT_CAP_MIB:g}); the largest size's unsharded fp32 weights "
+                             "must exceed it, and the table and plot say which wrap and step "
+                             "peaks stay under it")
     parser.add_argument("--profile", metavar="DIR",
                         help="cuda only: export a torch.profiler trace of one step of each "
                              "config to DIR and report how much communication overlaps compute")
@@ -53,31 +60,45 @@ def add_arguments(parser) -> None:
     model.add_argument("--batch", type=int, help="sequences per rank")
 
 
-def _check_sweep_options(args) -> None:
+def _check_sweep_options(args, s: dict) -> None:
     import importlib.util
 
+    from fsdp_bridge.bench import sweep
     from fsdp_bridge.outputs import check_output_file
 
     if getattr(args, "plot", None) and not args.sweep:
         raise ValueError(f"--plot {args.plot!r}: the plot is drawn from a size sweep; add "
                          "--sweep, or drop --plot")
+    cap = getattr(args, "cap_mib", None)
+    if cap is not None and not args.sweep:
+        raise ValueError(f"--cap-mib {cap:g}: the cap is drawn against a size sweep; add --sweep, "
+                         "or drop --cap-mib")
+    if cap is not None and cap <= 0:
+        raise ValueError(f"--cap-mib {cap:g}: must be a positive number of MiB")
     if not args.sweep:
         return
     check_output_file("--plot", args.plot or DEFAULT_PLOT)
     if importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--sweep draws its plot with matplotlib, which is not installed: pip "
                          "install 'fsdp-bridge[plot]' (or matplotlib)")
+    sweep.check_cap(s, _cap(args))
+
+
+def _cap(args) -> float:
+    return DEFAULT_CAP_MIB if args.cap_mib is None else args.cap_mib
 
 
 def _run_sweep(args, s: dict) -> int:
     from fsdp_bridge.bench import sweep
 
+    cap = _cap(args)
     reports = sweep.run_sweep(s)
     for report in reports:
         print(format_report(report), end="\n\n")
     print(sweep.format_sweep(reports))
+    print(sweep.format_cap(reports, cap))
     plot = args.plot or DEFAULT_PLOT
-    sweep.plot_sweep(reports, plot)
+    sweep.plot_sweep(reports, plot, cap)
     print(f"plot written to {plot}")
     write_figures(args.json, {"sweep": reports})
     return 0
@@ -100,7 +121,7 @@ def run(args) -> int:
                              "--device cuda, or drop --profile")
         s = settings(args)
         s["quiet"] = bool(getattr(args, "quiet", False))
-        _check_sweep_options(args)
+        _check_sweep_options(args, s)
     except ValueError as exc:
         print(f"fsdp-bridge bench: error: {exc}", file=sys.stderr)
         return 2

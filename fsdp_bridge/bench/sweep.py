@@ -3,6 +3,11 @@ sharding grows with the model is visible: one table of ratios per size, and a PN
 peak memory per rank in a step and while wrapping (the `init` figure) against the parameter
 count. The table also gives the unsharded fp32 weights beside each wrap peak.
 
+The sweep is drawn against one rank's memory cap (`--cap-mib`): its largest size holds more fp32
+weights than the cap, so the unsharded model would not fit on one rank there, and a second table
+says which configs' wrap and step peaks stay under the cap at each size. The cap is a line on the
+plot, not a limit set on the ranks: `tests/test_memory_cap.py` trains under a real one.
+
 Each size is a full bench run of its own (a fresh world, the configs interleaved step by step
 inside it), so every ratio compares configs measured side by side; figures of different sizes
 come from different runs and are compared only through their ratios.
@@ -27,6 +32,22 @@ def size_settings(s: dict, hidden: int, layers: int, vocab: int) -> dict:
     heads = hidden // HEAD_DIM
     return dict(s, hidden=hidden, layers=layers, vocab=vocab, heads=heads, kv_heads=heads,
                 intermediate=4 * hidden)
+
+
+def _weights_mib(settings: dict) -> float:
+    """The unsharded fp32 weights of the model these settings build, in MiB."""
+    return 4 * tiny.parameter_count(models.llama_config(settings)) / 2**20
+
+
+def check_cap(s: dict, cap_mib: float) -> None:
+    """The sweep must reach past the cap: its largest model's fp32 weights must exceed it."""
+    largest = size_settings(s, *SIZES[-1])
+    weights = _weights_mib(largest)
+    if weights <= cap_mib:
+        raise ValueError(
+            f"--cap-mib {cap_mib:g}: the sweep's largest model (hidden {largest['hidden']}, "
+            f"{largest['layers']} layers) holds {weights:.0f} MiB of fp32 weights, under the cap, so "
+            f"no size would be too large for one rank; choose a cap below {weights:.0f} MiB")
 
 
 def run_sweep(s: dict, run_world=schedule.run_world) -> list[dict]:
@@ -68,7 +89,35 @@ def format_sweep(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot_sweep(reports: list[dict], path: str) -> None:
+def _mib_cell(mib: float, cap_mib: float) -> str:
+    return f"{mib:.0f}{'*' if mib > cap_mib else ''}"
+
+
+def _peaks_cell(figures: dict, cap_mib: float) -> str:
+    """'wrap / step' peak per rank of one config, in MiB."""
+    wrap, step = (max(figures[key]) / 2**20 for key in ("init_peak_bytes_per_rank", "peak_bytes_per_rank"))
+    return f"{_mib_cell(wrap, cap_mib)} / {_mib_cell(step, cap_mib)}"
+
+
+def format_cap(reports: list[dict], cap_mib: float) -> str:
+    """Per size and dtype: the unsharded fp32 weights and each config's wrap / step peak per rank,
+    with * on every figure above the cap."""
+    world = reports[0]["settings"]["nproc"]
+    lines = [f"per-rank cap {cap_mib:g} MiB at world {world}: wrap peak / step peak per rank in MiB, "
+             "* above the cap",
+             f"  {'size':16s}{'dtype':>6s}{'fp32 weights':>14s}"
+             + "".join(f"{config:>14s}" for config in PLOTTED)]
+    for report in reports:
+        s = report["settings"]
+        size = f"{s['hidden']}x{s['layers']} v{s['vocab']}"
+        weights = _mib_cell(4 * report["parameters"] / 2**20, cap_mib)
+        for dtype_name, entry in report["dtypes"].items():
+            cells = "".join(f"{_peaks_cell(entry['configs'][c], cap_mib):>14s}" for c in PLOTTED)
+            lines.append(f"  {size:16s}{dtype_name:>6s}{weights:>14s}{cells}")
+    return "\n".join(lines)
+
+
+def plot_sweep(reports: list[dict], path: str, cap_mib: float | None = None) -> None:
     """Step time and peak memory per rank against the parameter count, one line per config and
     dtype, written to `path` as a PNG."""
     import matplotlib
@@ -89,6 +138,9 @@ def plot_sweep(reports: list[dict], path: str) -> None:
                            marker="o", label=label)
     init_axis.plot(millions, [4 * m * 1e6 / 2**20 for m in millions], linestyle="--",
                    color="grey", label="unsharded fp32 weights")
+    if cap_mib is not None:
+        for axis in (memory_axis, init_axis):
+            axis.axhline(cap_mib, color="red", linestyle=":", label=f"per-rank cap {cap_mib:g} MiB")
     for axis, title, unit in ((time_axis, "step time (median)", "ms"),
                               (memory_axis, "peak memory per rank, step", "MiB"),
                               (init_axis, "peak memory per rank, wrap from meta", "MiB")):
