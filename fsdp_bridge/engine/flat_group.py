@@ -60,13 +60,12 @@ class FlatGroup:
         self.slots = layout.slots
         self.requires_grad = layout.requires_grad
         self.comm = comm
-        self.device = device  # where the group computes; the master may be on the host
+        # Also says where the group computes (`device`); the master may be on the host.
+        self.gate = torch.empty(0, device=device, requires_grad=True)
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
         self.numels = [slot.numel for slot in self.slots]
-        self.numel = sum(self.numels)
         self._init_layout()
-        self.shard_start = comm.shard_rank * self.shard_numel
         self.master = self._build_master(device, sync_module_states)
         self.local_params = self._register_local_params()
 
@@ -82,7 +81,24 @@ class FlatGroup:
         # Per parameter, whether a backward of the cycle gave it a gradient (None: no
         # backward yet). See [Note: parameters without a gradient].
         self.grads_seen: Optional[list[bool]] = None
-        self.gate = torch.empty(0, device=device, requires_grad=True)
+
+    # Derived, not stored: each attribute an instance stores counts against the key-sharing
+    # dict CPython gives instances of one class (30 keys), and past that every group pays for
+    # a dict of its own for as long as the model lives.
+    @property
+    def device(self) -> torch.device:
+        """Where the group computes and reduces (its master may live on the host)."""
+        return self.gate.device
+
+    @property
+    def numel(self) -> int:
+        """Elements of the group's parameters together, without padding."""
+        return sum(self.numels)
+
+    @property
+    def shard_start(self) -> int:
+        """Where this rank's shard starts in the padded flat buffer."""
+        return self.comm.shard_rank * self.shard_numel
 
     # -- construction -------------------------------------------------------------------------
 

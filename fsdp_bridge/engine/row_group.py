@@ -55,11 +55,10 @@ class RowGroup(FlatGroup):
         # place in the shards; only the copies between a rank-ordered buffer and a full
         # parameter place them along d (see _place_along_dims, _flat_piece, shard_of).
         self.forms = [gathered_form(slot.param) for slot in self.slots]
-        self.shard_dims = [form.shard_dim for form in self.forms]
         self.row_numels = []  # elements in one row (slice along the shard dim) of each parameter
         self.chunk_numels = []  # elements of one (padded) chunk of each parameter
         self.local_rows = []  # rows of each parameter held by this rank
-        for slot, dim in zip(self.slots, self.shard_dims):
+        for slot, dim in zip(self.slots, (form.shard_dim for form in self.forms)):
             if len(slot.shape) == 0:
                 raise ValueError(
                     f"fsdp_bridge: parameter {slot.fqn!r} is a scalar (shape ()); it cannot be "
@@ -91,7 +90,7 @@ class RowGroup(FlatGroup):
     def _local_shape(self, index: int, rows: Optional[int] = None) -> tuple:
         """Parameter `index`'s shape with `rows` (default: this rank's) along its shard dim."""
         shape = list(self.slots[index].shape)
-        shape[self.shard_dims[index]] = self.local_rows[index] if rows is None else rows
+        shape[self.forms[index].shard_dim] = self.local_rows[index] if rows is None else rows
         return tuple(shape)
 
     def _checked_local(self, index: int) -> torch.Tensor:
@@ -102,7 +101,7 @@ class RowGroup(FlatGroup):
             got = "a plain tensor" if local is None else f"local shape {tuple(local.shape)}"
             raise ValueError(
                 f"fsdp_bridge: parameter {slot.fqn!r} must be a DTensor sharded over the shard "
-                f"group on dim {self.shard_dims[index]} (local shape {expected}); got {got}. Assign parameters of "
+                f"group on dim {self.forms[index].shard_dim} (local shape {expected}); got {got}. Assign parameters of "
                 "a fully_shard-ed module only from DTensors of its layout (e.g. "
                 "distribute_tensor(full, param.device_mesh, param.placements)).")
         return local.detach()
@@ -224,7 +223,7 @@ class RowGroup(FlatGroup):
         placed again along that dim (see [Note: other shard dims])."""
         ranks = self.comm.shard_size
         rows_by_rank = by_rank.view(ranks, self.shard_numel)
-        for index, dim in enumerate(self.shard_dims):
+        for index, dim in enumerate(form.shard_dim for form in self.forms):
             if dim == 0:
                 continue
             slot = self.slots[index]
@@ -245,7 +244,7 @@ class RowGroup(FlatGroup):
         rank = self.comm.shard_rank
         parts = []
         for index, (offset, size) in enumerate(zip(self.offsets, self.chunk_numels)):
-            if self.shard_dims[index] == 0:
+            if self.forms[index].shard_dim == 0:
                 parts.append(full[offset + rank * size : offset + (rank + 1) * size])
                 continue
             slot = self.slots[index]
@@ -271,7 +270,7 @@ class RowGroup(FlatGroup):
         """The elements of a rank's chunk of parameter `index` that start at `lo` of the
         part-after-part layout, from its full-shaped `grad`: a slice of the flattened tensor
         on dim 0, the rank's slice along the dim otherwise (see [Note: other shard dims])."""
-        dim = self.shard_dims[index]
+        dim = self.forms[index].shard_dim
         if dim == 0:
             return super()._flat_piece(grad, index, lo, hi)
         rank = lo // self.chunk_numels[index]

@@ -54,8 +54,10 @@ from fsdp_bridge.fsdp._stale_optimizer import mark_replaced
 CONFIG = "_fsdp_bridge_fsdp2"  # per fully_shard-ed module: its FullyShardCall
 SHARDED = "_fsdp_bridge_row_sharded"  # on each DTensor parameter fully_shard made
 REPLACED_BY = "_fsdp_bridge_replaced_by"  # on an original parameter: its DTensor
-LOAD_HOOKED = "_fsdp_bridge_load_hooked"  # on a module whose loads are converted
-FORMS = "_fsdp_bridge_gathered_forms"  # per module: {attribute: GatheredForm}
+# Per module whose parameters fully_shard replaced: {attribute: GatheredForm}. Its presence also
+# says the module's loads are converted (one attribute, not two: every attribute added to a
+# module's __dict__ costs memory for as long as the model lives).
+FORMS = "_fsdp_bridge_gathered_forms"
 # Whether this thread is building a model's runtime: the hooks of the modules being sharded then
 # stand aside. Per thread, not per process: ranks of torch's threaded process group (one thread
 # each) shard their models at the same time.
@@ -511,15 +513,13 @@ def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params, shard_placemen
                 new, form = converted[id(param)]
                 owner._parameters[attr] = new
                 _forms_of(owner)[attr] = form
-                _convert_loads_of(owner)
 
 
 def _forms_of(owner: nn.Module) -> dict:
     """{attribute: GatheredForm} of the parameters fully_shard made on `owner`. Kept on the
     module: torch's `to_empty()` and `load_state_dict(assign=True)` give parameters new
     attribute dicts, so the forms are attached to them only when the engine is built."""
-    if not hasattr(owner, FORMS):
-        object.__setattr__(owner, FORMS, {})
+    _convert_loads_of(owner)
     return getattr(owner, FORMS)
 
 
@@ -644,11 +644,11 @@ def _restore_ties(root: nn.Module) -> None:
 
 
 def _convert_loads_of(owner: nn.Module) -> None:
-    if getattr(owner, LOAD_HOOKED, False):
+    if hasattr(owner, FORMS):
         return
     owner.register_load_state_dict_pre_hook(_to_param_layouts)
     owner.register_load_state_dict_post_hook(_mark_assigned)
-    object.__setattr__(owner, LOAD_HOOKED, True)
+    object.__setattr__(owner, FORMS, {})
 
 
 def _to_param_layouts(module, state_dict, prefix, *args) -> None:
