@@ -6,8 +6,8 @@ digest match the same training without a cap at world 2.
 
 Why the capped world has 3 ranks: a training rank holds its shard of the parameters and of their
 gradients, 2 x (full model / world). At world 2 that is the whole model's size already, so a cap
-below the unsharded weights could only be met at world 3 or more (or with CPU offload, which
-the engine does not implement). The cap leaves HEADROOM x (unsharded model) above what each
+below the unsharded weights could only be met at world 3 or more (CPU offload moves the shards
+to the host, which on CPU ranks is the same memory). The cap leaves HEADROOM x (unsharded model) above what each
 rank holds before building the model; allocating the unsharded model alone fails under it.
 
 The cap counts memory mapped, not memory in use, and glibc keeps freed memory mapped for reuse
@@ -29,8 +29,8 @@ from torch import nn
 from tests.models import Block
 from tests.world import device_type, run_world
 
-WIDTH, BLOCKS = 1024, 48
-FULL_NUMEL = BLOCKS * 2 * (WIDTH * WIDTH + WIDTH)  # 384 MiB in fp32
+WIDTH, BLOCKS = 1024, 24
+FULL_NUMEL = BLOCKS * 2 * (WIDTH * WIDTH + WIDTH)  # 192 MiB in fp32
 HEADROOM = 0.9
 CAPPED_WORLD, REFERENCE_WORLD = 3, 2
 STEPS, GLOBAL_BATCH = 3, 6  # divisible by both world sizes
@@ -186,22 +186,20 @@ def runs(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("capped"))
     previous = os.environ.get(MMAP_THRESHOLD)
     os.environ[MMAP_THRESHOLD] = "65536"  # read by glibc in each spawned rank
-    os.makedirs(os.path.join(directory, "uncapped"))
     try:
         capped = run_world(_world, CAPPED_WORLD, True, directory)
-        uncapped = run_world(_world, CAPPED_WORLD, False, os.path.join(directory, "uncapped"))
     finally:
         if previous is None:
             os.environ.pop(MMAP_THRESHOLD)
         else:
             os.environ[MMAP_THRESHOLD] = previous
     reference = run_world(_world, REFERENCE_WORLD, False, directory)
-    return capped, uncapped, reference
+    return capped, reference
 
 
 @pytest.mark.parametrize("frontend", FRONTENDS)
 def test_a_model_over_the_cap_trains_and_checkpoints_like_the_uncapped_one(runs, frontend):
-    capped, uncapped, reference = runs
+    capped, reference = runs
     expected = reference[0][frontend]
     for rank, rank_results in enumerate(capped):
         out = rank_results[frontend]
@@ -209,8 +207,6 @@ def test_a_model_over_the_cap_trains_and_checkpoints_like_the_uncapped_one(runs,
             f"rank {rank}: the unsharded model fits under the cap; the cap proves nothing")
         assert "can't allocate memory" in out["unsharded_refused"], out["unsharded_refused"]
         assert out["local_numel"] <= -(-FULL_NUMEL // CAPPED_WORLD) + WIDTH * 2 * BLOCKS, out
-        same_world = uncapped[rank][frontend]  # the cap changes nothing: bit for bit
-        assert (out["losses"], out["digest"]) == (same_world["losses"], same_world["digest"])
         torch.testing.assert_close(out["losses"], expected["losses"], rtol=RTOL, atol=0)
         (total, squares), (expected_total, expected_squares) = out["digest"], expected["digest"]
         assert abs(squares - expected_squares) <= RTOL * expected_squares, (squares, expected)
