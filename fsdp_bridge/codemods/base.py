@@ -27,6 +27,7 @@ from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProv
 from fsdp_bridge.codemods.helpers import (
     drops_a_comment,
     has_todo,
+    keep_pragma_line,
     names_bound_by_imports,
     todo_comment,
     with_leading_comments,
@@ -130,6 +131,10 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
         del self.context.warnings[:]
         self.remove_unused_imports = False
         return super().transform_module(tree)
+
+    def leave_SimpleStatementLine(self, original: cst.SimpleStatementLine,
+                                  updated: cst.SimpleStatementLine) -> cst.SimpleStatementLine:
+        return keep_pragma_line(original, updated)
 
     # -- names ---------------------------------------------------------------------------
 

@@ -213,6 +213,36 @@ def fit(call: cst.Call, like: cst.CSTNode) -> cst.Call:
     return call.with_changes(args=args, whitespace_before_args=step)
 
 
+class _OnOneLine(cst.CSTTransformer):
+    """Every call laid out over several lines, put back on one."""
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        if not updated.args or "\n" not in code(updated):
+            return updated
+        args = [a.with_changes(comma=space_comma(), whitespace_after_arg=cst.SimpleWhitespace(""))
+                for a in updated.args[:-1]]
+        args.append(updated.args[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT,
+                                                  whitespace_after_arg=cst.SimpleWhitespace("")))
+        return updated.with_changes(args=args, whitespace_before_args=cst.SimpleWhitespace(""))
+
+
+# A line comment that speaks to a tool about its own line: moved below a broken call, it would
+# no longer apply to the line the tool reports.
+LINE_PRAGMAS = ("type: ignore", "noqa", "pragma:", "pyright: ignore")
+
+
+def keep_pragma_line(original: cst.SimpleStatementLine,
+                     updated: cst.SimpleStatementLine) -> cst.SimpleStatementLine:
+    """`updated` on one line again if `original` was one line ending in a pragma comment
+    (`# type: ignore`, `# noqa`...) and a rewrite broke a call of it over several lines."""
+    comment = original.trailing_whitespace.comment
+    if comment is None or not any(p in comment.value for p in LINE_PRAGMAS):
+        return updated
+    if any("\n" in code(small) for small in original.body):
+        return updated  # the user's own layout: kept as it is
+    return updated.with_changes(body=[small.visit(_OnOneLine()) for small in updated.body])
+
+
 # -- comments ----------------------------------------------------------------------------------
 
 def comments_in(source: str) -> list[str]:
