@@ -60,6 +60,23 @@ def _command(pid: int) -> str:
         return f"{pid} (gone)"
 
 
+def _stopped_within(cli: subprocess.Popen, seconds: float) -> str:
+    """The command's stderr once it exits after Ctrl-C; if it does not within `seconds`, fail
+    with what its process shows (signal masks, where it waits), to tell a lost signal from a
+    slow stop."""
+    try:
+        return cli.communicate(timeout=seconds)[1]
+    except subprocess.TimeoutExpired:
+        try:
+            with open(f"/proc/{cli.pid}/status") as handle:
+                state = [line.strip() for line in handle if line.startswith(("State", "Sig", "Shd"))]
+            with open(f"/proc/{cli.pid}/wchan") as handle:
+                state.append(f"wchan: {handle.read()}")
+        except OSError as error:
+            state = [f"no /proc entry: {error}"]
+        raise AssertionError(f"still running {seconds} s after SIGINT: {state}") from None
+
+
 def _kill_survivors(pids) -> None:
     """Leave the machine clean even when the assertion fails (only our own pids)."""
     for pid in pids:
@@ -100,7 +117,7 @@ def test_ctrl_c_and_timeout_stop_torchrun_and_every_rank(tmp_path):
         startup = _wait_for(lambda: len(os.listdir(markers)) == 2, 300)
         assert len(_pgrep("-f", tag)) >= 3  # torchrun and two ranks carry the tag
         cli.send_signal(signal.SIGINT)
-        _, err = cli.communicate(timeout=60)
+        err = _stopped_within(cli, 60)
     finally:
         left = _survivors(cli.pid, tag)
         _kill_survivors(left)
@@ -132,7 +149,7 @@ def test_ctrl_c_stops_the_spawned_world_of_compare(tmp_path):
         assert cli.poll() is None, cli.communicate()
         time.sleep(2)  # into training
         cli.send_signal(signal.SIGINT)
-        _, err = cli.communicate(timeout=60)
+        err = _stopped_within(cli, 60)
     finally:
         left = _survivors(cli.pid, "")
         _kill_survivors(left)
