@@ -143,20 +143,34 @@ def test_the_bench_table_reads_the_cuda_bench_report_and_its_progress_lines(tmp_
     assert sorted(partial) == ["ours", "plain"]
 
 
+# Starts a grandchild (as pytest starts ranks) that sleeps, then sleeps too or ends at once.
+LEAVES_A_CHILD = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', "
+                  "'import time; time.sleep(600)']); print('child', child.pid, flush=True); "
+                  "time.sleep(float(sys.argv[1]))")
+
+
+def _child(log: Path) -> int:
+    return int(re.search(r"child (\d+)", log.read_text()).group(1))
+
+
 def test_a_phase_past_its_timeout_ends_with_its_whole_process_group(tmp_path):
-    # The command starts a grandchild (as pytest starts ranks) and hangs.
-    script = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', "
-              "'import time; time.sleep(600)']); print('child', child.pid, flush=True); "
-              "time.sleep(600)")
     log = tmp_path / "phase.log"
     start = time.monotonic()
-    result = run_phase([sys.executable, "-c", script], dict(os.environ), str(log), 5, str(tmp_path))
+    result = run_phase([sys.executable, "-c", LEAVES_A_CHILD, "600"], dict(os.environ), str(log),
+                       5, str(tmp_path))
     assert time.monotonic() - start < 60
     assert result["status"] == "timeout" and result["exit_code"] is not None
-    text = log.read_text()
-    assert "stopped at the phase's timeout of 5 s" in text
-    child = int(re.search(r"child (\d+)", text).group(1))
-    assert not _alive(child), f"the grandchild {child} outlived its phase"
+    assert "stopped at the phase's timeout of 5 s" in log.read_text()
+    assert not _alive(_child(log)), "the grandchild outlived its phase"
+
+
+def test_what_a_finished_phase_leaves_running_is_ended_and_reported(tmp_path):
+    log = tmp_path / "phase.log"
+    result = run_phase([sys.executable, "-c", LEAVES_A_CHILD, "0"], dict(os.environ), str(log),
+                       60, str(tmp_path))
+    assert result["status"] == "passed" and result["left_processes_running"] is True
+    assert "leaving processes of its group running: ended them" in log.read_text()
+    assert not _alive(_child(log))
 
 
 def _alive(pid: int) -> bool:

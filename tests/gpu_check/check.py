@@ -14,7 +14,7 @@ import sys
 import time
 
 from tests.gpu_check import summary as S
-from tests.gpu_check.runner import run_phase
+from tests.gpu_check.runner import DRAIN_S, run_phase
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # What `make test-gpu` runs (the Makefile's GPU_TESTS and GPU_GLOO_TESTS; a test keeps them equal).
@@ -86,6 +86,9 @@ class Check:
         self.save()  # a run killed now still says which phase it was in
         record.update(run_phase(argv, env, os.path.join(self.out, record["log"]),
                                 record["timeout_s"], cwd=ROOT))
+        if record["left_processes_running"]:
+            record["notes"].append("the command ended, leaving processes of its group running "
+                                   f"for over {DRAIN_S} s: they were ended")
         return record
 
 
@@ -107,12 +110,15 @@ def _commit():
 
 def environment(check: Check) -> bool:
     """The versions; False when torch says there is no CUDA device (without --smoke)."""
-    record = check.phase("environment", [sys.executable, "-m", "tests.gpu_check.probe"],
+    found = os.path.join(check.out, "environment.json")
+    if os.path.exists(found):
+        os.remove(found)
+    record = check.phase("environment", [sys.executable, "-m", "tests.gpu_check.probe", found],
                          check.env())
     try:
-        with open(os.path.join(check.out, record["log"])) as handle:
-            check.summary["environment"] = json.loads(handle.read().strip().splitlines()[-1])
-    except (OSError, ValueError, IndexError):
+        with open(found) as handle:
+            check.summary["environment"] = json.load(handle)
+    except (OSError, ValueError):
         record["notes"].append("the probe printed no versions (see its log); the other phases "
                                "run anyway")
         return True
@@ -187,7 +193,7 @@ def run(check: Check) -> int:
     nccl_files = check.args.tests or (SMOKE_TESTS if check.args.smoke else GPU_TESTS)
     gloo_files = check.args.tests or (SMOKE_TESTS if check.args.smoke else GPU_GLOO_TESTS)
     if not environment(check):
-        check.summary["status"] = "stopped: see the environment phase"
+        check.summary["status"] = "stopped: " + check.summary["phases"][0]["notes"][-1]
         return 2
     steps = [("tests-nccl", lambda: pytest_phase(check, "tests-nccl", nccl_files, device)),
              ("tests-gloo", lambda: pytest_phase(check, "tests-gloo", gloo_files,
@@ -221,11 +227,20 @@ def parse(argv) -> argparse.Namespace:
     parser.add_argument("--per-test-timeout", type=int, default=PER_TEST_TIMEOUT_S,
                         help=f"pytest-timeout's --timeout (default {PER_TEST_TIMEOUT_S} s)")
     args = parser.parse_args(argv)
+    # The phases run in the repository root: paths given from elsewhere are made absolute.
+    args.tests = [_from_here(entry) for entry in args.tests or ()] or None
     if args.budget <= 0:
         parser.error(f"--budget {args.budget:g}: must be a positive number of seconds")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         parser.error(f"--out {args.out!r}: exists and is not a folder; name a folder")
     return args
+
+
+def _from_here(test: str) -> str:
+    path, _, rest = test.partition("::")
+    if not os.path.exists(path):
+        return test  # pytest says it is not found
+    return os.path.abspath(path) + (f"::{rest}" if rest else "")
 
 
 def main(argv=None) -> int:

@@ -1,8 +1,9 @@
-"""`python -m tests.gpu_check.probe`: one JSON object on stdout describing this interpreter's
-machine: Python, torch and its CUDA, the GPUs, the driver (from nvidia-smi, when it works), the
-versions of the libraries the GPU tests and the bench use, and whether the package's engine and
-front-ends import. Run in a subprocess of the check, so a torch that crashes or hangs on import
-costs that phase only. A missing library is recorded, never an error."""
+"""`python -m tests.gpu_check.probe [FILE]`: one JSON object (on stdout, and in FILE)
+describing this interpreter's machine: Python, torch and its CUDA, the GPUs, the driver (from
+nvidia-smi, when it works), the versions of the libraries the GPU tests and the bench use, and
+whether the package's engine and front-ends import. Run in a subprocess of the check, so a torch
+that crashes or hangs on import costs that phase only. A missing library is recorded, never an
+error."""
 
 from __future__ import annotations
 
@@ -81,4 +82,8 @@ def probe() -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(probe()))
+    found = json.dumps(probe())
+    print(found)
+    if len(sys.argv) > 1:  # the file the check reads (the log also holds what torch printed)
+        with open(sys.argv[1], "w") as handle:
+            handle.write(found)

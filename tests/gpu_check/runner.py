@@ -14,6 +14,7 @@ import time
 LOG_HEAD_BYTES = 2 * 2**20  # a log keeps its first 2 MiB as written...
 LOG_TAIL_LINES = 400  # ...and, past them, its last lines (written when the phase ends)
 GRACE_S = 10  # between SIGTERM and SIGKILL
+DRAIN_S = 3  # for what a command that ended left running to end by itself
 
 
 class BoundedLog:
@@ -84,18 +85,34 @@ class MemorySampler:
         return self.peak
 
 
+def _group_alive(process: subprocess.Popen) -> bool:
+    process.poll()  # reaps the leader once it has ended (a zombie still counts in its group)
+    try:
+        os.killpg(process.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_group(process: subprocess.Popen, seconds: float) -> bool:
+    """Wait up to `seconds` for the group to empty; whether it did."""
+    deadline = time.monotonic() + seconds
+    while _group_alive(process):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
 def _end_group(process: subprocess.Popen) -> None:
-    """SIGTERM to the command's process group, SIGKILL after GRACE_S if it is still there."""
+    """SIGTERM to the command's process group, SIGKILL after GRACE_S to what is still there."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(process.pid, sig)
         except ProcessLookupError:
             return
-        try:
-            process.wait(timeout=GRACE_S)
+        if _wait_group(process, GRACE_S):
             return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def run_phase(argv: list[str], env: dict, log_path: str, timeout_s: float, cwd: str) -> dict:
@@ -116,13 +133,19 @@ def run_phase(argv: list[str], env: dict, log_path: str, timeout_s: float, cwd: 
     except subprocess.TimeoutExpired:
         timed_out = True
     finally:  # also on Ctrl-C: no rank of ours is left holding the GPU
-        if process.poll() is None:
-            _end_group(process)
+        # A command that ended may leave processes (a rank, a helper) that end by themselves
+        # a moment later; those still there after DRAIN_S are ended and reported.
+        leftovers = process.poll() is not None and not _wait_group(process, DRAIN_S)
+        _end_group(process)
         reader.join(timeout=GRACE_S)
         peak = sampler.stop()
         if timed_out:
             log.write(f"\n[gpu-check: stopped at the phase's timeout of {timeout_s:.0f} s]\n")
+        if leftovers:
+            log.write("\n[gpu-check: the command ended, leaving processes of its group running: "
+                      "ended them]\n")
         log.close()
     status = "timeout" if timed_out else ("passed" if process.returncode == 0 else "failed")
     return {"status": status, "exit_code": process.returncode,
-            "duration_s": round(time.monotonic() - start, 1), "peak_gpu_memory_mib": peak}
+            "duration_s": round(time.monotonic() - start, 1), "peak_gpu_memory_mib": peak,
+            "left_processes_running": leftovers}
