@@ -257,6 +257,7 @@ def main(argv=None) -> int:
         raise
     finally:
         check.save()
-    print(f"gpu-check: {check.summary['status']}; summary in {os.path.join(check.out, 'summary.md')}")
+    print(f"gpu-check: {check.summary['status']}")
+    print(f"gpu-check: summary in {os.path.join(check.out, 'summary.md')}")
     return code
 
