@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -22,23 +23,30 @@ from tests.gpu_check.runner import run_phase
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# In a fresh interpreter: libcst and pathspec made unimportable, as on a machine without them.
+# In a fresh interpreter: libcst and pathspec (the codemods' dependencies) made unimportable, as
+# on a GPU machine without them; then the GPU test files are collected (hypothesis's pytest
+# plugin left out), and whatever of the three got imported is printed.
 WITHOUT_CODEMOD_DEPENDENCIES = """
 import sys
 sys.modules["libcst"] = None  # `import libcst` now raises ImportError
 sys.modules["pathspec"] = None
 import fsdp_bridge.engine, fsdp_bridge.fsdp, fsdp_bridge.ya_fsdp, fsdp_bridge.bench.cuda
 import pytest
-sys.exit(pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *sys.argv[1:]]))
+code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
+                    *sys.argv[1:]])
+loaded = {name.split(".")[0] for name, module in sys.modules.items() if module is not None}
+print("imported:", sorted(loaded & {"libcst", "pathspec", "hypothesis"}))
+sys.exit(code)
 """
 
 
-def test_the_engine_front_ends_and_gpu_tests_import_without_libcst_or_pathspec():
+def test_the_engine_front_ends_and_gpu_tests_need_no_libcst_pathspec_or_hypothesis():
     files = sorted(set(gpu_check.GPU_TESTS + gpu_check.GPU_GLOO_TESTS))
     done = subprocess.run([sys.executable, "-c", WITHOUT_CODEMOD_DEPENDENCIES, *files], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert re.search(r"\d+ tests? collected", done.stdout), done.stdout[-2000:]
+    assert "imported: []" in done.stdout, done.stdout[-2000:]
 
 
 def _make_variable(name: str) -> list[str]:
@@ -72,6 +80,8 @@ def test_each_phase_may_use_its_share_of_the_budget_and_what_earlier_phases_save
     running = shares["environment"] + shares["tests-nccl"] + shares["tests-gloo"]
     assert small.timeout("environment") == pytest.approx(100 * shares["environment"] / running,
                                                          abs=1)
+    for check in (whole, small):
+        shutil.rmtree(check.work)
 
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
@@ -221,6 +231,10 @@ def test_a_smoke_run_writes_the_summary_with_a_failures_first_line(tmp_path):
     failed = [c for c in result["cases"] if c["outcome"] == "failed"]
     assert failed[0]["first_line"] == "AssertionError: the sample is broken on purpose"
     assert "1 failed" in (out / "tests-nccl.log").read_text()
+    # The folder keeps the summary and one log per phase that ran (what the check reads from
+    # the phases is in summary.json).
+    assert sorted(os.listdir(out)) == ["environment.log", "summary.json", "summary.md",
+                                       "tests-nccl.log"]
     written = (out / "summary.md").read_text()
     assert "AssertionError: the sample is broken on purpose" in written
     assert "skipped on purpose" in written

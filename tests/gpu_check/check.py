@@ -9,8 +9,10 @@ import datetime
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 from tests.gpu_check import summary as S
@@ -49,6 +51,10 @@ class Check:
     def __init__(self, args, argv: list[str]):
         self.args = args
         self.out = os.path.abspath(args.out)
+        # What the phases write for the check to read (versions, junit XML, the bench's and the
+        # offload's JSON) goes here, and into summary.json: the folder keeps the summary and
+        # one log per phase, no more.
+        self.work = tempfile.mkdtemp(prefix="gpu-check-")
         self.deadline = time.monotonic() + args.budget
         self.summary = {"schema": S.SCHEMA, "mode": "smoke (CPU)" if args.smoke else "gpu",
                         "status": "running", "started": _now(), "updated": _now(),
@@ -110,9 +116,7 @@ def _commit():
 
 def environment(check: Check) -> bool:
     """The versions; False when torch says there is no CUDA device (without --smoke)."""
-    found = os.path.join(check.out, "environment.json")
-    if os.path.exists(found):
-        os.remove(found)
+    found = os.path.join(check.work, "environment.json")
     record = check.phase("environment", [sys.executable, "-m", "tests.gpu_check.probe", found],
                          check.env())
     try:
@@ -137,7 +141,7 @@ def environment(check: Check) -> bool:
 
 
 def pytest_phase(check: Check, name: str, files, extra_env: dict) -> None:
-    junit = os.path.join(check.out, f"{name}.junit.xml")
+    junit = os.path.join(check.work, f"{name}.junit.xml")
     argv = [sys.executable, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider",
             f"--junitxml={junit}", "--durations=15", *files]
     notes = []
@@ -147,8 +151,6 @@ def pytest_phase(check: Check, name: str, files, extra_env: dict) -> None:
         notes.append("pytest-timeout is not installed: no per-test timeout; a hung test runs "
                      "until the phase's timeout, then the phase is stopped and the test that was "
                      "running is named")
-    if os.path.exists(junit):
-        os.remove(junit)  # an old run's file must not stand for this run's
     record = check.phase(name, argv, check.env(**extra_env), notes)
     if os.path.exists(junit):
         check.summary["tests"][name] = S.read_junit(junit)
@@ -159,16 +161,15 @@ def pytest_phase(check: Check, name: str, files, extra_env: dict) -> None:
 
 
 def bench(check: Check) -> None:
-    figures = os.path.join(check.out, "bench.json")
-    if os.path.exists(figures):
-        os.remove(figures)
+    figures = os.path.join(check.work, "bench.json")
     options = BENCH_SMOKE if check.args.smoke else BENCH_GPU
     record = check.phase("bench", [sys.executable, "-m", "fsdp_bridge", "bench", *options,
                                    "--json", figures], check.env())
     if os.path.exists(figures):
         with open(figures) as handle:
-            check.summary["bench"] = {"source": "bench --json file",
-                                      "table": S.bench_table(json.load(handle))}
+            report = json.load(handle)
+        check.summary["bench"] = {"source": "bench --json file", "table": S.bench_table(report),
+                                  "report": report}
     else:
         table = S.bench_table_from_log(os.path.join(check.out, record["log"]))
         check.summary["bench"] = {"source": "bench's progress lines (it wrote no JSON)",
@@ -176,10 +177,8 @@ def bench(check: Check) -> None:
 
 
 def offload(check: Check) -> None:
-    figures = os.path.join(check.out, "offload.json")
+    figures = os.path.join(check.work, "offload.json")
     argv = [sys.executable, "-m", "tests.gpu_check.offload", "--json", figures]
-    if os.path.exists(figures):
-        os.remove(figures)
     device = {} if check.args.smoke else {"FSDP_BRIDGE_DEVICE": "cuda"}
     check.phase("offload", argv + (["--smoke"] if check.args.smoke else []), check.env(**device))
     if os.path.exists(figures):
@@ -257,6 +256,7 @@ def main(argv=None) -> int:
         raise
     finally:
         check.save()
+        shutil.rmtree(check.work, ignore_errors=True)
     print(f"gpu-check: {check.summary['status']}")
     print(f"gpu-check: summary in {os.path.join(check.out, 'summary.md')}")
     return code
