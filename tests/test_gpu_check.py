@@ -70,7 +70,8 @@ def test_the_gpu_tests_need_no_fixture_of_the_pytest_plugin():
 
 def test_each_phase_may_use_its_share_of_the_budget_and_what_earlier_phases_saved(tmp_path):
     shares = gpu_check.SHARES
-    whole = gpu_check.Check(gpu_check.parse(["--out", str(tmp_path)]), [])
+    whole = gpu_check.Check(gpu_check.parse(["--out", str(tmp_path), "--budget", "450"]), [])
+    assert sum(shares.values()) == 450
     assert whole.timeout("environment") == pytest.approx(shares["environment"], abs=1)
     later = sum(shares[p] for p in ("tests-gloo", "bench", "offload"))
     assert whole.timeout("tests-nccl") == pytest.approx(450 - later, abs=1)
