@@ -53,6 +53,17 @@ test-gpu: $(STAMP)
 	FSDP_BRIDGE_DEVICE=cuda $(BIN)/python -m pytest -q -rs $(GPU_TESTS)
 	FSDP_BRIDGE_DEVICE=cuda FSDP_BRIDGE_BACKEND=gloo $(BIN)/python -m pytest -q -rs $(GPU_GLOO_TESTS)
 
+# The same GPU tests, then the CUDA bench and the CPU-offload memory figure, offline, on the
+# Python already there (a container's or a cluster's CUDA build of torch; PY=... to pick one):
+# no .venv, nothing installed, nothing downloaded, the package not installed (the repository goes
+# first on PYTHONPATH). Each phase runs under a wall-clock timeout, about 7.5 minutes in all; the
+# summary (summary.md, summary.json) and bounded raw logs go to GPU_CHECK_OUT, rewritten after
+# every phase. Without make: $(PY) -m tests.gpu_check --out DIR (--smoke: the same on the CPU).
+GPU_CHECK_OUT ?= gpu-check
+.PHONY: gpu-check
+gpu-check:
+	$(PY) -m tests.gpu_check --out $(GPU_CHECK_OUT)
+
 bench: $(STAMP)
 	$(BIN)/python -m fsdp_bridge bench
 
