@@ -533,10 +533,31 @@ def _attach_forms(root: nn.Module) -> None:
 
 def _sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, shard_placement_fn):
     """(the DTensor parameter replacing `param`, its GatheredForm)."""
+    _check_no_all_gather_extension(param, name)
     if isinstance(param, DTensor):
         return _sharded_tensor_parallel(param, name, mesh, shard_placement_fn)
     dim = T.shard_dim(shard_placement_fn, param, name, tuple(param.shape), mesh.size(-1))
     return _row_sharded(param, name, mesh, dim), GatheredForm(param.shape, dim)
+
+
+# FSDP2's all-gather extension point: a tensor subclass (torchao's float8 and NF4 weights) that
+# defines these methods chooses what is gathered and how the gathered pieces become the
+# parameter the module computes with.
+_ALL_GATHER_EXTENSIONS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
+
+
+def _check_no_all_gather_extension(param: nn.Parameter, name: str) -> None:
+    """The engine gathers flat buffers of plain values and would skip the subclass's hooks: the
+    module would compute with other values than under FSDP2, silently. Refuse by name."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    hooks = [hook for hook in _ALL_GATHER_EXTENSIONS if hasattr(local, hook)]
+    if hooks:
+        raise T.bad(f"parameter {name!r}", f"a {type(local).__name__} tensor defining FSDP2's "
+                    f"all-gather extension ({', '.join(hooks)})", "plain tensors: fsdp_bridge "
+                    "gathers flat buffers of values and cannot run a tensor subclass's gather "
+                    "hooks (float8 / NF4 training)", "Shard this model with torch's own "
+                    "torch.distributed.fsdp.fully_shard, or convert the parameter to a plain "
+                    "tensor before fully_shard.", exc=NotImplementedError)
 
 
 def _check_not_shared_with_earlier_call(param: nn.Parameter, name: str) -> None:

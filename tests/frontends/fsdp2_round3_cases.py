@@ -1,0 +1,164 @@
+"""FSDP2 edges checked against native `fully_shard` in one CPU/gloo world of four ranks (see
+test_fsdp2_round3.py): tensor parallelism whose split is uneven across tensor-parallel ranks,
+and parameters that use FSDP2's all-gather extension point."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.utils._pytree import tree_map
+
+from tests.world import device_type, run_case_table
+
+STEPS = 3
+GLOBAL_BATCH = 4
+
+
+def _fully_shard(which):
+    module = "torch.distributed.fsdp" if which == "native" else "fsdp_bridge.fsdp"
+    return importlib.import_module(module).fully_shard
+
+
+def _inputs(step: int, rank: int, world: int) -> torch.Tensor:
+    batch = torch.randn(GLOBAL_BATCH, 6, generator=torch.Generator().manual_seed(step))
+    per_rank = GLOBAL_BATCH // world
+    return batch[rank * per_rank:(rank + 1) * per_rank].to(device_type())
+
+
+# -- tensor parallelism with an uneven split -------------------------------------------------
+
+
+def _uneven_tp_model(which, mesh):
+    """Two linears of 9 output features, split column-wise over 2 tensor-parallel ranks: one
+    rank holds 5 rows of each weight, its peer 4."""
+    model = nn.Sequential(nn.Linear(6, 9), nn.ReLU(), nn.Linear(9, 9)).to(device_type())
+    plan = {"0": ColwiseParallel(output_layouts=Replicate()),
+            "2": ColwiseParallel(output_layouts=Replicate())}
+    parallelize_module(model, mesh["tp"], plan)
+    _fully_shard(which)(model, mesh=mesh["dp"])
+    return model
+
+
+def uneven_tensor_parallel(which):
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _uneven_tp_model(which, mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dp = mesh["dp"]
+    losses = []
+    for step in range(STEPS):
+        loss = model(_inputs(step, dp.get_local_rank(), dp.size())).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    state = model.state_dict()
+    return {"losses": losses,
+            "local_shapes": {k: tuple(v.to_local().shape) for k, v in state.items()},
+            "full": {k: v.full_tensor().cpu() for k, v in state.items()}}
+
+
+# -- the all-gather extension point ------------------------------------------------------------
+
+
+class GathersInBf16(torch.Tensor):
+    """A weight that chooses to be gathered in bf16, through FSDP2's extension methods (what
+    torchao's float8 and NF4 weights do with their own formats). A wrapper subclass, so that its
+    shards stay of this type through the chunking FSDP2 does. `calls` counts the hook calls."""
+
+    calls: list = []
+
+    @staticmethod
+    def __new__(cls, data):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype,
+                                                   device=data.device, strides=data.stride(),
+                                                   requires_grad=data.requires_grad)
+
+    def __init__(self, data):
+        self._data = data
+
+    def __repr__(self):
+        return f"GathersInBf16({self._data!r})"
+
+    def __tensor_flatten__(self):
+        return ["_data"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, size, stride):
+        return GathersInBf16(inner["_data"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def unwrap(t):
+            return t._data if isinstance(t, GathersInBf16) else t
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        return tree_map(lambda t: GathersInBf16(t) if isinstance(t, torch.Tensor) else t, out)
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        GathersInBf16.calls.append("pre")
+        return (self._data.to(torch.bfloat16),), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        GathersInBf16.calls.append("post")
+        (gathered,) = outputs
+        if out is not None:
+            return None
+        return gathered.to(param_dtype), (gathered,)
+
+
+def _extension_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 4)).to(device_type())
+    model[0].weight = nn.Parameter(GathersInBf16(model[0].weight.detach().clone()))
+    return model
+
+
+def all_gather_extension(which, mesh_shape):
+    """The first forward's output, the hook calls, or the error `fully_shard` raised."""
+    names = ("replicate", "shard")[-len(mesh_shape):]
+    mesh = init_device_mesh(device_type(), mesh_shape, mesh_dim_names=names)
+    model = _extension_model()
+    GathersInBf16.calls = []
+    try:
+        _fully_shard(which)(model, mesh=mesh)
+    except NotImplementedError as error:
+        first = next(iter(model.parameters()))
+        return {"error": str(error), "still_plain": not hasattr(first, "device_mesh")}
+    output = model(_inputs(0, dist.get_rank(), dist.get_world_size()))
+    return {"output": output.detach().cpu(), "calls": sorted(set(GathersInBf16.calls))}
+
+
+def plain_output():
+    """The first forward without FSDP: what a gather that skipped the hooks computes."""
+    model = _extension_model()
+    return model(_inputs(0, dist.get_rank(), dist.get_world_size())).detach().cpu()
+
+
+def _both(fn, *args):
+    def run(rank, world):
+        out = {}
+        for which in ("native", "ours"):
+            torch.manual_seed(0)
+            out[which] = fn(which, *args)
+            dist.barrier()
+        return out
+    return run
+
+
+def cases() -> dict:
+    return {
+        "uneven_tensor_parallel": _both(uneven_tensor_parallel),
+        "extension_1d": _both(all_gather_extension, (4,)),
+        "extension_2d": _both(all_gather_extension, (2, 2)),
+        "plain_output": lambda rank, world: plain_output(),
+    }
+
+
+def run_cases(rank, world, names=None):
+    return run_case_table(cases(), names)

@@ -1,0 +1,58 @@
+"""FSDP2 edges against native `fully_shard`, both run in one CPU/gloo world of four ranks
+(fsdp2_round3_cases.py):
+
+- tensor parallelism split unevenly (a weight of 9 rows over 2 tensor-parallel ranks: local
+  shapes (5, 6) and (4, 6)) trains as natively, bit for bit: the ranks' agreement check compares
+  a tensor-parallel parameter's global shape and placements, not its local shape;
+- a parameter whose tensor defines FSDP2's all-gather extension (`fsdp_pre_all_gather` /
+  `fsdp_post_all_gather`, the float8 and NF4 path) is refused by name at `fully_shard` time, on
+  a 1-D and a 2-D mesh, where native runs the hooks (which change the numbers); the model is left
+  as it was.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.frontends import fsdp2_round3_cases as C
+from tests.world import case_result as case
+from tests.world import run_world
+
+
+@pytest.fixture(scope="module")
+def world():
+    return run_world(C.run_cases, 4)
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_uneven_tensor_parallel_trains_as_native(world, rank):
+    result = case(world, "uneven_tensor_parallel", rank)
+    native, ours = result["native"], result["ours"]
+    assert native["local_shapes"] == ours["local_shapes"]
+    assert ours["losses"] == native["losses"]
+    for name, value in native["full"].items():
+        assert torch.equal(ours["full"][name], value), name
+
+
+def test_uneven_tensor_parallel_shards_differ_between_tensor_parallel_peers(world):
+    shapes = [case(world, "uneven_tensor_parallel", rank)["ours"]["local_shapes"]["0.weight"]
+              for rank in range(4)]
+    # Rank r is (dp, tp) = (r // 2, r % 2): tp rank 0 holds 5 of the 9 rows, tp rank 1 holds 4;
+    # each dp rank then keeps half of them (rounded up on dp rank 0).
+    assert shapes[0] != shapes[1], shapes
+
+
+@pytest.mark.parametrize("mesh", ["extension_1d", "extension_2d"])
+def test_all_gather_extension_is_refused_by_name_where_native_runs_it(world, mesh):
+    plain = case(world, "plain_output", 0)
+    result = case(world, mesh, 0)
+    native, ours = result["native"], result["ours"]
+    assert native["calls"] == ["post", "pre"], "native must run both hooks"
+    assert not torch.allclose(native["output"], plain, rtol=0, atol=1e-6), (
+        "the hooks must change the numbers, or this case shows nothing")
+    message = ours["error"]
+    for expected in ("parameter '0.weight'", "fsdp_pre_all_gather", "fsdp_post_all_gather",
+                     "torch.distributed.fsdp.fully_shard"):
+        assert expected in message, message
+    assert ours["still_plain"], "a refused fully_shard must leave the model as it was"
