@@ -82,6 +82,9 @@ class FullyShardCall:
     # call's unit whenever the engine's runtime is built: they may come before the first
     # forward, and a runtime built early for a submodule is rebuilt by its root.
     unit_settings: dict = dataclasses.field(default_factory=dict)
+    # (module, attribute, first module, its attribute) for each parameter the call found under
+    # several modules (a tied embedding and output weight): see _retie.
+    ties: list = dataclasses.field(default_factory=list)
 
 
 class UnshardHandle:
@@ -335,8 +338,10 @@ def _lazy_init(module: nn.Module) -> None:
             if sub_sharded is not None and sub is not module:
                 engine.release(sub_sharded)
         _restore_ties(module)
-        _attach_forms(module)
         calls = [(path, getattr(sub, CONFIG)) for path, sub in below]
+        _retie(calls)
+        _check_materialised(module)
+        _attach_forms(module)
         plan, topology = T.build_plan(module, calls)
         sharded = engine.shard_model(module, plan, shard_group=topology.shard_group,
                                      replicate_group=topology.replicate_group)
@@ -346,6 +351,22 @@ def _lazy_init(module: nn.Module) -> None:
             call_.root_of = ref
     finally:
         _BUILDING.active = False
+
+
+def _check_materialised(root: nn.Module) -> None:
+    """Parameters still on meta when the model is first used were never initialised (no
+    `to_empty()` + init, no `load_state_dict(assign=True)`): refuse, as FSDP2 does, rather than
+    train on values nobody chose."""
+    on_meta = [name for name, param in root.named_parameters()
+               if isinstance(param, DTensor) and param.to_local().is_meta]
+    if on_meta:
+        shown = ", ".join(repr(name) for name in on_meta[:8])
+        more = f" and {len(on_meta) - 8} more" if len(on_meta) > 8 else ""
+        raise RuntimeError(
+            f"fully_shard: parameters are still on the meta device at the model's first use: "
+            f"{shown}{more}. Materialise and initialise them before the first forward (or "
+            "unshard()), e.g. model.to_empty(device=device) then reset_parameters() on each "
+            "module, or load_state_dict(full_state, assign=True).")
 
 
 def _building() -> bool:
@@ -418,7 +439,7 @@ def fully_shard(
     with contextlib.ExitStack() as stack:
         for m in modules:
             stack.enter_context(engine.restored_on_failure(m))
-        _to_dtensor_params(modules, mesh, ignored_params or (), shard_placement_fn)
+        _to_dtensor_params(modules, mesh, ignored_params or (), shard_placement_fn, call.ties)
         for m in modules:
             object.__setattr__(m, CONFIG, call)
             _swap_class(m)
@@ -492,13 +513,16 @@ def _default_mesh() -> DeviceMesh:
     return _DEFAULT_MESHES[key]
 
 
-def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params, shard_placement_fn) -> None:
+def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params, shard_placement_fn,
+                       ties: list) -> None:
     """Replace every parameter this call manages by a DTensor parameter split over the mesh
     (see [Note: sharding at fully_shard time]), and record on its owner modules the form it
     gathers into (see [Note: gathered form] in fsdp_bridge/engine/layout.py). Parameters tied
-    to modules outside the call are re-tied when the root is built (`_restore_ties`)."""
+    to modules outside the call are re-tied when the root is built (`_restore_ties`); ties
+    inside the call are appended to `ties` (see `_retie`)."""
     ignored = {id(p) for p in ignored_params}
     converted: dict[int, tuple[nn.Parameter, GatheredForm]] = {}
+    first_owner: dict[int, tuple[nn.Module, str]] = {}
     for module in modules:
         for owner_name, owner in module.named_modules():
             for attr, param in list(owner._parameters.items()):
@@ -510,6 +534,9 @@ def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params, shard_placemen
                     converted[id(param)] = _sharded(param, name, mesh, shard_placement_fn)
                     setattr(param, REPLACED_BY, converted[id(param)][0])
                     mark_replaced(param, name)
+                    first_owner[id(param)] = (owner, attr)
+                else:
+                    ties.append((owner, attr, *first_owner[id(param)]))
                 new, form = converted[id(param)]
                 owner._parameters[attr] = new
                 _forms_of(owner)[attr] = form
@@ -662,6 +689,19 @@ def _restore_ties(root: nn.Module) -> None:
             if replacement is not None:
                 owner._parameters[attr] = replacement
                 _convert_loads_of(owner)
+
+
+def _retie(calls) -> None:
+    """[Note: ties after loading] `load_state_dict(assign=True)` (the rank-0 broadcast recipe
+    for meta init) assigns each key a parameter of its own, so a tied embedding and output
+    weight come apart. As FSDP2, which sets a shared parameter on every module that held it
+    whenever it unshards, every module of a tie is pointed back at the parameter its first
+    module (in `named_modules()` order) holds now."""
+    for _, call in calls:
+        for owner, attr, first, first_attr in call.ties:
+            current = first._parameters.get(first_attr)
+            if current is not None and owner._parameters.get(attr) is not current:
+                owner._parameters[attr] = current
 
 
 def _convert_loads_of(owner: nn.Module) -> None:

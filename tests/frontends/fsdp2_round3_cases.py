@@ -1,6 +1,7 @@
 """FSDP2 edges checked against native `fully_shard` in one CPU/gloo world of four ranks (see
 test_fsdp2_round3.py): tensor parallelism whose split is uneven across tensor-parallel ranks,
-and parameters that use FSDP2's all-gather extension point."""
+parameters that use FSDP2's all-gather extension point, parameters left on meta, and a tied
+weight after meta init and `load_state_dict(assign=True)`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.utils._pytree import tree_map
 
@@ -140,6 +141,97 @@ def plain_output():
     return model(_inputs(0, dist.get_rank(), dist.get_world_size())).detach().cpu()
 
 
+# -- parameters left on meta ---------------------------------------------------------------------
+
+
+def _meta_model(which):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
+    fully_shard = _fully_shard(which)
+    fully_shard(model[0])
+    fully_shard(model)
+    return model
+
+
+def _initialise_and_train(model):
+    model.to_empty(device=device_type())
+    torch.manual_seed(0)
+    for layer in (model[0], model[2]):
+        layer.reset_parameters()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(STEPS):
+        loss = model(_inputs(step, rank, world)).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def meta_never_loaded(which):
+    """A model built on meta and sharded, used before its parameters were materialised: the
+    error. Ours then still trains once initialised (native's state is broken by the error)."""
+    model = _meta_model(which)
+    try:
+        model(_inputs(0, dist.get_rank(), dist.get_world_size()))
+        return {"error": None}
+    except RuntimeError as raised:
+        error = str(raised)
+    return {"error": error, "losses": _initialise_and_train(model) if which == "ours" else None}
+
+
+def meta_initialised(which):
+    """The same model initialised before its first use: the recipe's training."""
+    return {"losses": _initialise_and_train(_meta_model(which))}
+
+
+# -- a tied weight after meta init and loading --------------------------------------------------
+
+
+class TiedHead(nn.Module):
+    """An embedding whose weight the output layer shares (GPT-2's and many Llamas' tie)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.mid(self.embed(ids))))
+
+
+def tied_after_assign_load(which):
+    """Built on meta, sharded, then loaded with `load_state_dict(sharded, assign=True)` (which
+    unties the weight): the embedding's gradient and the weights over three steps."""
+    torch.manual_seed(0)
+    full = TiedHead().to(device_type()).state_dict()
+    with torch.device("meta"):
+        model = TiedHead()
+    fully_shard = _fully_shard(which)
+    fully_shard(model.mid)
+    fully_shard(model)
+    layout = model.state_dict()
+    model.load_state_dict({key: distribute_tensor(value, layout[key].device_mesh,
+                                                  layout[key].placements)
+                           for key, value in full.items()}, assign=True)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    grads = []
+    for step in range(STEPS):
+        ids = torch.randint(0, 16, (GLOBAL_BATCH, 5), generator=torch.Generator().manual_seed(step))
+        ids = ids[rank * GLOBAL_BATCH // world:(rank + 1) * GLOBAL_BATCH // world]
+        model(ids.to(device_type())).logsumexp(-1).mean().backward()
+        grads.append(model.embed.weight.grad.full_tensor().cpu())
+        optim.step()
+        optim.zero_grad()
+    return {"grads": grads, "tied": model.head.weight is model.embed.weight,
+            "full": {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}}
+
+
 def _both(fn, *args):
     def run(rank, world):
         out = {}
@@ -157,6 +249,9 @@ def cases() -> dict:
         "extension_1d": _both(all_gather_extension, (4,)),
         "extension_2d": _both(all_gather_extension, (2, 2)),
         "plain_output": lambda rank, world: plain_output(),
+        "meta_never_loaded": _both(meta_never_loaded),
+        "meta_initialised": _both(meta_initialised),
+        "tied_after_assign_load": _both(tied_after_assign_load),
     }
 
 

@@ -7,7 +7,12 @@
 - a parameter whose tensor defines FSDP2's all-gather extension (`fsdp_pre_all_gather` /
   `fsdp_post_all_gather`, the float8 and NF4 path) is refused by name at `fully_shard` time, on
   a 1-D and a 2-D mesh, where native runs the hooks (which change the numbers); the model is left
-  as it was.
+  as it was;
+- a forward on parameters still on meta (never materialised nor loaded) raises a RuntimeError
+  naming them, as natively; initialised afterwards, ours trains as the native recipe does;
+- a tied embedding / output weight built on meta and loaded with `load_state_dict(...,
+  assign=True)` (which unties it) is tied again at the first forward, as natively: the
+  embedding's gradient and every weight equal native's, bit for bit, over three steps.
 """
 
 from __future__ import annotations
@@ -56,3 +61,34 @@ def test_all_gather_extension_is_refused_by_name_where_native_runs_it(world, mes
                      "torch.distributed.fsdp.fully_shard"):
         assert expected in message, message
     assert ours["still_plain"], "a refused fully_shard must leave the model as it was"
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_a_forward_on_meta_parameters_raises_as_native(world, rank):
+    result = case(world, "meta_never_loaded", rank)
+    native, ours = result["native"], result["ours"]
+    assert native["error"] is not None and "meta" in native["error"]
+    assert ours["error"] is not None
+    for expected in ("meta device", "'0.weight'", "'2.bias'", "to_empty"):
+        assert expected in ours["error"], ours["error"]
+    # Initialised after the error, ours trains as the recipe does natively.
+    expected = case(world, "meta_initialised", rank)["native"]["losses"]
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(expected),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_meta_init_recipe_trains_as_native(world):
+    result = case(world, "meta_initialised", 0)
+    torch.testing.assert_close(torch.tensor(result["ours"]["losses"]),
+                               torch.tensor(result["native"]["losses"]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tie_broken_by_an_assign_load_is_restored_as_native(world, rank):
+    result = case(world, "tied_after_assign_load", rank)
+    native, ours = result["native"], result["ours"]
+    assert native["tied"] and ours["tied"]
+    for step, (mine, theirs) in enumerate(zip(ours["grads"], native["grads"])):
+        assert torch.equal(mine, theirs), f"embedding gradient differs at step {step}"
+    for name, value in native["full"].items():
+        assert torch.equal(ours["full"][name], value), name
