@@ -346,11 +346,21 @@ def _lazy_init(module: nn.Module) -> None:
         sharded = engine.shard_model(module, plan, shard_group=topology.shard_group,
                                      replicate_group=topology.replicate_group)
         _apply_unit_settings(sharded, calls)
+        _hook_list_call_modules(sharded, below)
         ref = weakref.ref(module)
         for _, call_ in calls:
             call_.root_of = ref
     finally:
         _BUILDING.active = False
+
+
+def _hook_list_call_modules(sharded, below) -> None:
+    """The modules of a list call share their enclosing unit's groups; each still gathers them
+    when called on its own, as under FSDP2 (see [Note: a module run on its own])."""
+    unit_paths = {unit.name for unit in sharded.units}
+    for path, member in below:
+        if len(getattr(member, CONFIG).modules) > 1 and path not in unit_paths:
+            engine.hook_module_inside(sharded, path, member)
 
 
 def _check_materialised(root: nn.Module) -> None:

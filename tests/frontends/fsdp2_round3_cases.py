@@ -1,7 +1,8 @@
 """FSDP2 edges checked against native `fully_shard` in one CPU/gloo world of four ranks (see
 test_fsdp2_round3.py): tensor parallelism whose split is uneven across tensor-parallel ranks,
 parameters that use FSDP2's all-gather extension point, parameters left on meta, and a tied
-weight after meta init and `load_state_dict(assign=True)`."""
+weight after meta init and `load_state_dict(assign=True)`, and a module of a list call run on
+its own."""
 
 from __future__ import annotations
 
@@ -232,6 +233,49 @@ def tied_after_assign_load(which):
             "full": {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}}
 
 
+# -- a module of a list call run on its own ------------------------------------------------------
+
+
+class ChunkedHead(nn.Module):
+    """The forward stops before the head: the loss calls `head` on chunks of the output (a
+    chunked cross-entropy)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(6, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, x):
+        return self.norm(self.trunk(x))
+
+
+def list_call_member_alone(which):
+    """`fully_shard([norm, head])`; each chunk's loss runs `head` by itself and backpropagates
+    (retaining the trunk's graph), so `head` runs after a backward: losses, weights."""
+    torch.manual_seed(0)
+    model = ChunkedHead().to(device_type())
+    fully_shard = _fully_shard(which)
+    fully_shard(model.trunk)
+    fully_shard([model.norm, model.head])
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(STEPS):
+        hidden = model(_inputs(step, rank, world))
+        total = 0.0
+        for chunk in hidden.split(1):
+            loss = model.head(chunk).logsumexp(-1).mean()
+            loss.backward(retain_graph=True)
+            total += loss.item()
+        optim.step()
+        optim.zero_grad()
+        losses.append(total)
+    return {"losses": losses,
+            "full": {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}}
+
+
 def _both(fn, *args):
     def run(rank, world):
         out = {}
@@ -252,6 +296,7 @@ def cases() -> dict:
         "meta_never_loaded": _both(meta_never_loaded),
         "meta_initialised": _both(meta_initialised),
         "tied_after_assign_load": _both(tied_after_assign_load),
+        "list_call_member_alone": _both(list_call_member_alone),
     }
 
 

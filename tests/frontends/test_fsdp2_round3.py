@@ -12,7 +12,9 @@
   naming them, as natively; initialised afterwards, ours trains as the native recipe does;
 - a tied embedding / output weight built on meta and loaded with `load_state_dict(...,
   assign=True)` (which unties it) is tied again at the first forward, as natively: the
-  embedding's gradient and every weight equal native's, bit for bit, over three steps.
+  embedding's gradient and every weight equal native's, bit for bit, over three steps;
+- a module of a list call (`fully_shard([norm, head])`) that the forward skips, called on its
+  own for each chunk of a chunked loss (so after a backward), trains as natively.
 """
 
 from __future__ import annotations
@@ -92,3 +94,14 @@ def test_a_tie_broken_by_an_assign_load_is_restored_as_native(world, rank):
         assert torch.equal(mine, theirs), f"embedding gradient differs at step {step}"
     for name, value in native["full"].items():
         assert torch.equal(ours["full"][name], value), name
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_a_list_call_module_run_on_its_own_after_a_backward_trains_as_native(world, rank):
+    result = case(world, "list_call_member_alone", rank)
+    native, ours = result["native"], result["ours"]
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(native["losses"]),
+                               rtol=1e-5, atol=1e-6)
+    for name, value in native["full"].items():
+        torch.testing.assert_close(ours["full"][name], value, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
