@@ -27,6 +27,7 @@ takes full tensors and DTensors of another layout, converted per key to the para
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -38,6 +39,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
@@ -452,10 +454,21 @@ def fully_shard(
         _to_dtensor_params(modules, mesh, ignored_params or (), shard_placement_fn, call.ties)
         for m in modules:
             object.__setattr__(m, CONFIG, call)
+            _register_as_fully_shard(m)
             _swap_class(m)
             m.register_forward_pre_hook(_lazy_init_hook, with_kwargs=True, prepend=True)
             _cast_like_fsdp2(m, mp_policy, inputs=len(modules) > 1)
     return module
+
+
+def _register_as_fully_shard(module: nn.Module) -> None:
+    """[Note: composable registry] torch's composable APIs mark the modules they manage in a
+    registry on the module; `replicate()` skips the parameters of modules marked
+    "fully_shard" (DDP-style replication around FSDP units) and would otherwise turn our
+    DTensor parameters into plain tensors. Mark ours as FSDP2 marks its own."""
+    registry = module.__dict__.setdefault(REGISTRY_KEY,
+                                          collections.OrderedDict())
+    registry.setdefault("fully_shard", RegistryItem())
 
 
 def _cast_like_fsdp2(module: nn.Module, policy: MixedPrecisionPolicy, inputs: bool) -> None:

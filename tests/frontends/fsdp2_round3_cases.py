@@ -1,8 +1,8 @@
 """FSDP2 edges checked against native `fully_shard` in one CPU/gloo world of four ranks (see
 test_fsdp2_round3.py): tensor parallelism whose split is uneven across tensor-parallel ranks,
 parameters that use FSDP2's all-gather extension point, parameters left on meta, and a tied
-weight after meta init and `load_state_dict(assign=True)`, and a module of a list call run on
-its own."""
+weight after meta init and `load_state_dict(assign=True)`, a module of a list call run on
+its own, and fully_shard inside torch's composable `replicate()`."""
 
 from __future__ import annotations
 
@@ -276,6 +276,37 @@ def list_call_member_alone(which):
             "full": {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}}
 
 
+# -- fully_shard inside torch's replicate() -------------------------------------------------------
+
+
+def inside_replicate(which):
+    """Two fully_shard-ed layers and a last layer of the root's own, the whole under torch's
+    composable `replicate()` (DDP for what FSDP does not manage): losses, weights, and the
+    parameter types after training."""
+    from torch.distributed._composable.replicate import replicate
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 4))
+    model = model.to(device_type())
+    fully_shard = _fully_shard(which)
+    fully_shard(model[0])
+    fully_shard(model[2])
+    replicate(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(STEPS):
+        loss = model(_inputs(step, rank, world)).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses,
+            "types": [type(p).__name__ for p in model.parameters()],
+            "weights": [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+                        for p in model.parameters()]}
+
+
 def _both(fn, *args):
     def run(rank, world):
         out = {}
@@ -297,6 +328,7 @@ def cases() -> dict:
         "meta_initialised": _both(meta_initialised),
         "tied_after_assign_load": _both(tied_after_assign_load),
         "list_call_member_alone": _both(list_call_member_alone),
+        "inside_replicate": _both(inside_replicate),
     }
 
 

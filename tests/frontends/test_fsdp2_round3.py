@@ -14,7 +14,9 @@
   assign=True)` (which unties it) is tied again at the first forward, as natively: the
   embedding's gradient and every weight equal native's, bit for bit, over three steps;
 - a module of a list call (`fully_shard([norm, head])`) that the forward skips, called on its
-  own for each chunk of a chunked loss (so after a backward), trains as natively.
+  own for each chunk of a chunked loss (so after a backward), trains as natively;
+- `fully_shard`-ed layers inside torch's composable `replicate()` train as natively (replicate
+  skips the modules fully_shard manages: ours are marked as FSDP2 marks its own).
 """
 
 from __future__ import annotations
@@ -105,3 +107,16 @@ def test_a_list_call_module_run_on_its_own_after_a_backward_trains_as_native(wor
     for name, value in native["full"].items():
         torch.testing.assert_close(ours["full"][name], value, rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_fully_shard_inside_replicate_trains_as_native(world, rank):
+    result = case(world, "inside_replicate", rank)
+    native, ours = result["native"], result["ours"]
+    assert ours["types"] == native["types"]
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(native["losses"]),
+                               rtol=1e-5, atol=1e-6)
+    for index, (mine, theirs) in enumerate(zip(ours["weights"], native["weights"])):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"parameter {index}: {m}")
+
