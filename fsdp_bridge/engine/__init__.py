@@ -36,6 +36,7 @@ from fsdp_bridge.engine.summon import summon_full_params
 from fsdp_bridge.engine.topology import topology_of_groups
 from fsdp_bridge.engine.unit_verbs import (
     expose_unit,
+    hook_module_inside,
     reshard_unit,
     run_as_forward,
     run_pre_forward,
@@ -51,6 +52,7 @@ __all__ = [
     "ShardedModel",
     "clip_grads_",
     "expose_unit",
+    "hook_module_inside",
     "full_optim_state_dict",
     "full_state_dict",
     "get_sharded",

@@ -149,5 +149,15 @@ def describe_layout(groups: list[GroupLayout]) -> str:
     lines = []
     for group in groups:
         lines.append(f"[{group.unit_name or '<root>'} grad={group.requires_grad} {group.dtype}]")
-        lines.extend(f"  {slot.fqn} {tuple(slot.shape)}" for slot in group.slots)
+        lines.extend(f"  {slot.fqn} {_agreed_shape(slot)}" for slot in group.slots)
     return "\n".join(lines)
+
+
+def _agreed_shape(slot: ParamSlot) -> str:
+    """The shape every rank must agree on. A tensor-parallel parameter's local tensor may
+    legitimately differ by rank (an uneven split: (5, 3) on one rank, (4, 3) on its peer), so
+    its global shape and placements are what ranks compare."""
+    form = gathered_form(slot.param)
+    if form.compute_shape is None:
+        return str(tuple(slot.shape))
+    return f"{tuple(form.compute_shape)} as {form.compute_placements}"

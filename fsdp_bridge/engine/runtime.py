@@ -309,7 +309,47 @@ class ShardedModel:
                 unit.module.register_forward_hook(self._make_post_forward(unit))
             )
 
+    def hook_module_inside(self, unit: Unit, module: nn.Module) -> None:
+        """Let `module`, inside `unit`'s flat groups (a module of an FSDP2 list call), run on
+        its own: see [Note: a module run on its own]."""
+        active: list = []
+
+        def pre_forward(_module, args, kwargs):
+            if unit.in_use:  # inside the unit's own forward or backward: already gathered
+                return None
+            active.append(True)
+            unit.in_use = True
+            for group in unit.groups:
+                self._ensure_gathered(group)
+            self._install_views(unit)
+            return None
+
+        def post_forward(_module, args, output):
+            if not active:
+                return None
+            active.pop()
+            unit.in_use = False
+            if unit.reshard_after_forward:
+                self._remove_views(unit)
+                self._release_buffers_of(unit)
+            tensors = [t for t in tree_leaves(output)
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            if torch.is_grad_enabled() and tensors:
+                register_multi_grad_hook(tensors, self._make_pre_backward(unit), mode="any")
+            return None
+
+        self.hook_handles.append(
+            module.register_forward_pre_hook(pre_forward, with_kwargs=True, prepend=True))
+        self.hook_handles.append(module.register_forward_hook(post_forward))
+
     # -- forward ------------------------------------------------------------------------------
+
+    # [Note: a module run on its own] FSDP2 registers its hooks on every module of a list call
+    # (`fully_shard([norm, head])`), so `head(chunk)` called by itself after a backward (a
+    # chunked loss) gathers the parameters again. Here such modules share their enclosing
+    # unit's flat groups; outside that unit's forward their own hooks gather the unit, install
+    # its views and hook its backward, without starting a new step (the root's pre-forward
+    # would: its gathered copies and forward order belong to the step still under way).
 
     def _make_pre_forward(self, unit: Unit):
         def pre_forward(module, args, kwargs):

@@ -84,3 +84,9 @@ def run_as_forward(sharded: ShardedModel, name: str, method, args, kwargs):
     args, kwargs = sharded._make_pre_forward(unit)(unit.module, args, kwargs)
     output = method(*args, **kwargs)
     return sharded._make_post_forward(unit)(unit.module, args, output)
+
+
+def hook_module_inside(sharded: ShardedModel, name: str, module) -> None:
+    """Make module `name`, which shares the flat groups of the unit enclosing it (a module of
+    an FSDP2 list call), gather them when called on its own."""
+    sharded.hook_module_inside(_unit(sharded, name), module)

@@ -27,6 +27,7 @@ takes full tensors and DTensors of another layout, converted per key to the para
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -38,6 +39,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
@@ -82,6 +84,9 @@ class FullyShardCall:
     # call's unit whenever the engine's runtime is built: they may come before the first
     # forward, and a runtime built early for a submodule is rebuilt by its root.
     unit_settings: dict = dataclasses.field(default_factory=dict)
+    # (module, attribute, first module, its attribute) for each parameter the call found under
+    # several modules (a tied embedding and output weight): see _retie.
+    ties: list = dataclasses.field(default_factory=list)
 
 
 class UnshardHandle:
@@ -335,17 +340,45 @@ def _lazy_init(module: nn.Module) -> None:
             if sub_sharded is not None and sub is not module:
                 engine.release(sub_sharded)
         _restore_ties(module)
-        _attach_forms(module)
         calls = [(path, getattr(sub, CONFIG)) for path, sub in below]
+        _retie(calls)
+        _check_materialised(module)
+        _attach_forms(module)
         plan, topology = T.build_plan(module, calls)
         sharded = engine.shard_model(module, plan, shard_group=topology.shard_group,
                                      replicate_group=topology.replicate_group)
         _apply_unit_settings(sharded, calls)
+        _hook_list_call_modules(sharded, below)
         ref = weakref.ref(module)
         for _, call_ in calls:
             call_.root_of = ref
     finally:
         _BUILDING.active = False
+
+
+def _hook_list_call_modules(sharded, below) -> None:
+    """The modules of a list call share their enclosing unit's groups; each still gathers them
+    when called on its own, as under FSDP2 (see [Note: a module run on its own])."""
+    unit_paths = {unit.name for unit in sharded.units}
+    for path, member in below:
+        if len(getattr(member, CONFIG).modules) > 1 and path not in unit_paths:
+            engine.hook_module_inside(sharded, path, member)
+
+
+def _check_materialised(root: nn.Module) -> None:
+    """Parameters still on meta when the model is first used were never initialised (no
+    `to_empty()` + init, no `load_state_dict(assign=True)`): refuse, as FSDP2 does, rather than
+    train on values nobody chose."""
+    on_meta = [name for name, param in root.named_parameters()
+               if isinstance(param, DTensor) and param.to_local().is_meta]
+    if on_meta:
+        shown = ", ".join(repr(name) for name in on_meta[:8])
+        more = f" and {len(on_meta) - 8} more" if len(on_meta) > 8 else ""
+        raise RuntimeError(
+            f"fully_shard: parameters are still on the meta device at the model's first use: "
+            f"{shown}{more}. Materialise and initialise them before the first forward (or "
+            "unshard()), e.g. model.to_empty(device=device) then reset_parameters() on each "
+            "module, or load_state_dict(full_state, assign=True).")
 
 
 def _building() -> bool:
@@ -418,13 +451,24 @@ def fully_shard(
     with contextlib.ExitStack() as stack:
         for m in modules:
             stack.enter_context(engine.restored_on_failure(m))
-        _to_dtensor_params(modules, mesh, ignored_params or (), shard_placement_fn)
+        _to_dtensor_params(modules, mesh, ignored_params or (), shard_placement_fn, call.ties)
         for m in modules:
             object.__setattr__(m, CONFIG, call)
+            _register_as_fully_shard(m)
             _swap_class(m)
             m.register_forward_pre_hook(_lazy_init_hook, with_kwargs=True, prepend=True)
             _cast_like_fsdp2(m, mp_policy, inputs=len(modules) > 1)
     return module
+
+
+def _register_as_fully_shard(module: nn.Module) -> None:
+    """[Note: composable registry] torch's composable APIs mark the modules they manage in a
+    registry on the module; `replicate()` skips the parameters of modules marked
+    "fully_shard" (DDP-style replication around FSDP units) and would otherwise turn our
+    DTensor parameters into plain tensors. Mark ours as FSDP2 marks its own."""
+    registry = module.__dict__.setdefault(REGISTRY_KEY,
+                                          collections.OrderedDict())
+    registry.setdefault("fully_shard", RegistryItem())
 
 
 def _cast_like_fsdp2(module: nn.Module, policy: MixedPrecisionPolicy, inputs: bool) -> None:
@@ -492,13 +536,16 @@ def _default_mesh() -> DeviceMesh:
     return _DEFAULT_MESHES[key]
 
 
-def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params, shard_placement_fn) -> None:
+def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params, shard_placement_fn,
+                       ties: list) -> None:
     """Replace every parameter this call manages by a DTensor parameter split over the mesh
     (see [Note: sharding at fully_shard time]), and record on its owner modules the form it
     gathers into (see [Note: gathered form] in fsdp_bridge/engine/layout.py). Parameters tied
-    to modules outside the call are re-tied when the root is built (`_restore_ties`)."""
+    to modules outside the call are re-tied when the root is built (`_restore_ties`); ties
+    inside the call are appended to `ties` (see `_retie`)."""
     ignored = {id(p) for p in ignored_params}
     converted: dict[int, tuple[nn.Parameter, GatheredForm]] = {}
+    first_owner: dict[int, tuple[nn.Module, str]] = {}
     for module in modules:
         for owner_name, owner in module.named_modules():
             for attr, param in list(owner._parameters.items()):
@@ -510,6 +557,9 @@ def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params, shard_placemen
                     converted[id(param)] = _sharded(param, name, mesh, shard_placement_fn)
                     setattr(param, REPLACED_BY, converted[id(param)][0])
                     mark_replaced(param, name)
+                    first_owner[id(param)] = (owner, attr)
+                else:
+                    ties.append((owner, attr, *first_owner[id(param)]))
                 new, form = converted[id(param)]
                 owner._parameters[attr] = new
                 _forms_of(owner)[attr] = form
@@ -533,10 +583,31 @@ def _attach_forms(root: nn.Module) -> None:
 
 def _sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, shard_placement_fn):
     """(the DTensor parameter replacing `param`, its GatheredForm)."""
+    _check_no_all_gather_extension(param, name)
     if isinstance(param, DTensor):
         return _sharded_tensor_parallel(param, name, mesh, shard_placement_fn)
     dim = T.shard_dim(shard_placement_fn, param, name, tuple(param.shape), mesh.size(-1))
     return _row_sharded(param, name, mesh, dim), GatheredForm(param.shape, dim)
+
+
+# FSDP2's all-gather extension point: a tensor subclass (torchao's float8 and NF4 weights) that
+# defines these methods chooses what is gathered and how the gathered pieces become the
+# parameter the module computes with.
+_ALL_GATHER_EXTENSIONS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
+
+
+def _check_no_all_gather_extension(param: nn.Parameter, name: str) -> None:
+    """The engine gathers flat buffers of plain values and would skip the subclass's hooks: the
+    module would compute with other values than under FSDP2, silently. Refuse by name."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    hooks = [hook for hook in _ALL_GATHER_EXTENSIONS if hasattr(local, hook)]
+    if hooks:
+        raise T.bad(f"parameter {name!r}", f"a {type(local).__name__} tensor defining FSDP2's "
+                    f"all-gather extension ({', '.join(hooks)})", "plain tensors: fsdp_bridge "
+                    "gathers flat buffers of values and cannot run a tensor subclass's gather "
+                    "hooks (float8 / NF4 training)", "Shard this model with torch's own "
+                    "torch.distributed.fsdp.fully_shard, or convert the parameter to a plain "
+                    "tensor before fully_shard.", exc=NotImplementedError)
 
 
 def _check_not_shared_with_earlier_call(param: nn.Parameter, name: str) -> None:
@@ -641,6 +712,19 @@ def _restore_ties(root: nn.Module) -> None:
             if replacement is not None:
                 owner._parameters[attr] = replacement
                 _convert_loads_of(owner)
+
+
+def _retie(calls) -> None:
+    """[Note: ties after loading] `load_state_dict(assign=True)` (the rank-0 broadcast recipe
+    for meta init) assigns each key a parameter of its own, so a tied embedding and output
+    weight come apart. As FSDP2, which sets a shared parameter on every module that held it
+    whenever it unshards, every module of a tie is pointed back at the parameter its first
+    module (in `named_modules()` order) holds now."""
+    for _, call in calls:
+        for owner, attr, first, first_attr in call.ties:
+            current = first._parameters.get(first_attr)
+            if current is not None and owner._parameters.get(attr) is not current:
+                owner._parameters[attr] = current
 
 
 def _convert_loads_of(owner: nn.Module) -> None:

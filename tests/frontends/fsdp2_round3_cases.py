@@ -1,0 +1,336 @@
+"""FSDP2 edges checked against native `fully_shard` in one CPU/gloo world of four ranks (see
+test_fsdp2_round3.py): tensor parallelism whose split is uneven across tensor-parallel ranks,
+parameters that use FSDP2's all-gather extension point, parameters left on meta, and a tied
+weight after meta init and `load_state_dict(assign=True)`, a module of a list call run on
+its own, and fully_shard inside torch's composable `replicate()`."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.utils._pytree import tree_map
+
+from tests.world import device_type, run_case_table
+
+STEPS = 3
+GLOBAL_BATCH = 4
+
+
+def _fully_shard(which):
+    module = "torch.distributed.fsdp" if which == "native" else "fsdp_bridge.fsdp"
+    return importlib.import_module(module).fully_shard
+
+
+def _inputs(step: int, rank: int, world: int) -> torch.Tensor:
+    batch = torch.randn(GLOBAL_BATCH, 6, generator=torch.Generator().manual_seed(step))
+    per_rank = GLOBAL_BATCH // world
+    return batch[rank * per_rank:(rank + 1) * per_rank].to(device_type())
+
+
+# -- tensor parallelism with an uneven split -------------------------------------------------
+
+
+def _uneven_tp_model(which, mesh):
+    """Two linears of 9 output features, split column-wise over 2 tensor-parallel ranks: one
+    rank holds 5 rows of each weight, its peer 4."""
+    model = nn.Sequential(nn.Linear(6, 9), nn.ReLU(), nn.Linear(9, 9)).to(device_type())
+    plan = {"0": ColwiseParallel(output_layouts=Replicate()),
+            "2": ColwiseParallel(output_layouts=Replicate())}
+    parallelize_module(model, mesh["tp"], plan)
+    _fully_shard(which)(model, mesh=mesh["dp"])
+    return model
+
+
+def uneven_tensor_parallel(which):
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _uneven_tp_model(which, mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dp = mesh["dp"]
+    losses = []
+    for step in range(STEPS):
+        loss = model(_inputs(step, dp.get_local_rank(), dp.size())).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    state = model.state_dict()
+    return {"losses": losses,
+            "local_shapes": {k: tuple(v.to_local().shape) for k, v in state.items()},
+            "full": {k: v.full_tensor().cpu() for k, v in state.items()}}
+
+
+# -- the all-gather extension point ------------------------------------------------------------
+
+
+class GathersInBf16(torch.Tensor):
+    """A weight that chooses to be gathered in bf16, through FSDP2's extension methods (what
+    torchao's float8 and NF4 weights do with their own formats). A wrapper subclass, so that its
+    shards stay of this type through the chunking FSDP2 does. `calls` counts the hook calls."""
+
+    calls: list = []
+
+    @staticmethod
+    def __new__(cls, data):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, dtype=data.dtype,
+                                                   device=data.device, strides=data.stride(),
+                                                   requires_grad=data.requires_grad)
+
+    def __init__(self, data):
+        self._data = data
+
+    def __repr__(self):
+        return f"GathersInBf16({self._data!r})"
+
+    def __tensor_flatten__(self):
+        return ["_data"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, size, stride):
+        return GathersInBf16(inner["_data"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def unwrap(t):
+            return t._data if isinstance(t, GathersInBf16) else t
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        return tree_map(lambda t: GathersInBf16(t) if isinstance(t, torch.Tensor) else t, out)
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        GathersInBf16.calls.append("pre")
+        return (self._data.to(torch.bfloat16),), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        GathersInBf16.calls.append("post")
+        (gathered,) = outputs
+        if out is not None:
+            return None
+        return gathered.to(param_dtype), (gathered,)
+
+
+def _extension_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 4)).to(device_type())
+    model[0].weight = nn.Parameter(GathersInBf16(model[0].weight.detach().clone()))
+    return model
+
+
+def all_gather_extension(which, mesh_shape):
+    """The first forward's output, the hook calls, or the error `fully_shard` raised."""
+    names = ("replicate", "shard")[-len(mesh_shape):]
+    mesh = init_device_mesh(device_type(), mesh_shape, mesh_dim_names=names)
+    model = _extension_model()
+    GathersInBf16.calls = []
+    try:
+        _fully_shard(which)(model, mesh=mesh)
+    except NotImplementedError as error:
+        first = next(iter(model.parameters()))
+        return {"error": str(error), "still_plain": not hasattr(first, "device_mesh")}
+    output = model(_inputs(0, dist.get_rank(), dist.get_world_size()))
+    return {"output": output.detach().cpu(), "calls": sorted(set(GathersInBf16.calls))}
+
+
+def plain_output():
+    """The first forward without FSDP: what a gather that skipped the hooks computes."""
+    model = _extension_model()
+    return model(_inputs(0, dist.get_rank(), dist.get_world_size())).detach().cpu()
+
+
+# -- parameters left on meta ---------------------------------------------------------------------
+
+
+def _meta_model(which):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
+    fully_shard = _fully_shard(which)
+    fully_shard(model[0])
+    fully_shard(model)
+    return model
+
+
+def _initialise_and_train(model):
+    model.to_empty(device=device_type())
+    torch.manual_seed(0)
+    for layer in (model[0], model[2]):
+        layer.reset_parameters()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(STEPS):
+        loss = model(_inputs(step, rank, world)).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def meta_never_loaded(which):
+    """A model built on meta and sharded, used before its parameters were materialised: the
+    error. Ours then still trains once initialised (native's state is broken by the error)."""
+    model = _meta_model(which)
+    try:
+        model(_inputs(0, dist.get_rank(), dist.get_world_size()))
+        return {"error": None}
+    except RuntimeError as raised:
+        error = str(raised)
+    return {"error": error, "losses": _initialise_and_train(model) if which == "ours" else None}
+
+
+def meta_initialised(which):
+    """The same model initialised before its first use: the recipe's training."""
+    return {"losses": _initialise_and_train(_meta_model(which))}
+
+
+# -- a tied weight after meta init and loading --------------------------------------------------
+
+
+class TiedHead(nn.Module):
+    """An embedding whose weight the output layer shares (GPT-2's and many Llamas' tie)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.mid(self.embed(ids))))
+
+
+def tied_after_assign_load(which):
+    """Built on meta, sharded, then loaded with `load_state_dict(sharded, assign=True)` (which
+    unties the weight): the embedding's gradient and the weights over three steps."""
+    torch.manual_seed(0)
+    full = TiedHead().to(device_type()).state_dict()
+    with torch.device("meta"):
+        model = TiedHead()
+    fully_shard = _fully_shard(which)
+    fully_shard(model.mid)
+    fully_shard(model)
+    layout = model.state_dict()
+    model.load_state_dict({key: distribute_tensor(value, layout[key].device_mesh,
+                                                  layout[key].placements)
+                           for key, value in full.items()}, assign=True)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    grads = []
+    for step in range(STEPS):
+        ids = torch.randint(0, 16, (GLOBAL_BATCH, 5), generator=torch.Generator().manual_seed(step))
+        ids = ids[rank * GLOBAL_BATCH // world:(rank + 1) * GLOBAL_BATCH // world]
+        model(ids.to(device_type())).logsumexp(-1).mean().backward()
+        grads.append(model.embed.weight.grad.full_tensor().cpu())
+        optim.step()
+        optim.zero_grad()
+    return {"grads": grads, "tied": model.head.weight is model.embed.weight,
+            "full": {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}}
+
+
+# -- a module of a list call run on its own ------------------------------------------------------
+
+
+class ChunkedHead(nn.Module):
+    """The forward stops before the head: the loss calls `head` on chunks of the output (a
+    chunked cross-entropy)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(6, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, x):
+        return self.norm(self.trunk(x))
+
+
+def list_call_member_alone(which):
+    """`fully_shard([norm, head])`; each chunk's loss runs `head` by itself and backpropagates
+    (retaining the trunk's graph), so `head` runs after a backward: losses, weights."""
+    torch.manual_seed(0)
+    model = ChunkedHead().to(device_type())
+    fully_shard = _fully_shard(which)
+    fully_shard(model.trunk)
+    fully_shard([model.norm, model.head])
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(STEPS):
+        hidden = model(_inputs(step, rank, world))
+        total = 0.0
+        for chunk in hidden.split(1):
+            loss = model.head(chunk).logsumexp(-1).mean()
+            loss.backward(retain_graph=True)
+            total += loss.item()
+        optim.step()
+        optim.zero_grad()
+        losses.append(total)
+    return {"losses": losses,
+            "full": {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}}
+
+
+# -- fully_shard inside torch's replicate() -------------------------------------------------------
+
+
+def inside_replicate(which):
+    """Two fully_shard-ed layers and a last layer of the root's own, the whole under torch's
+    composable `replicate()` (DDP for what FSDP does not manage): losses, weights, and the
+    parameter types after training."""
+    from torch.distributed._composable.replicate import replicate
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 4))
+    model = model.to(device_type())
+    fully_shard = _fully_shard(which)
+    fully_shard(model[0])
+    fully_shard(model[2])
+    replicate(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(STEPS):
+        loss = model(_inputs(step, rank, world)).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses,
+            "types": [type(p).__name__ for p in model.parameters()],
+            "weights": [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+                        for p in model.parameters()]}
+
+
+def _both(fn, *args):
+    def run(rank, world):
+        out = {}
+        for which in ("native", "ours"):
+            torch.manual_seed(0)
+            out[which] = fn(which, *args)
+            dist.barrier()
+        return out
+    return run
+
+
+def cases() -> dict:
+    return {
+        "uneven_tensor_parallel": _both(uneven_tensor_parallel),
+        "extension_1d": _both(all_gather_extension, (4,)),
+        "extension_2d": _both(all_gather_extension, (2, 2)),
+        "plain_output": lambda rank, world: plain_output(),
+        "meta_never_loaded": _both(meta_never_loaded),
+        "meta_initialised": _both(meta_initialised),
+        "tied_after_assign_load": _both(tied_after_assign_load),
+        "list_call_member_alone": _both(list_call_member_alone),
+        "inside_replicate": _both(inside_replicate),
+    }
+
+
+def run_cases(rank, world, names=None):
+    return run_case_table(cases(), names)

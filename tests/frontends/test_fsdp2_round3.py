@@ -1,0 +1,122 @@
+"""FSDP2 edges against native `fully_shard`, both run in one CPU/gloo world of four ranks
+(fsdp2_round3_cases.py):
+
+- tensor parallelism split unevenly (a weight of 9 rows over 2 tensor-parallel ranks: local
+  shapes (5, 6) and (4, 6)) trains as natively, bit for bit: the ranks' agreement check compares
+  a tensor-parallel parameter's global shape and placements, not its local shape;
+- a parameter whose tensor defines FSDP2's all-gather extension (`fsdp_pre_all_gather` /
+  `fsdp_post_all_gather`, the float8 and NF4 path) is refused by name at `fully_shard` time, on
+  a 1-D and a 2-D mesh, where native runs the hooks (which change the numbers); the model is left
+  as it was;
+- a forward on parameters still on meta (never materialised nor loaded) raises a RuntimeError
+  naming them, as natively; initialised afterwards, ours trains as the native recipe does;
+- a tied embedding / output weight built on meta and loaded with `load_state_dict(...,
+  assign=True)` (which unties it) is tied again at the first forward, as natively: the
+  embedding's gradient and every weight equal native's, bit for bit, over three steps;
+- a module of a list call (`fully_shard([norm, head])`) that the forward skips, called on its
+  own for each chunk of a chunked loss (so after a backward), trains as natively;
+- `fully_shard`-ed layers inside torch's composable `replicate()` train as natively (replicate
+  skips the modules fully_shard manages: ours are marked as FSDP2 marks its own).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.frontends import fsdp2_round3_cases as C
+from tests.world import case_result as case
+from tests.world import run_world
+
+
+@pytest.fixture(scope="module")
+def world():
+    return run_world(C.run_cases, 4)
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_uneven_tensor_parallel_trains_as_native(world, rank):
+    result = case(world, "uneven_tensor_parallel", rank)
+    native, ours = result["native"], result["ours"]
+    assert native["local_shapes"] == ours["local_shapes"]
+    assert ours["losses"] == native["losses"]
+    for name, value in native["full"].items():
+        assert torch.equal(ours["full"][name], value), name
+
+
+def test_uneven_tensor_parallel_shards_differ_between_tensor_parallel_peers(world):
+    shapes = [case(world, "uneven_tensor_parallel", rank)["ours"]["local_shapes"]["0.weight"]
+              for rank in range(4)]
+    # Rank r is (dp, tp) = (r // 2, r % 2): tp rank 0 holds 5 of the 9 rows, tp rank 1 holds 4;
+    # each dp rank then keeps half of them (rounded up on dp rank 0).
+    assert shapes[0] != shapes[1], shapes
+
+
+@pytest.mark.parametrize("mesh", ["extension_1d", "extension_2d"])
+def test_all_gather_extension_is_refused_by_name_where_native_runs_it(world, mesh):
+    plain = case(world, "plain_output", 0)
+    result = case(world, mesh, 0)
+    native, ours = result["native"], result["ours"]
+    assert native["calls"] == ["post", "pre"], "native must run both hooks"
+    assert not torch.allclose(native["output"], plain, rtol=0, atol=1e-6), (
+        "the hooks must change the numbers, or this case shows nothing")
+    message = ours["error"]
+    for expected in ("parameter '0.weight'", "fsdp_pre_all_gather", "fsdp_post_all_gather",
+                     "torch.distributed.fsdp.fully_shard"):
+        assert expected in message, message
+    assert ours["still_plain"], "a refused fully_shard must leave the model as it was"
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_a_forward_on_meta_parameters_raises_as_native(world, rank):
+    result = case(world, "meta_never_loaded", rank)
+    native, ours = result["native"], result["ours"]
+    assert native["error"] is not None and "meta" in native["error"]
+    assert ours["error"] is not None
+    for expected in ("meta device", "'0.weight'", "'2.bias'", "to_empty"):
+        assert expected in ours["error"], ours["error"]
+    # Initialised after the error, ours trains as the recipe does natively.
+    expected = case(world, "meta_initialised", rank)["native"]["losses"]
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(expected),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_meta_init_recipe_trains_as_native(world):
+    result = case(world, "meta_initialised", 0)
+    torch.testing.assert_close(torch.tensor(result["ours"]["losses"]),
+                               torch.tensor(result["native"]["losses"]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tie_broken_by_an_assign_load_is_restored_as_native(world, rank):
+    result = case(world, "tied_after_assign_load", rank)
+    native, ours = result["native"], result["ours"]
+    assert native["tied"] and ours["tied"]
+    for step, (mine, theirs) in enumerate(zip(ours["grads"], native["grads"])):
+        assert torch.equal(mine, theirs), f"embedding gradient differs at step {step}"
+    for name, value in native["full"].items():
+        assert torch.equal(ours["full"][name], value), name
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_a_list_call_module_run_on_its_own_after_a_backward_trains_as_native(world, rank):
+    result = case(world, "list_call_member_alone", rank)
+    native, ours = result["native"], result["ours"]
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(native["losses"]),
+                               rtol=1e-5, atol=1e-6)
+    for name, value in native["full"].items():
+        torch.testing.assert_close(ours["full"][name], value, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_fully_shard_inside_replicate_trains_as_native(world, rank):
+    result = case(world, "inside_replicate", rank)
+    native, ours = result["native"], result["ours"]
+    assert ours["types"] == native["types"]
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(native["losses"]),
+                               rtol=1e-5, atol=1e-6)
+    for index, (mine, theirs) in enumerate(zip(ours["weights"], native["weights"])):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"parameter {index}: {m}")
+
