@@ -296,6 +296,11 @@ class FlatGroup:
         if self.buffer is not None and self.buffer.owner is self:
             self.buffer.owner = None
 
+    def hide_full(self) -> None:
+        """The owner modules hold the sharded parameters again, the gathered copy stays (a
+        forward uses an explicit unshard's gather); nothing to do in this layout, which never
+        exposes the full parameters."""
+
     def split(self, flat: torch.Tensor):
         """(slot, view of its parameter in `flat`) for every parameter of a full flat buffer."""
         for slot, offset, numel in zip(self.slots, self.offsets, self.numels):

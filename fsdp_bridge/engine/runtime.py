@@ -376,7 +376,9 @@ class ShardedModel:
         # masters as they are now: its gather, finished or in flight, is the forward's.
         kept, self.unsharded_ahead = self.unsharded_ahead, set()
         for group in self.flat_groups():
-            if id(group) not in kept:
+            if id(group) in kept:
+                group.hide_full()  # the forward installs its own views of the gather
+            else:
                 group.invalidate()
             if group.adopt_replaced_params():
                 self._retype(group)
@@ -654,8 +656,9 @@ class ShardedModel:
             for group in unit.groups:
                 group.wait_gather()
         # The next forward gathers every unit again (the masters move): no gathered weights
-        # are worth holding through the optimizer step.
+        # are worth holding through the optimizer step, nor is an unshard of this step.
         self._release_all_buffers()
+        self.unsharded_ahead.clear()
         self.phase = StepPhase.FORWARD
 
     def _params_without_grad(self) -> dict[int, frozenset]:
