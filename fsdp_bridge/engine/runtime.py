@@ -577,7 +577,11 @@ class ShardedModel:
                 if output._base is not None:  # a slice of the full gradient: free the rest
                     output = pending.output = output.clone()
                 pending.replica_work = self.comm.all_reduce_replicas(output)
-                if pending.replica_work is not None and self.comm.wait_on_futures:
+                if (pending.replica_work is not None and self.comm.wait_on_futures
+                        and output.device.type == "cpu"):
+                    # See [Note: gloo gather input]: the future lets gloo free its scratch
+                    # copy once done. On CUDA the work is kept: its wait() is what makes the
+                    # compute stream wait for gloo's copy back into the shard.
                     pending.replica_work = pending.replica_work.get_future()
             pending.work = pending.source = None
             self.replica_reduces.append(pending)
