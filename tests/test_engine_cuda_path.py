@@ -76,9 +76,18 @@ def real_gloo_group_world(rank, world):
     plan = Plan(units=(UnitSpec(""),))
     sharded = engine.shard_model(nn.Linear(3, 2), plan)
     check_ranks_agree(plan, "layout", sharded.comm, sharded.device)  # talks on the CPU
+    # Unused-parameter flags on a real group of one: no tensor, no collective.
+    model = TwoBranches()
+    branches = engine.shard_model(model, Plan(units=(UnitSpec(""),), unused_grad_is_none=True))
+    built = []
+    flags_on_device = branches._flags_on_device
+    branches._flags_on_device = lambda seen: built.append(seen) or flags_on_device(seen)
+    model(torch.randn(3, 4)).sum().backward()
     return {"backends": backends_of(None), "default_device": str(engine.default_device()),
             "engine_device": str(sharded.device),
-            "collective_device": str(collective_device(backends_of(None), CUDA0))}
+            "collective_device": str(collective_device(backends_of(None), CUDA0)),
+            "flags_built": len(built), "calls": dict(branches.comm.stats.calls),
+            "skipped_grad_is_none": model.skipped.weight.grad is None}
 
 
 def test_a_real_gloo_group_computes_and_checks_on_the_cpu():
@@ -86,6 +95,8 @@ def test_a_real_gloo_group_computes_and_checks_on_the_cpu():
     assert out["backends"] == {"cpu": "gloo", "cuda": "gloo"}
     assert out["default_device"] == out["engine_device"] == "cpu"
     assert out["collective_device"] == "cpu"
+    assert out["flags_built"] == 0 and out["calls"] == {}, out
+    assert out["skipped_grad_is_none"], out
 
 
 # -- gradient norms and clipping with foreach kernels --------------------------------------------
