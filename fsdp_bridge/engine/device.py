@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 
 import torch
+import torch.distributed as dist
 
 
 class BackwardPrefetch(enum.Enum):
@@ -78,8 +79,6 @@ def parse_backend_config(config: str) -> dict[str, str]:
 
 def backends_of(group) -> dict[str, str]:
     """{device type: backend} for a process group (None: the default group)."""
-    import torch.distributed as dist
-
     get_config = getattr(dist, "get_backend_config", None)  # guarded: not in every torch
     return parse_backend_config(get_config(group) if get_config is not None
                                 else str(dist.get_backend(group)))
