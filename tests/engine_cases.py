@@ -477,4 +477,28 @@ def case_zero3_world4(rank, world):
     return result(rank, world, yafsdp_llama(M.tiny_llama()))
 
 
-WORLD4_CASES = [case_hybrid_llama, case_hybrid_gpt2, case_zero3_world4]
+def case_hybrid_replica_reduces_wait_for_the_end(rank, world):
+    """When each reduction of a hybrid backward joins its gradient (its replica all-reduce
+    waited on), counted in post-backwards run so far: all at the end of backward, none in a
+    later unit's post-backward (as FSDP2 keeps HSDP's all-reduce off the critical path). The
+    deferred shards are counted too: they pile up until the end."""
+    model, sharded = _hybrid(M.tiny_llama(), "model.layers")
+    seen = {"post_backwards": 0, "finished_after": [], "deferred_peak": 0}
+    post_backward, finish = sharded.post_backward, sharded._finish_reduce
+
+    def counting_post_backward(group, grads):
+        seen["post_backwards"] += 1
+        post_backward(group, grads)
+        seen["deferred_peak"] = max(seen["deferred_peak"], len(sharded.replica_reduces))
+
+    def recording_finish(pending):
+        seen["finished_after"].append(seen["post_backwards"])
+        finish(pending)
+
+    sharded.post_backward, sharded._finish_reduce = counting_post_backward, recording_finish
+    M.lm_loss(model, M.rank_slice(M.global_batches(1, GLOBAL_BATCH)[0], rank, world)).backward()
+    return seen
+
+
+WORLD4_CASES = [case_hybrid_llama, case_hybrid_gpt2, case_zero3_world4,
+                case_hybrid_replica_reduces_wait_for_the_end]

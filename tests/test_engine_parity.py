@@ -163,6 +163,17 @@ def test_world4(world4, case, model):
         assert_states_close(world4[rank][case]["state"], out["state"], rtol=0, atol=0)
 
 
+def test_hybrid_waits_for_replica_all_reduces_only_at_the_end_of_backward(world4):
+    for rank in range(4):
+        seen = world4[rank]["case_hybrid_replica_reduces_wait_for_the_end"]
+        total = seen["post_backwards"]
+        assert total >= 4, seen  # three layers and the root, at least
+        # Each reduction joins its gradient once every post-backward has run (before: in the
+        # post-backward after its own, the replica all-reduce on the critical path).
+        assert seen["finished_after"] and set(seen["finished_after"]) == {total}, seen
+        assert seen["deferred_peak"] >= total - 1, seen
+
+
 def test_a_pair_reduces_from_the_gradients_as_torch_sums(world2):
     for rank in (0, 1):
         out = world2[rank]["case_pair_reduces_from_gradients"]

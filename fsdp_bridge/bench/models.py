@@ -47,13 +47,11 @@ def _wrap_fsdp1(model, dtype, param_init_fn=None):
 
 
 def compute_device():
-    """This rank's GPU on NCCL (`--device cuda`), else the CPU."""
-    import torch
-    import torch.distributed as dist
+    """This rank's GPU where the process group has a CUDA backend of its own (NCCL, `--device
+    cuda`), else the CPU: the engine's own choice for a model built on the CPU."""
+    from fsdp_bridge.engine import default_device
 
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return default_device()
 
 
 @functools.lru_cache(maxsize=None)

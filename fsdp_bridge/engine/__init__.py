@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_bridge.engine.comm import CollectiveStats, Comm
+from fsdp_bridge.engine.device import backends_of, device_for_backends
 from fsdp_bridge.engine.grad_norm import clip_grads_, grad_norm
 from fsdp_bridge.engine.optim_state import (
     full_optim_state_dict,
@@ -78,16 +79,20 @@ __all__ = [
 
 def default_device(group: Optional[dist.ProcessGroup] = None,
                    module: Optional[nn.Module] = None) -> torch.device:
-    """The compute device when none is given: the current CUDA device for NCCL; else the CUDA
-    device `module` already lives on (gloo communicates CUDA tensors too: a model on a GPU is
-    not moved off it), else the CPU."""
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+    """The compute device when none is given, from the devices the group talks on (see
+    [Note: device from the backend config] in engine/device.py): the current CUDA device for
+    a group with a CUDA backend of its own (NCCL, "cpu:gloo,cuda:nccl"); else the CUDA device
+    `module` already lives on, else the CPU."""
+    module_device = None
     if module is not None:
         devices = {t.device for t in (*module.parameters(), *module.buffers()) if not t.is_meta}
-        if len(devices) == 1 and next(iter(devices)).type == "cuda":
-            return devices.pop()
-    return torch.device("cpu")
+        module_device = devices.pop() if len(devices) == 1 else None
+    if not dist.is_initialized():
+        return module_device if module_device is not None and module_device.type == "cuda" \
+            else torch.device("cpu")
+    cuda = torch.cuda.is_available()
+    return device_for_backends(backends_of(group), module_device, cuda_available=cuda,
+                               current_cuda=torch.cuda.current_device() if cuda else 0)
 
 
 def shard_model(
@@ -106,8 +111,9 @@ def shard_model(
             f"module {type(module).__name__} is already sharded by fsdp_bridge; shard it once."
         )
     topology = topology_of_groups(plan.mode, shard_group, replicate_group)
-    comm = Comm(topology.shard_group, topology.replicate_group, topology.world_group)
     device = torch.device(device) if device is not None else default_device(topology.shard_group, module)
+    comm = Comm(topology.shard_group, topology.replicate_group, topology.world_group,
+                device.type)
     with restored_on_failure(module, buffer_values=plan.sync_module_states) as record:
         sharded = ShardedModel(module, plan, comm, device, param_init_fn, record)
         tag_parameters(sharded)

@@ -29,6 +29,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from fsdp_bridge.engine.device import backends_of
+
 
 @dataclasses.dataclass
 class CollectiveStats:
@@ -58,6 +60,7 @@ class Comm:
         shard_group: Optional[dist.ProcessGroup],
         replicate_group: Optional[dist.ProcessGroup],
         world_group: Optional[dist.ProcessGroup],
+        device_type: str = "cpu",
     ):
         self.shard_group = shard_group
         self.replicate_group = replicate_group
@@ -73,7 +76,10 @@ class Comm:
         # waited on (ProcessGroupGloo::reduce_scatter_tensor_coalesced). All-reducing the full
         # gradient buffer, which the engine owns and reuses anyway, in place moves the same
         # bytes without the clone, its full-size scratch memory, and the copy.
-        on_gloo = shard_group is not None and dist.get_backend(shard_group) == "gloo"
+        # The backend that carries tensors of the engine's device type (a group may hold
+        # one per device type: see [Note: device from the backend config]).
+        on_gloo = (shard_group is not None
+                   and backends_of(shard_group).get(device_type) == "gloo")
         # See [Note: pairs swap halves].
         self.swaps_halves = on_gloo and self.shard_size == 2
         self.reduce_scatter_in_place = on_gloo and not self.swaps_halves
@@ -98,7 +104,8 @@ class Comm:
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor):
         """Gather `shard` from every shard-group rank into `output`; returns a work handle."""
         if self.shard_size == 1:
-            output.data.copy_(shard)
+            if output.data_ptr() != shard.data_ptr():  # else written in place already
+                output.data.copy_(shard)
             return None
         self.stats.record("all_gather", output)
         if self.swaps_halves:
@@ -167,7 +174,8 @@ class Comm:
         is done, without holding up the compute stream: the wait and the all-reduce are issued
         from the CUDA `stream`, so only that stream waits for the reduce-scatter, and the
         compute stream waits only when the returned work is waited on (as FSDP2 runs HSDP's
-        all-reduce on a stream of its own)."""
+        all-reduce on a stream of its own). NCCL only: there `work.wait()` makes the current
+        stream wait for the reduce-scatter; a gloo future's does not."""
         with torch.cuda.stream(stream):
             work.wait()
             return self.all_reduce_replicas(tensor, async_op=True)

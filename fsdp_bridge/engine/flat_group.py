@@ -18,8 +18,11 @@ it asynchronously, as FSDP2's CPUOffloadPolicy: only gathered weights and the gr
 way to a reduction are on the compute device (`self.device`). A gather copies the shard to the
 device (cast for compute) as its input; a reduced shard is copied to the host when it joins the
 gradient. Collectives that read the master directly (full state dicts) send a device copy.
-TODO(offload speed): the host-to-device copy runs on the compute stream and the copy back
-blocks until the reduction is done; FSDP2 overlaps both with compute on streams of their own.
+Neither direction blocks the host: a gather copies the pinned master to the device as it is
+and casts it there (`_gather_input`); a reduced shard goes back on a stream of its own and lands
+once, at the end of backward (see [Note: gradients to the host without blocking] in offload.py).
+TODO(offload speed): the host-to-device copy is queued on the compute stream, ahead of the
+gather; FSDP2 issues it, and its all-gather, on a stream of their own.
 """
 
 from __future__ import annotations
@@ -137,7 +140,8 @@ class FlatGroup:
                 f"in {self.master.dtype}); accepted: a cast between optimizer steps. Cast the "
                 "model before the first micro-step of a cycle.")
         dtype = self.slots[moved[0]].param.dtype
-        master = torch.zeros(self.shard_numel, dtype=dtype, device=self.master.device)
+        master = torch.zeros(self.shard_numel, dtype=dtype, device=self.master.device,
+                             pin_memory=self._pins_master)
         grads = torch.zeros_like(master) if any(
             slot.param.grad is not None for slot in self.slots) else None
         for index, slot in enumerate(self.slots):
@@ -225,6 +229,12 @@ class FlatGroup:
         for index in range(len(self.slots)):
             self._point_at_master(index)
 
+    @property
+    def _pins_master(self) -> bool:
+        """Whether the master lives in pinned host memory: offloaded from a CUDA device (the
+        only case where pinning exists and pays: see [Note: CPU offload])."""
+        return self.master.device.type == "cpu" and self.device.type == "cuda"
+
     def _point_at_master(self, index: int) -> None:
         lo, hi = self.local_range(index)
         param = self.slots[index].param
@@ -251,14 +261,20 @@ class FlatGroup:
     def _gather_input(self, target: torch.Tensor) -> torch.Tensor:
         """What this rank sends. Cast for compute, it is written straight into its own place in
         the gather's output (gathered rank after rank), as FSDP2 does, rather than into a copy
-        that the collective would keep alive beside the output until it finishes."""
-        if ((self.master.dtype == self.compute_dtype and self.master.device == target.device)
-                or self.comm.shard_size == 1):
-            return self.master.to(device=target.device, dtype=self.compute_dtype,
-                                  non_blocking=True)
+        that the collective would keep alive beside the output until it finishes. In a shard
+        group of one that place is the whole output: one copy (cast on the way) is the gather."""
+        if (self.master.dtype == self.compute_dtype and self.master.device == target.device
+                and self.comm.shard_size > 1):
+            return self.master  # sent as it is
         start = self.comm.shard_rank * self.shard_numel
         own_place = target.data[start : start + self.shard_numel]
-        own_place.copy_(self.master, non_blocking=True)  # from the host: see [Note: CPU offload]
+        source = self.master
+        if source.device != own_place.device and source.dtype != own_place.dtype:
+            # From the host (see [Note: CPU offload]): a copy that also casts would be cast
+            # on the CPU through a pageable temporary and block; copy the pinned master as it
+            # is without blocking, and cast on the device.
+            source = source.to(own_place.device, non_blocking=True)
+        own_place.copy_(source, non_blocking=True)
         return own_place
 
     def _gather_target(self) -> torch.Tensor:
@@ -279,6 +295,11 @@ class FlatGroup:
         self.wait_gather()
         if self.buffer is not None and self.buffer.owner is self:
             self.buffer.owner = None
+
+    def hide_full(self) -> None:
+        """The owner modules hold the sharded parameters again, the gathered copy stays (a
+        forward uses an explicit unshard's gather); nothing to do in this layout, which never
+        exposes the full parameters."""
 
     def split(self, flat: torch.Tensor):
         """(slot, view of its parameter in `flat`) for every parameter of a full flat buffer."""

@@ -7,8 +7,9 @@ from typing import Iterable
 import torch
 
 from fsdp_bridge.engine.flat_group import local_part
+from fsdp_bridge.engine.norms import clip_coefficient, grad_norm_of, scale_, tensor_norms
 from fsdp_bridge.engine.ownership import owner_of
-from fsdp_bridge.engine.runtime import ShardedModel, _grad_norm
+from fsdp_bridge.engine.runtime import ShardedModel
 
 
 def grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
@@ -29,12 +30,12 @@ def grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> tor
         grads = plain
         if not grads:
             return torch.zeros(())
-        norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
+        norms = tensor_norms(grads, norm_type, grads[0].device)
         return norms.max() if norm_type == float("inf") else torch.linalg.vector_norm(norms, norm_type)
     parts = []
     for index, (owner, grads) in enumerate(by_owner.values()):
         local = plain if index == 0 else []
-        parts.append(_grad_norm(grads, local, norm_type, owner.comm, owner.device))
+        parts.append(grad_norm_of(grads, local, norm_type, owner.comm, owner.device))
     if norm_type == float("inf"):
         return torch.stack(parts).max()
     return torch.stack(parts).pow(norm_type).sum().pow(1.0 / norm_type)
@@ -43,7 +44,5 @@ def grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> tor
 def clip_grads_(parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     parameters = [p for p in parameters if p.grad is not None]
     total = grad_norm(parameters, norm_type)
-    clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for param in parameters:
-        param.grad.mul_(clip_coef.to(param.grad.device, param.grad.dtype))
+    scale_([local_part(param.grad) for param in parameters], clip_coefficient(max_norm, total))
     return total

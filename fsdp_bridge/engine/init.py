@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_bridge.engine.comm import Comm
+from fsdp_bridge.engine.device import backends_of, collective_device
 from fsdp_bridge.engine.layout import gathered_form, innermost_common_unit
 from fsdp_bridge.plan import ParamLayout, Plan
 
@@ -214,9 +215,10 @@ def check_ranks_agree(plan: Plan, layout_text: str, comm: Comm, device: torch.de
     if group is None or dist.get_world_size(group) == 1:
         return
     description = plan.describe() + "\n" + layout_text
-    # NCCL communicates device tensors only: the engine's device, not the current one (a
-    # rank whose device_id is not the current device would talk through another GPU).
-    on = device if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    # A group without a CPU backend (NCCL) communicates device tensors only: the engine's
+    # device, not the current one (a rank whose device_id is not the current device would
+    # talk through another GPU).
+    on = collective_device(backends_of(group), device)
     mine = torch.tensor([plan.fingerprint(layout_text)], dtype=torch.int64, device=on)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, mine, group=group)

@@ -181,12 +181,15 @@ class RowGroup(FlatGroup):
         self.exposed = True
 
     def invalidate(self) -> None:
+        self.hide_full()
+        super().invalidate()
+
+    def hide_full(self) -> None:
         if self.exposed:  # back to the sharded DTensors
             for slot in self.slots:
                 for module, attr in slot.owners:
                     module._parameters[attr] = slot.param
             self.exposed = False
-        super().invalidate()
 
     def detach_params(self) -> None:
         """Give every parameter a local tensor of its own (the group is being dropped)."""

@@ -42,6 +42,8 @@ from fsdp_bridge.engine.device import (
 )
 from fsdp_bridge.engine.flat_group import FlatGroup, local_part
 from fsdp_bridge.engine.layout import assign_groups, describe_layout
+from fsdp_bridge.engine.norms import clip_coefficient, grad_norm_of, scale_
+from fsdp_bridge.engine.offload import GradOffload
 from fsdp_bridge.engine.row_group import RowGroup
 from fsdp_bridge.plan import MixedPrecision, ParamLayout, Plan, UnitSpec
 
@@ -69,7 +71,9 @@ class PendingReduce:
     # of it), dropped once done.
     source: Optional[torch.Tensor]
     landed: bool = False  # added to the gradient shard by the collective's thread
-    replicas_summed: bool = False  # `work` includes the hybrid replicate all-reduce
+    # Hybrid sharding: the replicate all-reduce of `output`, once started (see [Note: replica
+    # all-reduce off the critical path]).
+    replica_work: Any = None
 
 
 class WrapStart(enum.Enum):
@@ -144,9 +148,16 @@ class ShardedModel:
         select_device(device)
         self.backward_prefetch = default_backward_prefetch(device)
         # Hybrid sharding's replicate all-reduce runs here, beside compute (see
-        # _track_reduce); without streams it runs when the reduction is finished.
+        # _track_reduce); without streams it starts once the reduce-scatter is done. Not on
+        # gloo: a gloo future's `wait()` orders no CUDA stream, so an all-reduce issued on
+        # a stream of its own could read the shard before the reduce-scatter wrote it.
         self.replica_stream = (torch.cuda.Stream(device) if has_streams(device)
-                               and comm.replicate_size > 1 and comm.shard_size > 1 else None)
+                               and comm.replicate_size > 1 and comm.shard_size > 1
+                               and not comm.wait_on_futures else None)
+        self.replica_reduces: list[PendingReduce] = []  # summing over replicas
+        # ids of the groups whose gather an explicit unshard started (see _begin_forward).
+        self.unsharded_ahead: set[int] = set()
+        self.grad_offload = GradOffload(device)
         engine_init.warn_unhonoured_offload(plan, device)
         # The layout is made from the model as given (meta tensors have shapes and dtypes), and
         # every rank agrees on it before the first collective.
@@ -401,8 +412,14 @@ class ShardedModel:
     def _begin_forward(self) -> None:
         # The optimizer may have moved the masters since the last forward: every gathered
         # copy is stale. (Within one forward, a gathered unit is reused across calls.)
+        # An explicit unshard since then (FSDP2's `unshard()` ahead of forward) gathered the
+        # masters as they are now: its gather, finished or in flight, is the forward's.
+        kept, self.unsharded_ahead = self.unsharded_ahead, set()
         for group in self.flat_groups():
-            group.invalidate()
+            if id(group) in kept:
+                group.hide_full()  # the forward installs its own views of the gather
+            else:
+                group.invalidate()
             if group.adopt_replaced_params():
                 self._retype(group)
         if self.forward_order:
@@ -542,7 +559,7 @@ class ShardedModel:
         # buffer of its own from here until its reduction has finished. The reduction before
         # it had this unit's whole backward to run: finish it and free its buffer first, so
         # that at most one unit's gradient waits on the network at a time, as in FSDP2.
-        self._finish_pending_reduces()
+        self._finish_pending_scatters()
         self._track_reduce(group, *group.start_reduce_of_grads(grads))
 
     def _next_to_gather_in_backward(self, unit: Unit) -> Optional[Unit]:
@@ -559,8 +576,8 @@ class ShardedModel:
         pending = PendingReduce(group, work, output, source)
         hooked = self.unit_of_group[id(group)].all_reduce_hook is not None
         if work is not None and self.replica_stream is not None:
-            pending.work = self.comm.all_reduce_replicas_after(work, output, self.replica_stream)
-            pending.replicas_summed = True
+            pending.replica_work = self.comm.all_reduce_replicas_after(work, output,
+                                                                       self.replica_stream)
         if (work is not None and self.comm.wait_on_futures and self.comm.replicate_size == 1
                 and not hooked):  # a user's hook runs on the main thread
             # [Note: reductions land early] On gloo the reduction runs on the process group's
@@ -578,24 +595,57 @@ class ShardedModel:
         pending.landed = True
         pending.output = pending.source = None
 
-    def _finish_pending_reduces(self) -> None:
+    @property
+    def _hybrid(self) -> bool:
+        return self.comm.shard_size > 1 and self.comm.replicate_size > 1
+
+    def _finish_pending_scatters(self) -> None:
+        """Wait for the reduce-scatters in flight. [Note: replica all-reduce off the critical
+        path] Under hybrid sharding a post-backward waits only for the reduce-scatter before
+        it, as FSDP2 does: each reduced shard's all-reduce over the replicas (started beside
+        compute on CUDA, else here) is collected once, at the end of backward. Each shard is
+        summed, hooked and accumulated in the same order as before: only the waiting moves."""
         for pending in self.pending_reduces:
-            self._finish_reduce(pending)
+            if not self._hybrid:
+                self._finish_reduce(pending)
+                continue
+            if pending.work is not None:
+                pending.work.wait()
+            if pending.replica_work is None:
+                output = pending.output
+                assert output is not None
+                if output._base is not None:  # a slice of the full gradient: free the rest
+                    output = pending.output = output.clone()
+                pending.replica_work = self.comm.all_reduce_replicas(output)
+                if (pending.replica_work is not None and self.comm.wait_on_futures
+                        and output.device.type == "cpu"):
+                    # See [Note: gloo gather input]: the future lets gloo free its scratch
+                    # copy once done. On CUDA the work is kept: its wait() is what makes the
+                    # compute stream wait for gloo's copy back into the shard.
+                    pending.replica_work = pending.replica_work.get_future()
+            pending.work = pending.source = None
+            self.replica_reduces.append(pending)
         self.pending_reduces.clear()
 
+    def _finish_pending_reduces(self) -> None:
+        """Every reduction started in this backward is done and joined its gradient shard."""
+        self._finish_pending_scatters()
+        for pending in self.replica_reduces:
+            self._finish_reduce(pending)
+        self.replica_reduces.clear()
+        self.grad_offload.land()
+
     def _finish_reduce(self, pending: PendingReduce) -> None:
-        if pending.work is not None:
-            pending.work.wait()
+        for work in (pending.work, pending.replica_work):
+            if work is not None:
+                work.wait()
         if not pending.landed:
             assert pending.output is not None
-            if self.comm.shard_size > 1 and not pending.replicas_summed:
-                # Hybrid without streams: shards are summed across replicas here.
-                self.comm.all_reduce_replicas(pending.output, async_op=False)
             self._run_all_reduce_hook(pending.group, pending.output)
-            pending.group.accumulate(pending.output)
-        # Drop the work handle, the reduced shard and its source now: gloo's work
+            self.grad_offload.accumulate(pending.group, pending.output)
+        # Drop the work handles, the reduced shard and its source now: gloo's work
         # keeps a full-size scratch copy of its input alive as long as the handle lives.
-        pending.work = pending.output = pending.source = None
+        pending.work = pending.replica_work = pending.output = pending.source = None
 
     def _run_all_reduce_hook(self, group: FlatGroup, output: torch.Tensor) -> None:
         """[Note: all-reduce hook] FSDP2 calls the hook on each reduced shard, averaged over
@@ -650,8 +700,9 @@ class ShardedModel:
             for group in unit.groups:
                 group.wait_gather()
         # The next forward gathers every unit again (the masters move): no gathered weights
-        # are worth holding through the optimizer step.
+        # are worth holding through the optimizer step, nor is an unshard of this step.
         self._release_all_buffers()
+        self.unsharded_ahead.clear()
         self.phase = StepPhase.FORWARD
 
     def _params_without_grad(self) -> dict[int, frozenset]:
@@ -674,15 +725,37 @@ class ShardedModel:
         seen = [flag for group in groups for flag in group.grads_seen or [False] * len(group.slots)]
         if not seen:
             return {}
-        flags = torch.tensor(seen, dtype=torch.uint8, device=self.device)
-        self.comm.any_rank(flags)
-        reached = flags.tolist()
+        reached = self._reached_on_any_rank(seen)
+        if reached is None:
+            return {}
         without, start = {}, 0
         for group in groups:
             count = len(group.slots)
             without[id(group)] = frozenset(i for i in range(count) if not reached[start + i])
             start += count
         return without
+
+    def _reached_on_any_rank(self, seen: list[bool]) -> Optional[list[bool]]:
+        """Per flag, whether any rank set it; None when every flag is set. [Note: flags
+        without a host sync] Alone, a rank needs no tensor at all. With others it takes part
+        in the all-reduce (which reconciles ranks that reached different parameters), its
+        flags built on the device without a blocking copy; the result is read back (a wait
+        for the device) only when this rank missed some parameter: if it reached them all,
+        the maximum over ranks is all set too."""
+        group = self.comm.world_group
+        if group is None or dist.get_world_size(group) == 1:
+            return None if all(seen) else seen
+        flags = self._flags_on_device(seen)
+        self.comm.any_rank(flags)
+        return None if all(seen) else [bool(flag) for flag in flags.tolist()]
+
+    def _flags_on_device(self, seen: list[bool]) -> torch.Tensor:
+        if all(seen):  # the usual case: made on the device, nothing copied
+            return torch.ones(len(seen), dtype=torch.uint8, device=self.device)
+        flags = torch.tensor(seen, dtype=torch.uint8)
+        if self.device.type == "cuda":
+            flags = flags.pin_memory().to(self.device, non_blocking=True)
+        return flags.to(self.device)
 
     # -- public operations --------------------------------------------------------------------
 
@@ -714,31 +787,9 @@ class ShardedModel:
         norm_type = float(norm_type)
         sharded = [g for unit in self.units for group in unit.groups for g in group.local_grads()]
         local = [local_part(p.grad) for p in self.ignored_params if p.grad is not None]
-        total = _grad_norm(sharded, local, norm_type, self.comm, self.device)
-        clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for grad in sharded + local:
-            grad.mul_(clip_coef.to(grad.device, grad.dtype))
+        total = grad_norm_of(sharded, local, norm_type, self.comm, self.device)
+        scale_(sharded + local, clip_coefficient(max_norm, total))
         return total
 
     def collective_stats(self):
         return self.comm.stats
-
-
-def _grad_norm(sharded, local, norm_type, comm: Comm, device) -> torch.Tensor:
-    """The norm of all gradients: shards combine over the shard group, replicated ones don't."""
-    def partial(grads):
-        if not grads:
-            return torch.zeros((), dtype=torch.float32, device=device)
-        norms = torch.stack([torch.linalg.vector_norm(g.float(), norm_type) for g in grads])
-        # On the compute device: offloaded gradients are on the host, collectives are not.
-        norms = norms.to(device)
-        if norm_type == float("inf"):
-            return norms.max()
-        return norms.pow(norm_type).sum()
-
-    sharded_part = partial(sharded)
-    if norm_type == float("inf"):
-        comm.all_reduce_shards(sharded_part, op=dist.ReduceOp.MAX)
-        return torch.maximum(sharded_part, partial(local))
-    comm.all_reduce_shards(sharded_part)
-    return (sharded_part + partial(local)).pow(1.0 / norm_type)

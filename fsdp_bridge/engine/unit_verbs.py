@@ -41,7 +41,8 @@ def set_all_reduce_hook(sharded: ShardedModel, name: str, hook) -> None:
 
 
 def unshard_unit(sharded: ShardedModel, name: str) -> list:
-    """Start gathering unit `name` (FSDP2's `unshard`): the next forward finds it gathered.
+    """Start gathering unit `name` (FSDP2's `unshard`): the next forward finds it gathered
+    and uses this gather, waiting for it if still in flight, rather than gathering again.
     Returns the groups whose gathers are in flight (wait with `group.wait_gather()`)."""
     unit = _unit(sharded, name)
     started = []
@@ -49,6 +50,7 @@ def unshard_unit(sharded: ShardedModel, name: str) -> list:
         if not group.is_gathered:
             group.start_gather()
             started.append(group)
+            sharded.unsharded_ahead.add(id(group))
     return started
 
 
