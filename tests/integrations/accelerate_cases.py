@@ -15,6 +15,7 @@ from torch import nn
 
 from tests import models as M
 from tests.integrations.accelerate_cpu import accelerator_on_cpu_fsdp
+from tests.integrations.common import engine_of, full_state
 from tests.world import run_case_table
 
 STEPS = 4
@@ -63,13 +64,6 @@ def train(accelerator, model, optimizer, steps, rank, world):
     return losses, norms
 
 
-def full_state(model) -> dict:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {k: v.detach().float().clone() for k, v in state.items()}
-
-
 def run_and_resume(rank, world, folder, mixed_precision, **settings):
     """Per dialect: STEPS steps (a checkpoint saved after RESUME_AT), the final state; then a
     fresh model resumed from its own checkpoint and ours resumed from native's."""
@@ -81,7 +75,7 @@ def run_and_resume(rank, world, folder, mixed_precision, **settings):
         more, more_norms = train(accelerator, model, optimizer, range(RESUME_AT, STEPS), rank,
                                  world)
         out[which] = {"losses": losses + more, "norms": norms + more_norms,
-                      "state": full_state(model)}
+                      "state": full_state(model), "engine": engine_of(model)}
     for which, source in (("native", "native"), ("ours", "ours"), ("ours_from_native", "native")):
         dialect = "ours" if which.startswith("ours") else "native"
         accelerator, model, optimizer = prepared(dialect, mixed_precision, settings,

@@ -7,14 +7,14 @@ activation checkpointing; optimizer mapping with empty local shards; refused set
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("accelerate", reason="the hf extra (accelerate) is not installed")
 
 from tests.integrations import accelerate_cases as C  # noqa: E402
+from tests.integrations.common import FP32_TOL, same  # noqa: E402
 from tests.world import case_result, run_world  # noqa: E402
 
-TOL = {"no": dict(rtol=1e-5, atol=1e-6), "bf16": dict(rtol=0, atol=0)}
+TOL = {"no": FP32_TOL, "bf16": dict(rtol=0, atol=0)}  # bf16: the very same numbers
 
 
 @pytest.fixture(scope="module")
@@ -23,21 +23,12 @@ def world(tmp_path_factory):
     return run_world(C.run_cases, 2, list(C.CASES), folder)
 
 
-def same(actual, expected, what, tol):
-    if isinstance(expected, dict):
-        assert list(actual) == list(expected), f"{what}: keys differ"
-        for key in expected:
-            same(actual[key], expected[key], f"{what} {key}", tol)
-    else:
-        torch.testing.assert_close(torch.as_tensor(actual), torch.as_tensor(expected), **tol,
-                                   msg=lambda m: f"{what}: {m}")
-
-
 @pytest.mark.parametrize("case,precision", [("fp32_sharded_checkpoint", "no"),
                                             ("bf16_full_checkpoint", "bf16")])
 def test_training_and_resume_equal_native(world, case, precision):
     out = case_result(world, case)
     tol = TOL[precision]
+    assert (out["native"]["engine"], out["ours"]["engine"]) == ("torch", "fsdp_bridge")
     for key in ("losses", "norms", "state"):
         same(out["ours"][key], out["native"][key], f"{case} {key}", tol)
     # resuming at step RESUME_AT continues as the uninterrupted run did

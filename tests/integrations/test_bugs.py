@@ -9,26 +9,13 @@ import pytest
 import torch
 
 from tests.integrations import bug_cases as C
+from tests.integrations.common import same
 from tests.world import case_result, run_world
-
-TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
 def world():
     return run_world(C.run_cases, 2, list(C.CASES))
-
-
-def same(actual, expected, what):
-    if isinstance(expected, dict):
-        assert list(actual) == list(expected), f"{what}: keys differ"
-        for key in expected:
-            same(actual[key], expected[key], f"{what} {key}")
-    elif isinstance(expected, torch.Tensor):
-        torch.testing.assert_close(actual, expected, **TOL, msg=lambda m: f"{what}: {m}")
-    else:
-        torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), **TOL,
-                                   msg=lambda m: f"{what}: {m}")
 
 
 def test_generate_after_torchs_register_fsdp_forward_method(world):
