@@ -73,7 +73,104 @@ def model_parallel_strategy(rank, world, folder):
     return out
 
 
-CASES = {"model_parallel_strategy": model_parallel_strategy}
+def fsdp_strategy(which):
+    """Ours, or native: Lightning's FSDPStrategy under a test-only subclass, which Lightning's
+    refusal of FSDP on the CPU (a check of the exact class) lets by and which hands torch's
+    FSDP1 the CPU as its device (Lightning passes the device index, None on the CPU)."""
+    from lightning.fabric.strategies.fsdp import _setup_activation_checkpointing
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from fsdp_bridge.integrations.lightning import FSDPStrategy as Ours
+
+    class NativeOnCpu(FSDPStrategy):
+        def _setup_model(self, model):
+            model = FullyShardedDataParallel(
+                module=model, cpu_offload=self.cpu_offload,
+                mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
+                **self.kwargs)
+            _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
+            return model
+
+    return (Ours if which == "ours" else NativeOnCpu)(auto_wrap_policy=llama_policy())
+
+
+def llama_policy():
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return {LlamaDecoderLayer}
+
+
+def plain_module():
+    import lightning as L
+
+    class TinyLlama(L.LightningModule):
+        def __init__(self, seed=0):
+            super().__init__()
+            self.model = M.tiny_llama(seed)
+            self.losses = []
+
+        def training_step(self, batch, index):
+            loss = self.model(input_ids=batch, labels=batch).loss
+            self.losses.append(M.global_mean(loss.item()))
+            return loss
+
+        def configure_optimizers(self):
+            return M.make_adamw(self.trainer.model.parameters())
+
+    return TinyLlama
+
+
+def _fit(which, world, data, steps, ckpt_path=None, seed=0):
+    import lightning as L
+
+    strategy = fsdp_strategy(which)
+    module = plain_module()(seed)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    loader = torch.utils.data.DataLoader(list(data), batch_size=PER_DEVICE)
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    return trainer, module
+
+
+def _native_full_state(trainer) -> dict:
+    """Native FSDP1's full state dict without offloading (offload_to_cpu, which Lightning's
+    own checkpointing sets, crashes torch's FSDP1 on a CPU-only build)."""
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.state_dict_type(trainer.strategy.model, StateDictType.FULL_STATE_DICT,
+                              FullStateDictConfig(offload_to_cpu=False, rank0_only=False)):
+        return {k: v.detach().float().clone() for k, v in trainer.strategy.model.state_dict().items()}
+
+
+def lightning_fsdp_strategy(rank, world, folder):
+    """Native and ours trained STEPS + 2 steps uninterrupted; ours also STEPS steps, saved by
+    `save_checkpoint` and resumed to STEPS + 2 from the file."""
+    as_torchrun_rank()
+    # One step per epoch: a resume at an epoch's end continues exactly (Lightning restarts a
+    # plain data loader's epoch from its start).
+    data = M.global_batches(1, PER_DEVICE * world).reshape(-1, M.SEQ)
+    out = {}
+    trainer, module = _fit("native", world, data, STEPS + 2)
+    out["native"] = {"losses": module.losses, "state": _native_full_state(trainer)}
+    trainer, module = _fit("ours", world, data, STEPS + 2)
+    with trainer.strategy._full_state_dicts(rank0_only=False):
+        state = {k: v.detach().float().clone() for k, v in trainer.strategy.model.state_dict().items()}
+    out["ours"] = {"losses": module.losses, "state": state,
+                   "engine": type(trainer.strategy.model).__module__.split(".")[0]}
+    trainer, _ = _fit("ours", world, data, STEPS)
+    path = os.path.join(folder, "ours.ckpt")
+    trainer.save_checkpoint(path)
+    _, module = _fit("ours", world, data, STEPS + 2, ckpt_path=path, seed=1)
+    out["ours"]["resumed"] = module.losses
+    return out
+
+
+CASES = {"model_parallel_strategy": model_parallel_strategy,
+         "lightning_fsdp_strategy": lightning_fsdp_strategy}
 
 
 def run_cases(rank, world, names, folder):

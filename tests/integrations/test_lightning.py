@@ -1,6 +1,8 @@
-"""Lightning's `ModelParallelStrategy` with fsdp_bridge's `fully_shard` in `configure_model`,
-against the same LightningModule with torch's: world 2 on CPU/gloo, tiny Llama, fp32: per-step
-losses, final full state dicts, and a distributed checkpoint written by `save_checkpoint`."""
+"""Lightning on our engine, world 2 on CPU/gloo, tiny Llama, fp32 (cases in lightning_cases.py):
+`ModelParallelStrategy` with fsdp_bridge's `fully_shard` in `configure_model` against the same
+module with torch's (losses, full state dicts, `save_checkpoint`), and the registered
+"fsdp_bridge" strategy against Lightning's FSDPStrategy on torch's FSDP1 (losses, full state
+dicts), resumed from its own full checkpoint."""
 
 from __future__ import annotations
 
@@ -25,3 +27,25 @@ def test_model_parallel_strategy_with_our_fully_shard_equal_native(world):
     same(out["ours"]["losses"], out["native"]["losses"], "losses")
     same(out["ours"]["state"], out["native"]["state"], "state")
     assert out["ours"]["saved"] and out["native"]["saved"]
+
+
+def test_fsdp_bridge_strategy_equal_native_fsdp_strategy_and_resumes(world):
+    out = case_result(world, "lightning_fsdp_strategy")
+    assert out["ours"]["engine"] == "fsdp_bridge"
+    assert len(out["ours"]["losses"]) == C.STEPS + 2
+    same(out["ours"]["losses"], out["native"]["losses"], "losses")
+    same(out["ours"]["state"], out["native"]["state"], "state")
+    same(out["ours"]["resumed"], out["native"]["losses"][C.STEPS:], "resumed from a checkpoint")
+
+
+def test_strategy_is_registered_by_name_and_refuses_sharded_checkpoints():
+    from lightning.pytorch.strategies import FSDPStrategy as Lightning
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from fsdp_bridge.integrations.lightning import FSDPStrategy
+
+    assert StrategyRegistry["fsdp_bridge"]["strategy"] is FSDPStrategy
+    # not among Lightning's own FSDP names, which it refuses on the CPU
+    assert "fsdp_bridge" not in Lightning.get_registered_strategies()
+    with pytest.raises(ValueError, match="state_dict_type='sharded' is not accepted"):
+        FSDPStrategy(state_dict_type="sharded")

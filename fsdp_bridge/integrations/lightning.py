@@ -1,0 +1,143 @@
+"""Lightning's FSDP strategy on fsdp_bridge's engine.
+
+    import fsdp_bridge.integrations.lightning  # registers the strategy name "fsdp_bridge"
+    trainer = L.Trainer(strategy="fsdp_bridge", ...)  # was: strategy="fsdp"
+
+or `strategy=FSDPStrategy(...)` from this module with the arguments of Lightning's
+`FSDPStrategy` (auto_wrap_policy, mixed precision, sharding_strategy, cpu_offload,
+activation_checkpointing_policy, ...). The model is wrapped by fsdp_bridge's
+`FullyShardedDataParallel` (the FSDP1 front-end) with those arguments; checkpoints are full
+state dicts (`state_dict_type="full"`, Lightning's default) saved and loaded through our
+wrapper, and a checkpoint Lightning's own FSDPStrategy saved loads too.
+
+Lightning's `ModelParallelStrategy` needs nothing of this module: shard with
+`fsdp_bridge.fsdp.fully_shard` in `LightningModule.configure_model`.
+"""
+
+from __future__ import annotations
+
+from fsdp_bridge.extras import require_for
+
+require_for(__name__, "lightning")
+
+from contextlib import contextmanager  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+from lightning.fabric.strategies.fsdp import _setup_activation_checkpointing  # noqa: E402
+from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
+from lightning.pytorch.strategies import FSDPStrategy as LightningFSDPStrategy  # noqa: E402
+from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
+from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
+from torch.distributed.fsdp import (  # noqa: E402
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    StateDictType,
+)
+
+from fsdp_bridge.fsdp import FullyShardedDataParallel  # noqa: E402
+from fsdp_bridge.fsdp.wrap import enable_wrap  # noqa: E402
+from fsdp_bridge.translation import bad_argument  # noqa: E402
+
+FRONTEND = "fsdp_bridge.integrations.lightning.FSDPStrategy"
+# The parts wrappers add to parameter names (FSDP1 units, activation checkpointing).
+_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+class FSDPStrategy(LightningFSDPStrategy):
+    """Lightning's FSDPStrategy, wrapping with fsdp_bridge's FullyShardedDataParallel."""
+
+    strategy_name = "fsdp_bridge"
+    _registered_strategies: list = []  # its own list: Lightning's names its FSDP (GPU only)
+
+    def __init__(self, *args, state_dict_type: str = "full", **kwargs):
+        if state_dict_type != "full":
+            raise bad_argument(FRONTEND, "state_dict_type", state_dict_type, "'full' (one "
+                               "file; sharded checkpoints are not supported by this strategy "
+                               "yet)", "Pass state_dict_type='full'.")
+        super().__init__(*args, state_dict_type=state_dict_type, **kwargs)
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        if not any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
+            model = FullyShardedDataParallel(
+                module=model, cpu_offload=self.cpu_offload,
+                mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy, device_id=self.root_device.index,
+                **self.kwargs)
+        # after wrapping, as Lightning does
+        _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
+        return model
+
+    @contextmanager
+    def model_sharded_context(self):
+        with enable_wrap(wrapper_cls=FullyShardedDataParallel, cpu_offload=self.cpu_offload,
+                         mixed_precision=self.mixed_precision_config,
+                         sharding_strategy=self.sharding_strategy,
+                         device_id=self.root_device.index, **self.kwargs):
+            yield
+
+    def _full_state_dicts(self, rank0_only: bool = True):
+        return FullyShardedDataParallel.state_dict_type(
+            self.model, StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(offload_to_cpu=True, rank0_only=rank0_only),
+            FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=rank0_only))
+
+    def lightning_module_state_dict(self) -> dict:
+        with self._full_state_dicts():
+            return self.model.state_dict()
+
+    def optimizer_state(self, optimizer) -> dict:
+        """The full optimizer state dict, keyed by parameter name."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        with self._full_state_dicts():
+            return FullyShardedDataParallel.optim_state_dict(self.model, optimizer)
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        path = Path(self.broadcast(checkpoint_path))
+        if not path.is_file():
+            raise bad_argument(FRONTEND, "checkpoint_path", str(path), "a file holding a full "
+                               "checkpoint (state_dict_type='full')", "Pass the .ckpt file.")
+        checkpoint = torch.load(path, map_location="cpu", weights_only=bool(weights_only))
+        with self._full_state_dicts(rank0_only=False):
+            self.model.load_state_dict(checkpoint.pop("state_dict"),
+                                       strict=self.lightning_module.strict_loading)
+        states = checkpoint.get("optimizer_states")
+        if states is None or self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            return checkpoint
+        if len(states) != len(self.optimizers):
+            raise RuntimeError(f"{len(self.optimizers)} optimizers are configured but the "
+                               f"checkpoint holds {len(states)} optimizer states: resume with "
+                               "the same number of optimizers.")
+        with self._full_state_dicts(rank0_only=False):
+            for optimizer, state in zip(self.optimizers, states):
+                state = FullyShardedDataParallel.optim_state_dict_to_load(
+                    self.model, optimizer, self._keyed_by_name(state))
+                optimizer.load_state_dict(state)
+        return checkpoint
+
+    def _keyed_by_name(self, state: dict) -> dict:
+        """Lightning's own FSDPStrategy saves optimizer states keyed by parameter index (the
+        order of the model's parameters); ours are keyed by name."""
+        if not state["state"] or not isinstance(next(iter(state["state"])), int):
+            return state
+        names = [_clean(name) for name, _ in self.lightning_module.named_parameters()]
+        groups = [dict(group, params=[names[i] for i in group["params"]])
+                  for group in state["param_groups"]]
+        return {"state": {names[i]: value for i, value in state["state"].items()},
+                "param_groups": groups}
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register(cls.strategy_name, cls, description="Fully Sharded Data "
+                                   "Parallel on fsdp_bridge's engine", override=True)
+        cls._registered_strategies.append(cls.strategy_name)
+
+
+def _clean(name: str) -> str:
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
+FSDPStrategy.register_strategies(StrategyRegistry)
