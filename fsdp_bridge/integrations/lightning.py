@@ -8,7 +8,9 @@ or `strategy=FSDPStrategy(...)` from this module with the arguments of Lightning
 activation_checkpointing_policy, ...). The model is wrapped by fsdp_bridge's
 `FullyShardedDataParallel` (the FSDP1 front-end) with those arguments; checkpoints are full
 state dicts (`state_dict_type="full"`, Lightning's default) saved and loaded through our
-wrapper, and a checkpoint Lightning's own FSDPStrategy saved loads too.
+wrapper. A checkpoint of Lightning's own FSDPStrategy (optimizer states keyed by parameter
+index) is rekeyed by name on load; that path is not tested yet (torch's FSDP1 cannot write such
+a checkpoint on a CPU-only build). Lightning's Fabric is not covered by this module yet.
 
 Lightning's `ModelParallelStrategy` needs nothing of this module: shard with
 `fsdp_bridge.fsdp.fully_shard` in `LightningModule.configure_model`.
