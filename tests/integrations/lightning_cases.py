@@ -122,13 +122,13 @@ def plain_module():
     return TinyLlama
 
 
-def _fit(which, world, data, steps, ckpt_path=None, seed=0):
+def _fit(which, world, data, steps, ckpt_path=None, seed=0, precision="32-true"):
     import lightning as L
 
     strategy = fsdp_strategy(which)
     module = plain_module()(seed)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     loader = torch.utils.data.DataLoader(list(data), batch_size=PER_DEVICE)
     trainer.fit(module, loader, ckpt_path=ckpt_path)
@@ -146,7 +146,7 @@ def _native_full_state(trainer) -> dict:
         return {k: v.detach().float().clone() for k, v in trainer.strategy.model.state_dict().items()}
 
 
-def lightning_fsdp_strategy(rank, world, folder):
+def lightning_fsdp_strategy(rank, world, folder, precision="32-true"):
     """Native and ours trained STEPS + 2 steps uninterrupted; ours also STEPS steps, saved by
     `save_checkpoint` and resumed to STEPS + 2 from the file."""
     as_torchrun_rank()
@@ -154,23 +154,26 @@ def lightning_fsdp_strategy(rank, world, folder):
     # plain data loader's epoch from its start).
     data = M.global_batches(1, PER_DEVICE * world).reshape(-1, M.SEQ)
     out = {}
-    trainer, module = _fit("native", world, data, STEPS + 2)
+    trainer, module = _fit("native", world, data, STEPS + 2, precision=precision)
     out["native"] = {"losses": module.losses, "state": _native_full_state(trainer)}
-    trainer, module = _fit("ours", world, data, STEPS + 2)
+    trainer, module = _fit("ours", world, data, STEPS + 2, precision=precision)
     with trainer.strategy._full_state_dicts(rank0_only=False):
         state = {k: v.detach().float().clone() for k, v in trainer.strategy.model.state_dict().items()}
     out["ours"] = {"losses": module.losses, "state": state,
                    "engine": type(trainer.strategy.model).__module__.split(".")[0]}
-    trainer, _ = _fit("ours", world, data, STEPS)
-    path = os.path.join(folder, "ours.ckpt")
+    trainer, _ = _fit("ours", world, data, STEPS, precision=precision)
+    path = os.path.join(folder, f"ours-{precision}.ckpt")
     trainer.save_checkpoint(path)
-    _, module = _fit("ours", world, data, STEPS + 2, ckpt_path=path, seed=1)
+    _, module = _fit("ours", world, data, STEPS + 2, ckpt_path=path, seed=1,
+                     precision=precision)
     out["ours"]["resumed"] = module.losses
     return out
 
 
 CASES = {"model_parallel_strategy": model_parallel_strategy,
-         "lightning_fsdp_strategy": lightning_fsdp_strategy}
+         "lightning_fsdp_strategy": lightning_fsdp_strategy,
+         "lightning_fsdp_strategy_bf16": lambda rank, world, folder: lightning_fsdp_strategy(
+             rank, world, folder, precision="bf16-mixed")}
 
 
 def run_cases(rank, world, names, folder):

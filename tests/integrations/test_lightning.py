@@ -1,8 +1,8 @@
-"""Lightning on our engine, world 2 on CPU/gloo, tiny Llama, fp32 (cases in lightning_cases.py):
+"""Lightning on our engine, world 2 on CPU/gloo, tiny Llama (cases in lightning_cases.py):
 `ModelParallelStrategy` with fsdp_bridge's `fully_shard` in `configure_model` against the same
 module with torch's (losses, full state dicts, `save_checkpoint`), and the registered
 "fsdp_bridge" strategy against Lightning's FSDPStrategy on torch's FSDP1 (losses, full state
-dicts), resumed from its own full checkpoint."""
+dicts; fp32 and bf16-mixed), resumed from its own full checkpoint."""
 
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ def test_model_parallel_strategy_with_our_fully_shard_equal_native(world):
     assert out["ours"]["saved"] and out["native"]["saved"]
 
 
-def test_fsdp_bridge_strategy_equal_native_fsdp_strategy_and_resumes(world):
-    out = case_result(world, "lightning_fsdp_strategy")
+@pytest.mark.parametrize("case", ["lightning_fsdp_strategy", "lightning_fsdp_strategy_bf16"])
+def test_fsdp_bridge_strategy_equal_native_fsdp_strategy_and_resumes(world, case):
+    out = case_result(world, case)
     assert out["ours"]["engine"] == "fsdp_bridge"
     assert len(out["ours"]["losses"]) == C.STEPS + 2
     same(out["ours"]["losses"], out["native"]["losses"], "losses")
