@@ -10,7 +10,12 @@ activation_checkpointing_policy, ...). The model is wrapped by fsdp_bridge's
 state dicts (`state_dict_type="full"`, Lightning's default) saved and loaded through our
 wrapper. A checkpoint of Lightning's own FSDPStrategy (optimizer states keyed by parameter
 index) is rekeyed by name on load; that path is not tested yet (torch's FSDP1 cannot write such
-a checkpoint on a CPU-only build). Lightning's Fabric is not covered by this module yet.
+a checkpoint on a CPU-only build).
+
+For Fabric: `Fabric(strategy="fsdp_bridge")` (or `FabricFSDPStrategy(...)` with the arguments of
+Fabric's `FSDPStrategy`) wraps `setup_module` with our `FullyShardedDataParallel`, and
+`clip_gradients` / `no_backward_sync` reach our wrapper; `fabric.save` / `fabric.load` are not
+supported yet and say so.
 
 Lightning's `ModelParallelStrategy` needs nothing of this module: shard with
 `fsdp_bridge.fsdp.fully_shard` in `LightningModule.configure_model`.
@@ -22,11 +27,14 @@ from fsdp_bridge.extras import require_for
 
 require_for(__name__, "lightning")
 
-from contextlib import contextmanager  # noqa: E402
+from contextlib import contextmanager, nullcontext  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES  # noqa: E402
+from lightning.fabric.strategies import FSDPStrategy as FabricLightningFSDPStrategy  # noqa: E402
 from lightning.fabric.strategies.fsdp import _setup_activation_checkpointing  # noqa: E402
+from lightning.fabric.strategies.strategy import _BackwardSyncControl  # noqa: E402
 from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
 from lightning.pytorch.strategies import FSDPStrategy as LightningFSDPStrategy  # noqa: E402
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
@@ -42,8 +50,38 @@ from fsdp_bridge.fsdp.wrap import enable_wrap  # noqa: E402
 from fsdp_bridge.translation import bad_argument  # noqa: E402
 
 FRONTEND = "fsdp_bridge.integrations.lightning.FSDPStrategy"
+FABRIC_FRONTEND = "fsdp_bridge.integrations.lightning.FabricFSDPStrategy"
 # The parts wrappers add to parameter names (FSDP1 units, activation checkpointing).
 _WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def _wrapped(strategy, module: torch.nn.Module, kwargs: dict) -> torch.nn.Module:
+    """`module` wrapped by our FullyShardedDataParallel with a Lightning FSDP strategy's
+    arguments (unless the user wrapped it already), activation checkpointing after, as
+    Lightning does."""
+    if not any(isinstance(sub, FullyShardedDataParallel) for sub in module.modules()):
+        module = FullyShardedDataParallel(
+            module=module, cpu_offload=strategy.cpu_offload,
+            mixed_precision=strategy.mixed_precision_config,
+            sharding_strategy=strategy.sharding_strategy,
+            device_id=strategy.root_device.index, **kwargs)
+    _setup_activation_checkpointing(module, strategy._activation_checkpointing_kwargs)
+    return module
+
+
+def _wrap_context(strategy, kwargs: dict):
+    """`wrap(...)` inside it builds our wrapper (Lightning's `model_sharded_context`)."""
+    return enable_wrap(wrapper_cls=FullyShardedDataParallel, cpu_offload=strategy.cpu_offload,
+                       mixed_precision=strategy.mixed_precision_config,
+                       sharding_strategy=strategy.sharding_strategy,
+                       device_id=strategy.root_device.index, **kwargs)
+
+
+def _check_root(module, what: str) -> None:
+    if not isinstance(module, FullyShardedDataParallel):
+        raise bad_argument(FABRIC_FRONTEND, "module", module, "the module Fabric's setup "
+                           "returned (wrapped by FullyShardedDataParallel)", "Pass the set-up "
+                           f"module to {what}.", exc=TypeError)
 
 
 class FSDPStrategy(LightningFSDPStrategy):
@@ -60,22 +98,11 @@ class FSDPStrategy(LightningFSDPStrategy):
         super().__init__(*args, state_dict_type=state_dict_type, **kwargs)
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        if not any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
-            model = FullyShardedDataParallel(
-                module=model, cpu_offload=self.cpu_offload,
-                mixed_precision=self.mixed_precision_config,
-                sharding_strategy=self.sharding_strategy, device_id=self.root_device.index,
-                **self.kwargs)
-        # after wrapping, as Lightning does
-        _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
-        return model
+        return _wrapped(self, model, self.kwargs)
 
     @contextmanager
     def model_sharded_context(self):
-        with enable_wrap(wrapper_cls=FullyShardedDataParallel, cpu_offload=self.cpu_offload,
-                         mixed_precision=self.mixed_precision_config,
-                         sharding_strategy=self.sharding_strategy,
-                         device_id=self.root_device.index, **self.kwargs):
+        with _wrap_context(self, self.kwargs):
             yield
 
     def _full_state_dicts(self, rank0_only: bool = True):
@@ -136,6 +163,54 @@ class FSDPStrategy(LightningFSDPStrategy):
         cls._registered_strategies.append(cls.strategy_name)
 
 
+class FabricFSDPStrategy(FabricLightningFSDPStrategy):
+    """Fabric's FSDPStrategy, wrapping with fsdp_bridge's FullyShardedDataParallel."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._backward_sync_control = _NoSyncOfOurs()
+
+    def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return _wrapped(self, module, self._fsdp_kwargs)
+
+    def module_sharded_context(self):
+        return _wrap_context(self, self._fsdp_kwargs)
+
+    def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0,
+                            error_if_nonfinite=True):
+        _check_root(module, "fabric.clip_gradients")
+        self.precision.unscale_gradients(optimizer)
+        return module.clip_grad_norm_(max_norm=max_norm, norm_type=norm_type)
+
+    def save_checkpoint(self, *args, **kwargs):
+        raise NotImplementedError(f"{FABRIC_FRONTEND} does not save checkpoints yet (fabric.save)."
+                                  " Save the state dicts yourself inside fsdp_bridge.fsdp."
+                                  "FullyShardedDataParallel.state_dict_type(model, "
+                                  "StateDictType.FULL_STATE_DICT), or train through the Lightning "
+                                  "Trainer's strategy='fsdp_bridge'.")
+
+    def load_checkpoint(self, *args, **kwargs):
+        raise NotImplementedError(f"{FABRIC_FRONTEND} does not load checkpoints yet (fabric.load)."
+                                  " Load the state dicts yourself inside fsdp_bridge.fsdp."
+                                  "FullyShardedDataParallel.state_dict_type(model, "
+                                  "StateDictType.FULL_STATE_DICT).")
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        strategy_registry.register("fsdp_bridge", cls, description="Fully Sharded Data "
+                                   "Parallel on fsdp_bridge's engine", override=True)
+
+
+class _NoSyncOfOurs(_BackwardSyncControl):
+    """`fabric.no_backward_sync(module)`: our wrapper's `no_sync()`."""
+
+    def no_backward_sync(self, module, enabled: bool):
+        if not enabled:
+            return nullcontext()
+        _check_root(module, "fabric.no_backward_sync")
+        return module.no_sync()
+
+
 def _clean(name: str) -> str:
     for part in _WRAPPER_PARTS:
         name = name.replace(part, "")
@@ -143,3 +218,4 @@ def _clean(name: str) -> str:
 
 
 FSDPStrategy.register_strategies(StrategyRegistry)
+FabricFSDPStrategy.register_strategies(FABRIC_STRATEGIES)

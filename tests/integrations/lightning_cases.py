@@ -170,7 +170,78 @@ def lightning_fsdp_strategy(rank, world, folder, precision="32-true"):
     return out
 
 
+def fabric_strategy(which):
+    """Ours by its registered name; native: Fabric's FSDPStrategy under a test-only subclass
+    handing torch's FSDP1 the CPU as its device (as fsdp_strategy does for the Trainer)."""
+    if which == "ours":
+        import fsdp_bridge.integrations.lightning  # noqa: F401  (registers "fsdp_bridge")
+        return "fsdp_bridge"
+    from lightning.fabric.strategies import FSDPStrategy
+    from lightning.fabric.strategies.fsdp import _setup_activation_checkpointing
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    class NativeOnCpu(FSDPStrategy):
+        def setup_module(self, module):
+            module = FullyShardedDataParallel(
+                module=module, cpu_offload=self.cpu_offload,
+                mixed_precision=self.mixed_precision_config,
+                sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
+                **self._fsdp_kwargs)
+            _setup_activation_checkpointing(module, self._activation_checkpointing_kwargs)
+            return module
+
+    return NativeOnCpu(auto_wrap_policy=llama_policy())
+
+
+def fabric_training(rank, world, folder):
+    """A Fabric loop (setup, backward, norm clipping, one accumulation step under
+    no_backward_sync) with Fabric's FSDP on torch's FSDP1 and with strategy="fsdp_bridge"."""
+    from lightning.fabric import Fabric
+
+    as_torchrun_rank()
+    batches = M.global_batches(STEPS, PER_DEVICE * world)
+    out = {}
+    for which in ("native", "ours"):
+        fabric = Fabric(accelerator="cpu", devices=world, strategy=fabric_strategy(which))
+        fabric.launch()
+        model = fabric.setup_module(M.tiny_llama())
+        optimizer = fabric.setup_optimizers(M.make_adamw(model.parameters()))
+        losses, norms = [], []
+        for step in range(STEPS):
+            first, second = M.rank_slice(batches[step], rank, world).chunk(2)
+            with fabric.no_backward_sync(model, enabled=True):
+                fabric.backward(model(input_ids=first, labels=first).loss / 2)
+            loss = model(input_ids=second, labels=second).loss / 2
+            fabric.backward(loss)
+            norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=1.0)))
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(M.global_mean(loss.item()))
+        state, engine = _full_state_of(which, model)
+        out[which] = {"losses": losses, "norms": norms, "state": state, "engine": engine}
+        if which == "ours":
+            try:
+                fabric.save(os.path.join(folder, "fabric.ckpt"), {"model": model})
+            except NotImplementedError as error:
+                out["ours"]["save_refused"] = str(error)
+    return out
+
+
+def _full_state_of(which, model) -> dict:
+    """The full state dict of a model Fabric set up, without offloading."""
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+
+    wrapper = model._forward_module  # the FSDP wrapper inside Fabric's module
+    fsdp = dialect(which)
+    with fsdp.FullyShardedDataParallel.state_dict_type(
+            wrapper, StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(offload_to_cpu=False, rank0_only=False)):
+        state = {k: v.detach().float().clone() for k, v in wrapper.state_dict().items()}
+    return state, type(wrapper).__module__.split(".")[0]
+
+
 CASES = {"model_parallel_strategy": model_parallel_strategy,
+         "fabric_training": fabric_training,
          "lightning_fsdp_strategy": lightning_fsdp_strategy,
          "lightning_fsdp_strategy_bf16": lambda rank, world, folder: lightning_fsdp_strategy(
              rank, world, folder, precision="bf16-mixed")}

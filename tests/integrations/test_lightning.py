@@ -2,7 +2,9 @@
 `ModelParallelStrategy` with fsdp_bridge's `fully_shard` in `configure_model` against the same
 module with torch's (losses, full state dicts, `save_checkpoint`), and the registered
 "fsdp_bridge" strategy against Lightning's FSDPStrategy on torch's FSDP1 (losses, full state
-dicts; fp32 and bf16-mixed), resumed from its own full checkpoint."""
+dicts; fp32 and bf16-mixed), resumed from its own full checkpoint; a Fabric loop with the
+"fsdp_bridge" Fabric strategy against Fabric's FSDPStrategy (losses, clipped grad norms, state
+dicts; `no_backward_sync`), whose `fabric.save` is refused by name."""
 
 from __future__ import annotations
 
@@ -50,3 +52,11 @@ def test_strategy_is_registered_by_name_and_refuses_sharded_checkpoints():
     assert "fsdp_bridge" not in Lightning.get_registered_strategies()
     with pytest.raises(ValueError, match="state_dict_type='sharded' is not accepted"):
         FSDPStrategy(state_dict_type="sharded")
+
+
+def test_fabric_strategy_equal_native_fabric_fsdp(world):
+    out = case_result(world, "fabric_training")
+    assert (out["native"]["engine"], out["ours"]["engine"]) == ("torch", "fsdp_bridge")
+    for key in ("losses", "norms", "state"):
+        same(out["ours"][key], out["native"][key], key)
+    assert "does not save checkpoints yet (fabric.save)" in out["ours"]["save_refused"]
