@@ -36,6 +36,7 @@ from lightning.fabric.strategies import FSDPStrategy as FabricLightningFSDPStrat
 from lightning.fabric.strategies.fsdp import _setup_activation_checkpointing  # noqa: E402
 from lightning.fabric.strategies.strategy import _BackwardSyncControl  # noqa: E402
 from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
+from lightning.pytorch.plugins.precision import FSDPPrecision  # noqa: E402
 from lightning.pytorch.strategies import FSDPStrategy as LightningFSDPStrategy  # noqa: E402
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 from lightning.pytorch.trainer.states import TrainerFn  # noqa: E402
@@ -96,6 +97,16 @@ class FSDPStrategy(LightningFSDPStrategy):
                                "file; sharded checkpoints are not supported by this strategy "
                                "yet)", "Pass state_dict_type='full'.")
         super().__init__(*args, state_dict_type=state_dict_type, **kwargs)
+
+    @property
+    def precision_plugin(self) -> FSDPPrecision:
+        return LightningFSDPStrategy.precision_plugin.fget(self)
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin) -> None:
+        if isinstance(plugin, FSDPPrecision) and not isinstance(plugin, _NormClippingPrecision):
+            plugin = _NormClippingPrecision(plugin.precision, plugin.scaler, lambda: self.model)
+        LightningFSDPStrategy.precision_plugin.fset(self, plugin)
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return _wrapped(self, model, self.kwargs)
@@ -161,6 +172,19 @@ class FSDPStrategy(LightningFSDPStrategy):
         strategy_registry.register(cls.strategy_name, cls, description="Fully Sharded Data "
                                    "Parallel on fsdp_bridge's engine", override=True)
         cls._registered_strategies.append(cls.strategy_name)
+
+
+class _NormClippingPrecision(FSDPPrecision):
+    """Lightning's FSDP precision, whose norm clipping (`gradient_clip_algorithm="norm"`, the
+    default) runs the root wrapper's `clip_grad_norm_` over every shard, as FSDP requires;
+    Lightning's own refuses it, holding no reference to the root."""
+
+    def __init__(self, precision, scaler, root):
+        super().__init__(precision, scaler)
+        self._root = root
+
+    def clip_grad_by_norm(self, optimizer, clip_val) -> None:
+        self._root().clip_grad_norm_(clip_val)
 
 
 class FabricFSDPStrategy(FabricLightningFSDPStrategy):

@@ -84,6 +84,13 @@ def fsdp_strategy(which):
     from fsdp_bridge.integrations.lightning import FSDPStrategy as Ours
 
     class NativeOnCpu(FSDPStrategy):
+        # Norm clipping as FSDP1 does it (Lightning's FSDP refuses it): the reference ours is
+        # compared with.
+        def setup(self, trainer):
+            super().setup(trainer)
+            self.precision_plugin.clip_grad_by_norm = lambda _, value: self.model.clip_grad_norm_(
+                value)
+
         def _setup_model(self, model):
             model = FullyShardedDataParallel(
                 module=model, cpu_offload=self.cpu_offload,
@@ -122,13 +129,14 @@ def plain_module():
     return TinyLlama
 
 
-def _fit(which, world, data, steps, ckpt_path=None, seed=0, precision="32-true"):
+def _fit(which, world, data, steps, ckpt_path=None, seed=0, precision="32-true", clip=None):
     import lightning as L
 
     strategy = fsdp_strategy(which)
     module = plain_module()(seed)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps,
-                        precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        precision=precision, gradient_clip_val=clip, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     loader = torch.utils.data.DataLoader(list(data), batch_size=PER_DEVICE)
     trainer.fit(module, loader, ckpt_path=ckpt_path)
@@ -240,7 +248,19 @@ def _full_state_of(which, model) -> dict:
     return state, type(wrapper).__module__.split(".")[0]
 
 
+def lightning_norm_clipping(rank, world, folder):
+    as_torchrun_rank()
+    data = M.global_batches(STEPS, PER_DEVICE * world).reshape(-1, M.SEQ)
+    out = {}
+    for which in ("native", "ours"):
+        trainer, module = _fit(which, world, data, STEPS, clip=0.5)
+        out[which] = {"losses": module.losses}
+    out["ours"]["unclipped"] = _fit("ours", world, data, STEPS)[1].losses
+    return out
+
+
 CASES = {"model_parallel_strategy": model_parallel_strategy,
+         "lightning_norm_clipping": lightning_norm_clipping,
          "fabric_training": fabric_training,
          "lightning_fsdp_strategy": lightning_fsdp_strategy,
          "lightning_fsdp_strategy_bf16": lambda rank, world, folder: lightning_fsdp_strategy(

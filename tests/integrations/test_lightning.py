@@ -60,3 +60,11 @@ def test_fabric_strategy_equal_native_fabric_fsdp(world):
     for key in ("losses", "norms", "state"):
         same(out["ours"][key], out["native"][key], key)
     assert "does not save checkpoints yet (fabric.save)" in out["ours"]["save_refused"]
+
+
+def test_fsdp_bridge_strategy_clips_gradients_by_norm(world):
+    # Lightning's FSDP refuses gradient_clip_algorithm="norm"; ours clips as FSDP1's own
+    # clip_grad_norm_ does (the reference: native FSDP1 clipping through its root).
+    out = case_result(world, "lightning_norm_clipping")
+    same(out["ours"]["losses"], out["native"]["losses"], "clipped losses")
+    assert out["ours"]["losses"][-1] != out["ours"]["unclipped"][-1]  # the clipping acted
