@@ -36,3 +36,20 @@ def test_trainer_equal_native(world, precision):
     same(native["resumed"], tail, "native resumed")
     same(ours["resumed"], tail, "ours resumed from ours")
     same(out["ours_from_native"]["resumed"], tail, "ours resumed from native's checkpoint")
+
+
+def test_an_accelerator_of_another_subclass_is_refused_by_name():
+    import accelerate
+
+    from fsdp_bridge.integrations.accelerate import Accelerator
+    from fsdp_bridge.integrations.transformers import use_bridge_accelerator
+
+    class Custom(accelerate.Accelerator):
+        pass
+
+    custom = object.__new__(Custom)  # (the class is all that is checked)
+    with pytest.raises(TypeError, match="Make Custom inherit from fsdp_bridge.integrations"):
+        use_bridge_accelerator(custom)
+    ours = object.__new__(Accelerator)
+    use_bridge_accelerator(ours)  # already ours: left alone
+    assert type(ours) is Accelerator
