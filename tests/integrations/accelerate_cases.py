@@ -106,6 +106,20 @@ def activation_checkpointing(rank, world, folder):
     return out
 
 
+def reshard_false_ignored_module(rank, world, folder):
+    """reshard_after_forward=False, and the final norm left out of sharding (ignored_modules as
+    a pattern of module names): it trains on each rank's data alone, natively too."""
+    out = {}
+    for which in WHICH:
+        accelerator, model, optimizer = prepared(which, "no", {"reshard_after_forward": False,
+                                                               "ignored_modules": "model.norm"})
+        losses, norms = train(accelerator, model, optimizer, range(2), rank, world)
+        out[which] = {"losses": losses, "norms": norms,
+                      "norm_weight": model.model.norm.weight.detach().clone(),
+                      "norm_is_plain": not hasattr(model.model.norm.weight, "device_mesh")}
+    return out
+
+
 class TwoRows(nn.Module):
     """Two parameters of one row each: on rank 1 of 2 both local shards are empty."""
 
@@ -177,6 +191,7 @@ CASES = {
     "fp32_sharded_checkpoint": fp32_sharded_checkpoint,
     "bf16_full_checkpoint": bf16_full_checkpoint,
     "activation_checkpointing": activation_checkpointing,
+    "reshard_false_ignored_module": reshard_false_ignored_module,
     "empty_shards": empty_shards,
     "refusals": refusals,
 }

@@ -2,7 +2,8 @@
 the same script, world 2 on CPU/gloo (through the test-only FSDP switch), tiny Llama: per-step
 losses and clipped grad norms, final full state dicts, `save_state`/`load_state` resume (ours from
 ours and from native's checkpoint), fp32 with sharded checkpoints and bf16 with full ones,
-activation checkpointing; optimizer mapping with empty local shards; refused settings."""
+activation checkpointing, reshard_after_forward=False with an ignored module; optimizer
+mapping with empty local shards; refused settings."""
 
 from __future__ import annotations
 
@@ -43,6 +44,14 @@ def test_activation_checkpointing_equal_native(world):
     assert out["ours"]["layer"] == out["native"]["layer"] == "FSDPCheckpointWrapper"
     for key in ("losses", "norms", "state"):
         same(out["ours"][key], out["native"][key], key, TOL["no"])
+
+
+def test_reshard_after_forward_false_and_ignored_modules_equal_native(world):
+    for rank in (0, 1):
+        out = case_result(world, "reshard_false_ignored_module", rank)
+        assert out["native"]["norm_is_plain"] and out["ours"]["norm_is_plain"]
+        for key in ("losses", "norms", "norm_weight"):
+            same(out["ours"][key], out["native"][key], f"rank {rank} {key}", TOL["no"])
 
 
 def test_empty_local_shards_map_the_optimizer_by_name(world):
