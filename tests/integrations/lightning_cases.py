@@ -73,13 +73,25 @@ def model_parallel_strategy(rank, world, folder):
     return out
 
 
+def _native_wrap_on_cpu(strategy, module, kwargs):
+    """What Lightning's FSDP strategies do to a module, with torch's FSDP1 given the CPU as its
+    device (Lightning passes the device index, None on the CPU, which FSDP1 refuses)."""
+    from lightning.fabric.strategies.fsdp import _setup_activation_checkpointing
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    module = FullyShardedDataParallel(
+        module=module, cpu_offload=strategy.cpu_offload,
+        mixed_precision=strategy.mixed_precision_config,
+        sharding_strategy=strategy.sharding_strategy, device_id=torch.device("cpu"), **kwargs)
+    _setup_activation_checkpointing(module, strategy._activation_checkpointing_kwargs)
+    return module
+
+
 def fsdp_strategy(which):
     """Ours, or native: Lightning's FSDPStrategy under a test-only subclass, which Lightning's
     refusal of FSDP on the CPU (a check of the exact class) lets by and which hands torch's
     FSDP1 the CPU as its device (Lightning passes the device index, None on the CPU)."""
-    from lightning.fabric.strategies.fsdp import _setup_activation_checkpointing
     from lightning.pytorch.strategies import FSDPStrategy
-    from torch.distributed.fsdp import FullyShardedDataParallel
 
     from fsdp_bridge.integrations.lightning import FSDPStrategy as Ours
 
@@ -92,13 +104,7 @@ def fsdp_strategy(which):
                 value)
 
         def _setup_model(self, model):
-            model = FullyShardedDataParallel(
-                module=model, cpu_offload=self.cpu_offload,
-                mixed_precision=self.mixed_precision_config,
-                sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
-                **self.kwargs)
-            _setup_activation_checkpointing(model, self._activation_checkpointing_kwargs)
-            return model
+            return _native_wrap_on_cpu(self, model, self.kwargs)
 
     return (Ours if which == "ours" else NativeOnCpu)(auto_wrap_policy=llama_policy())
 
@@ -185,18 +191,10 @@ def fabric_strategy(which):
         import fsdp_bridge.integrations.lightning  # noqa: F401  (registers "fsdp_bridge")
         return "fsdp_bridge"
     from lightning.fabric.strategies import FSDPStrategy
-    from lightning.fabric.strategies.fsdp import _setup_activation_checkpointing
-    from torch.distributed.fsdp import FullyShardedDataParallel
 
     class NativeOnCpu(FSDPStrategy):
         def setup_module(self, module):
-            module = FullyShardedDataParallel(
-                module=module, cpu_offload=self.cpu_offload,
-                mixed_precision=self.mixed_precision_config,
-                sharding_strategy=self.sharding_strategy, device_id=torch.device("cpu"),
-                **self._fsdp_kwargs)
-            _setup_activation_checkpointing(module, self._activation_checkpointing_kwargs)
-            return module
+            return _native_wrap_on_cpu(self, module, self._fsdp_kwargs)
 
     return NativeOnCpu(auto_wrap_policy=llama_policy())
 
