@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib.util
 
 # module -> the extra of fsdp-bridge that installs it
-EXTRA_OF = {"transformers": "hf", "safetensors": "hf", "matplotlib": "plot"}
+EXTRA_OF = {"transformers": "hf", "safetensors": "hf", "accelerate": "hf", "matplotlib": "plot",
+            "lightning": "lightning"}
 
 
 class MissingExtra(RuntimeError):
@@ -38,6 +39,14 @@ def require(*modules: str, why: str = "") -> None:
     missing = [name for name in modules if not installed(name)]
     if missing:
         raise MissingExtra(missing_message(missing, why))
+
+
+def require_for(user: str, *modules: str) -> None:
+    """As `require`, for a module of fsdp_bridge that imports `modules` (e.g. an integration):
+    "fsdp_bridge.integrations.accelerate needs accelerate, which is not installed: ..."."""
+    missing = [name for name in modules if not installed(name)]
+    if missing:
+        raise MissingExtra(f"{user} {missing_message(missing)}")
 
 
 def as_missing_extra(exc: ModuleNotFoundError) -> MissingExtra | None:

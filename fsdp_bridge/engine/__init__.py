@@ -40,10 +40,12 @@ from fsdp_bridge.engine.unit_verbs import (
     hook_module_inside,
     reshard_unit,
     run_as_forward,
+    run_post_forward,
     run_pre_forward,
     set_all_reduce_hook,
     set_gradient_divide_factor,
     set_reduce_unused_params,
+    unit_in_use,
     unshard_unit,
 )
 from fsdp_bridge.plan import Plan
@@ -68,12 +70,14 @@ __all__ = [
     "reshard_unit",
     "restored_on_failure",
     "run_as_forward",
+    "run_post_forward",
     "run_pre_forward",
     "set_gradient_divide_factor",
     "shard_model",
     "sharded_state_dict",
     "summon_full_params",
     "tag_parameters",
+    "unit_in_use",
     "unshard_unit",
 ]
 

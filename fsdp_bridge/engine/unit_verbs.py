@@ -77,6 +77,18 @@ def run_pre_forward(sharded: ShardedModel, name: str, args, kwargs):
     return sharded._make_pre_forward(unit)(unit.module, args, kwargs)
 
 
+def unit_in_use(sharded: ShardedModel, name: str) -> bool:
+    """Whether unit `name` is gathered for a forward or backward that is running now."""
+    return _unit(sharded, name).in_use
+
+
+def run_post_forward(sharded: ShardedModel, name: str, args, output):
+    """Run the engine's post-forward hook of unit `name` by hand: the end of a method run as
+    a forward that `run_pre_forward` began (returns the output, cast as forward's is)."""
+    unit = _unit(sharded, name)
+    return sharded._make_post_forward(unit)(unit.module, args, output)
+
+
 def run_as_forward(sharded: ShardedModel, name: str, method, args, kwargs):
     """Call `method` with unit `name` gathered as for its forward (FSDP2's
     `register_fsdp_forward_method`)."""

@@ -94,6 +94,17 @@ TABLE = register_table(
             translated("fully_shard.state(module)", "the call's record (modules, mesh, "
                        "policies) or None; FSDP2's private FSDPState members do not exist, so "
                        "code reading them (torch.distributed.pipelining's FSDP path) fails"),
+            translated("torch's register_fsdp_forward_method(module, name)", "works on our "
+                       "modules (HF Trainer calls it for generate): `_get_fsdp_state()` gives "
+                       "the _pre_forward/_post_forward it calls, which gather and release the "
+                       "module's unit; any other FSDPState member is refused by name"),
+            translated("fully_shard(wrapper) around a module already fully_shard-ed",
+                       "accepted as FSDP2 (accelerate shards a layer, then the "
+                       "CheckpointWrapper around it): the wrapper's unit holds no parameters "
+                       "of its own"),
+            translated("a CPU-built model on an accelerator mesh", "its shards move to the "
+                       "mesh's current device at fully_shard time, as FSDP2 (not under "
+                       "CPUOffloadPolicy)"),
             translated("set_all_reduce_hook", "the hook runs on each reduced gradient shard of "
                        "the module's unit (FSDP2's layout: each parameter's chunk, padded), "
                        "averaged as FSDP2 averages it, before it joins the gradient"),

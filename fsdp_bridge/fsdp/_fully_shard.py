@@ -41,8 +41,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.contract import REGISTRY_KEY, RegistryItem
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -241,12 +241,10 @@ class FSDPModule(TorchFSDPModule):
     def _set_unshard_async_op(self, async_op: bool) -> None:
         T.check_bool("_set_unshard_async_op", "async_op", async_op)
 
-    def _get_fsdp_state(self):
-        raise AttributeError(
-            f"{type(self).__name__} was sharded by fsdp_bridge's fully_shard, which keeps no torch "
-            "FSDPState: torch's private FSDP2 internals (_get_fsdp_state, fully_shard.state(m)'s "
-            "param groups) do not exist for it. Use the public FSDPModule methods, or native "
-            "torch.distributed.fsdp.fully_shard where that code needs torch's internals.")
+    def _get_fsdp_state(self) -> "ForwardHooks":
+        # torch's register_fsdp_forward_method (which frameworks call, e.g. HF Trainer for
+        # `generate`) reads only the pre/post-forward hooks of this state: see ForwardHooks.
+        return ForwardHooks(self)
 
     def _apply(self, *args, **kwargs):
         # nn.Module's own `_apply` (torch's FSDPModule override reads its private state); the
@@ -259,7 +257,49 @@ class FSDPModule(TorchFSDPModule):
         T.check_bool("set_force_sum_reduction_for_comms", "enable", enable)
 
 
+class ForwardHooks:
+    """What `FSDPModule._get_fsdp_state()` returns: torch's `register_fsdp_forward_method`
+    wraps a method in `state._pre_forward(module, args, kwargs)` and `state._post_forward(
+    module, args, output)`, which here gather and release the module's unit as its forward
+    does (nothing when the unit is running already, e.g. a method called inside forward).
+    Any other member of torch's private FSDPState has no counterpart in this engine."""
+
+    def __init__(self, module: nn.Module):
+        self._module = module
+        self._began = False
+
+    def _pre_forward(self, module: nn.Module, args, kwargs):
+        sharded = module._fsdp_root_state()
+        path = _path_in_root(module, sharded)
+        self._began = not engine.unit_in_use(sharded, path)
+        if not self._began:
+            return args, kwargs
+        return engine.run_pre_forward(sharded, path, args, kwargs)
+
+    def _post_forward(self, module: nn.Module, args, output):
+        if not self._began:
+            return output
+        self._began = False
+        sharded = module._fsdp_root_state()
+        return engine.run_post_forward(sharded, _path_in_root(module, sharded), args, output)
+
+    def __getattr__(self, name: str):
+        raise AttributeError(
+            f"{type(self._module).__name__} was sharded by fsdp_bridge's fully_shard, which keeps "
+            f"no torch FSDPState: its private member {name!r} does not exist here (only the "
+            "_pre_forward/_post_forward that register_fsdp_forward_method calls do). Use the "
+            "public FSDPModule methods, or native torch.distributed.fsdp.fully_shard where that "
+            "code needs torch's internals.")
+
+
 # -- helpers ----------------------------------------------------------------------------------
+
+
+def _call_of(module: nn.Module) -> Optional[FullyShardCall]:
+    """The fully_shard call made on `module` itself, read from its own attributes: a wrapper
+    that forwards attribute lookups to the module it wraps (CheckpointWrapper) must not pass
+    for that module, which would make `fully_shard(wrapper)` look like a second call."""
+    return vars(module).get(CONFIG)
 
 
 def _already_in_use(module: nn.Module) -> bool:
@@ -269,7 +309,7 @@ def _already_in_use(module: nn.Module) -> bool:
     ran *inside* `module` does not count: `module`'s first use releases it and shards all."""
     if engine.get_sharded(module) is not None:
         return True
-    if hasattr(module, CONFIG) and _root_sharded(module) is not None:
+    if _call_of(module) is not None and _root_sharded(module) is not None:
         return True
     inside = {id(sub) for sub in module.modules()} - {id(module)}
     owners = {id(o): o for o in map(engine.owner_of, module.parameters()) if o is not None}
@@ -277,7 +317,7 @@ def _already_in_use(module: nn.Module) -> bool:
 
 
 def _root_sharded(module: nn.Module):
-    call: FullyShardCall = getattr(module, CONFIG)
+    call: FullyShardCall = _call_of(module)
     root = call.root_of() if call.root_of is not None else None
     return engine.get_sharded(root) if root is not None else None
 
@@ -292,7 +332,7 @@ _UNIT_SETTERS = {
 def _set_on_unit(module: nn.Module, setting: str, value) -> None:
     """Record a per-module setting on its call and apply it to its unit if the engine's
     runtime is built already (see FullyShardCall.unit_settings)."""
-    getattr(module, CONFIG).unit_settings[setting] = value
+    _call_of(module).unit_settings[setting] = value
     sharded = _root_sharded(module)
     if sharded is not None:
         _UNIT_SETTERS[setting](sharded, _path_in_root(module, sharded), value)
@@ -320,14 +360,14 @@ def _fully_sharded_below(root: nn.Module):
     paths = {}
     for name, sub in root.named_modules():
         paths.setdefault(id(sub), name)
-    return [(paths[id(m)], m) for m in post_order(root) if hasattr(m, CONFIG)]
+    return [(paths[id(m)], m) for m in post_order(root) if _call_of(m) is not None]
 
 
 def _lazy_init(module: nn.Module) -> None:
     """Shard the model rooted at `module` unless it already is (see [Note: lazy application])."""
     if _building():
         return
-    call: FullyShardCall = getattr(module, CONFIG)
+    call: FullyShardCall = _call_of(module)
     if call.root_of is not None and call.root_of() is not None:
         root = call.root_of()
         if engine.get_sharded(root) is not None:
@@ -340,7 +380,7 @@ def _lazy_init(module: nn.Module) -> None:
             if sub_sharded is not None and sub is not module:
                 engine.release(sub_sharded)
         _restore_ties(module)
-        calls = [(path, getattr(sub, CONFIG)) for path, sub in below]
+        calls = [(path, _call_of(sub)) for path, sub in below]
         _retie(calls)
         _check_materialised(module)
         _attach_forms(module)
@@ -361,7 +401,7 @@ def _hook_list_call_modules(sharded, below) -> None:
     when called on its own, as under FSDP2 (see [Note: a module run on its own])."""
     unit_paths = {unit.name for unit in sharded.units}
     for path, member in below:
-        if len(getattr(member, CONFIG).modules) > 1 and path not in unit_paths:
+        if len(_call_of(member).modules) > 1 and path not in unit_paths:
             engine.hook_module_inside(sharded, path, member)
 
 
@@ -434,7 +474,7 @@ def fully_shard(
                         "fixed at the model's first forward (or unshard()), for the fully_shard "
                         "calls made until then, and this module's model has already run",
                         "Call fully_shard on every module before the first forward.")
-        if hasattr(m, CONFIG):
+        if _call_of(m) is not None:
             raise T.bad("module", m, "a module not fully_shard-ed yet (as FSDP2, which asserts)",
                         "Call fully_shard once per module.")
     _check_one_dtype(modules, mp_policy, ignored_params or ())
@@ -451,7 +491,8 @@ def fully_shard(
     with contextlib.ExitStack() as stack:
         for m in modules:
             stack.enter_context(engine.restored_on_failure(m))
-        _to_dtensor_params(modules, mesh, ignored_params or (), shard_placement_fn, call.ties)
+        _to_dtensor_params(modules, mesh, ignored_params or (), shard_placement_fn, call.ties,
+                           _shard_device(mesh, offload_policy))
         for m in modules:
             object.__setattr__(m, CONFIG, call)
             _register_as_fully_shard(m)
@@ -491,7 +532,7 @@ def _state(module: nn.Module) -> Optional[FullyShardCall]:
     (its modules, mesh and policies), or None for a module no call was made on. FSDP2 returns
     its private FSDPState here; code that goes on to read that state's private members (its
     param groups, `_state_ctx`) has no counterpart in this engine."""
-    return getattr(module, CONFIG, None)
+    return _call_of(module)
 
 
 fully_shard.state = _state  # type: ignore[attr-defined]  # as FSDP2's contract decorator adds
@@ -536,8 +577,20 @@ def _default_mesh() -> DeviceMesh:
     return _DEFAULT_MESHES[key]
 
 
+def _shard_device(mesh: DeviceMesh, offload_policy) -> Optional[torch.device]:
+    """Where the shards of parameters built on the CPU go: as FSDP2, the mesh's accelerator
+    (its current device), so that a model a framework built on the CPU and hands over (HF
+    Trainer, Lightning, accelerate) trains there. None: they stay where they are (a CPU mesh,
+    or CPUOffloadPolicy, which keeps shards on the host)."""
+    if mesh.device_type == "cpu" or isinstance(offload_policy, CPUOffloadPolicy):
+        return None
+    backend = getattr(torch, mesh.device_type, None)  # torch.cuda, torch.xpu, ...
+    index = backend.current_device() if hasattr(backend, "current_device") else None
+    return torch.device(mesh.device_type, index)
+
+
 def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params, shard_placement_fn,
-                       ties: list) -> None:
+                       ties: list, device: Optional[torch.device] = None) -> None:
     """Replace every parameter this call manages by a DTensor parameter split over the mesh
     (see [Note: sharding at fully_shard time]), and record on its owner modules the form it
     gathers into (see [Note: gathered form] in fsdp_bridge/engine/layout.py). Parameters tied
@@ -554,7 +607,7 @@ def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params, shard_placemen
                 if id(param) not in converted:
                     name = f"{owner_name}.{attr}" if owner_name else attr
                     _check_not_shared_with_earlier_call(param, name)
-                    converted[id(param)] = _sharded(param, name, mesh, shard_placement_fn)
+                    converted[id(param)] = _sharded(param, name, mesh, shard_placement_fn, device)
                     setattr(param, REPLACED_BY, converted[id(param)][0])
                     mark_replaced(param, name)
                     first_owner[id(param)] = (owner, attr)
@@ -581,13 +634,13 @@ def _attach_forms(root: nn.Module) -> None:
                 setattr(param, GATHERED_FORM, form)
 
 
-def _sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, shard_placement_fn):
+def _sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, shard_placement_fn, device=None):
     """(the DTensor parameter replacing `param`, its GatheredForm)."""
     _check_no_all_gather_extension(param, name)
     if isinstance(param, DTensor):
         return _sharded_tensor_parallel(param, name, mesh, shard_placement_fn)
     dim = T.shard_dim(shard_placement_fn, param, name, tuple(param.shape), mesh.size(-1))
-    return _row_sharded(param, name, mesh, dim), GatheredForm(param.shape, dim)
+    return _row_sharded(param, name, mesh, dim, device), GatheredForm(param.shape, dim)
 
 
 # FSDP2's all-gather extension point: a tensor subclass (torchao's float8 and NF4 weights) that
@@ -680,7 +733,8 @@ def _sharded_tensor_parallel(param: DTensor, name: str, mesh: DeviceMesh, shard_
     return new, form
 
 
-def _row_sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, dim: int) -> nn.Parameter:
+def _row_sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, dim: int,
+                 device: Optional[torch.device] = None) -> nn.Parameter:
     if param.dim() == 0:
         raise T.bad(f"parameter {name!r}", "a scalar (shape ())", "parameters of at least one "
                     "dimension (they are split by rows)", "Give the parameter shape (1,), or "
@@ -696,6 +750,8 @@ def _row_sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, dim: int) -> 
     if not local.is_meta:
         # A contiguous storage of its own: the full tensor can be freed.
         local = local.clone(memory_format=torch.contiguous_format)
+        if device is not None and local.device.type == "cpu":
+            local = local.to(device)
     dtensor = DTensor.from_local(local, mesh, _placements(mesh, dim), run_check=False,
                                  shape=param.shape, stride=param.stride())
     new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
