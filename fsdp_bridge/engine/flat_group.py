@@ -404,18 +404,19 @@ class FlatGroup:
             full.add_(self.unsynced_grad)
             self.unsynced_grad = None
 
-    def start_reduce_of_grads(self, grads: tuple):
-        """Start reducing one backward's gradients (and any no_sync sum); returns (work,
-        shard-sized result tensor, what the reduction reads from until it is done)."""
+    def start_reduce_of_grads(self, grads: tuple, predivide: float = 1.0):
+        """Start reducing one backward's gradients (and any no_sync sum), each rank's part
+        divided by `predivide` first; returns (work, shard-sized result tensor, what the
+        reduction reads from until it is done)."""
         if self.comm.swaps_halves and self.unsynced_grad is None:
-            return self._start_pair_reduce(grads)
+            return self._start_pair_reduce(grads, predivide)
         full = torch.empty(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
         self.write_full_grad(grads, full)
         self.add_unsynced_grad_into(full)
-        work, output = self.start_reduce(full)
+        work, output = self.start_reduce(full, predivide)
         return work, output, full
 
-    def _start_pair_reduce(self, grads: tuple):
+    def _start_pair_reduce(self, grads: tuple, predivide: float):
         """[Note: a pair reduces from the gradients] Only the other rank's part of the
         gradient is laid out, to be sent; this rank's part is added from the gradients
         themselves once the other rank's contribution has arrived. Half the copying of a full
@@ -423,7 +424,11 @@ class FlatGroup:
         rank = self.comm.shard_rank
         theirs = torch.empty(self.shard_numel, dtype=self.reduce_dtype, device=self.device)
         self.write_grad_part(grads, 1 - rank, theirs)
+        if predivide != 1:
+            theirs.div_(predivide)
         own = self.grad_part_pieces(grads, rank)
+        if predivide != 1:  # divided in the reduce dtype, as a laid-out gradient is
+            own = [(at, piece / predivide) for at, piece in own]
         output = torch.empty_like(theirs)
 
         def add_own() -> None:
@@ -432,8 +437,11 @@ class FlatGroup:
 
         return self.comm.reduce_pair(theirs, output, add_own), output, theirs
 
-    def start_reduce(self, full: torch.Tensor):
-        """Start reducing a full gradient; returns (work, shard-sized result tensor)."""
+    def start_reduce(self, full: torch.Tensor, predivide: float = 1.0):
+        """Start reducing a full gradient, divided by `predivide` first; returns (work,
+        shard-sized result tensor)."""
+        if predivide != 1:
+            full.div_(predivide)
         if self.comm.shard_size == 1:
             return self.comm.all_reduce_replicas(full), full
         if self._reduces_in_full_buffer:

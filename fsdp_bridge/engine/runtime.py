@@ -560,7 +560,8 @@ class ShardedModel:
         # it had this unit's whole backward to run: finish it and free its buffer first, so
         # that at most one unit's gradient waits on the network at a time, as in FSDP2.
         self._finish_pending_scatters()
-        self._track_reduce(group, *group.start_reduce_of_grads(grads))
+        predivide = self._reduce_factors(group)[0]
+        self._track_reduce(group, *group.start_reduce_of_grads(grads, predivide))
 
     def _next_to_gather_in_backward(self, unit: Unit) -> Optional[Unit]:
         """The first unit after `unit` in backward order that is not gathered yet."""
@@ -574,12 +575,12 @@ class ShardedModel:
     def _track_reduce(self, group: FlatGroup, work, output: torch.Tensor,
                       source: torch.Tensor) -> None:
         pending = PendingReduce(group, work, output, source)
-        hooked = self.unit_of_group[id(group)].all_reduce_hook is not None
+        hooked = self._divides_each_reduce(group)
         if work is not None and self.replica_stream is not None:
             pending.replica_work = self.comm.all_reduce_replicas_after(work, output,
                                                                        self.replica_stream)
         if (work is not None and self.comm.wait_on_futures and self.comm.replicate_size == 1
-                and not hooked):  # a user's hook runs on the main thread
+                and not hooked):  # a user's hook, and each reduce's division, on the main thread
             # [Note: reductions land early] On gloo the reduction runs on the process group's
             # thread while backward goes on. Its result is added to the gradient shard there,
             # as soon as it is summed, and what it read from freed with it, rather than held
@@ -651,12 +652,39 @@ class ShardedModel:
         """[Note: all-reduce hook] FSDP2 calls the hook on each reduced shard, averaged over
         the data-parallel ranks (or divided by the module's divide factor), before it joins
         the gradient. A unit with a hook is divided here, micro-step by micro-step as FSDP2
-        divides, so the hook sees FSDP2's values; `finalize_grads` then divides it by 1."""
-        unit = self.unit_of_group[id(group)]
-        if unit.all_reduce_hook is None:
+        divides, so the hook sees FSDP2's values; `finalize_grads` then divides it by 1.
+        fp16 reductions are divided here too (see _reduce_factors)."""
+        if not self._divides_each_reduce(group):
             return
-        output.div_(self._divisor_of(unit))
-        unit.all_reduce_hook(output)
+        post = self._reduce_factors(group)[1]
+        if post != 1:
+            output.div_(post)
+        unit = self.unit_of_group[id(group)]
+        if unit.all_reduce_hook is not None:
+            unit.all_reduce_hook(output)
+
+    def _divides_each_reduce(self, group: FlatGroup) -> bool:
+        """Whether `group`'s reduced gradients are divided reduce by reduce (rather than once
+        when the step's gradient is complete): under an all-reduce hook, or in fp16."""
+        unit = self.unit_of_group[id(group)]
+        return unit.all_reduce_hook is not None or group.reduce_dtype == torch.float16
+
+    def _reduce_factors(self, group: FlatGroup) -> tuple[float, float]:
+        """(divide before the reduction, divide after it) for `group`.
+
+        [Note: fp16 reductions] fp16's range is narrow: a sum over many ranks can overflow
+        and a mean taken at the end can underflow. As FSDP1 and FSDP2 do, each rank's gradient
+        is divided before the reduction by the largest power of two at most the square root of
+        the divisor that divides it, and the reduced shard by the rest after it, in fp16, one
+        reduction at a time. Other dtypes are summed and divided once, when the step's
+        gradient is complete (in fp32 and bf16 this is what an averaging reduction computes)."""
+        if group.reduce_dtype != torch.float16:
+            return 1.0, 1.0
+        factor = self._divisor_of(self.unit_of_group[id(group)])
+        pre = 1
+        while factor % pre == 0 and factor / pre > pre:
+            pre *= 2
+        return float(pre), factor / pre
 
     def _divisor_of(self, unit: Unit) -> float:
         """What a unit's summed gradients are divided by: its divide factor, the model's, or
@@ -678,7 +706,7 @@ class ShardedModel:
                 for group in unit.trainable_groups:
                     if group.unsynced_grad is not None:
                         full, group.unsynced_grad = group.unsynced_grad, None
-                        work, output = group.start_reduce(full)
+                        work, output = group.start_reduce(full, self._reduce_factors(group)[0])
                         self._track_reduce(group, work, output, full)
         self._finish_pending_reduces()
         self.micro_step += 1
@@ -686,9 +714,9 @@ class ShardedModel:
         if self.requires_sync and self.micro_step % steps == 0:
             without_grad = self._params_without_grad()
             for unit in self.units:
-                # See [Note: all-reduce hook].
-                divisor = 1.0 if unit.all_reduce_hook is not None else self._divisor_of(unit)
                 for group in unit.trainable_groups:
+                    # See [Note: all-reduce hook].
+                    divisor = 1.0 if self._divides_each_reduce(group) else self._divisor_of(unit)
                     group.finalize_grads(divisor, without_grad.get(id(group), frozenset()))
             self.micro_step = 0
         for unit in self.units:

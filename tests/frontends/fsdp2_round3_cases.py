@@ -2,7 +2,7 @@
 test_fsdp2_round3.py): tensor parallelism whose split is uneven across tensor-parallel ranks,
 parameters that use FSDP2's all-gather extension point, parameters left on meta, and a tied
 weight after meta init and `load_state_dict(assign=True)`, a module of a list call run on
-its own, and fully_shard inside torch's composable `replicate()`."""
+its own, fully_shard inside torch's composable `replicate()`, and fp16 gradient reduction."""
 
 from __future__ import annotations
 
@@ -307,6 +307,30 @@ def inside_replicate(which):
                         for p in model.parameters()]}
 
 
+# -- fp16 gradient reduction -------------------------------------------------------------------------
+
+
+def fp16_reduction(which, mesh_shape):
+    """fp16 parameters and reduction over 10 SGD steps on a 1-D or a 2-D (HSDP) mesh: the
+    fp32 weights after them."""
+    names = ("replicate", "shard")[-len(mesh_shape):]
+    mesh = init_device_mesh(device_type(), mesh_shape, mesh_dim_names=names)
+    module = importlib.import_module("torch.distributed.fsdp" if which == "native"
+                                     else "fsdp_bridge.fsdp")
+    policy = module.MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 8)).to(device_type())
+    module.fully_shard(model[0], mesh=mesh, mp_policy=policy)
+    module.fully_shard(model, mesh=mesh, mp_policy=policy)
+    optim = torch.optim.SGD(model.parameters(), lr=0.05)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(10):
+        model(_inputs(step, rank, world)).float().pow(2).mean().backward()
+        optim.step()
+        optim.zero_grad()
+    return {"full": {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}}
+
+
 def _both(fn, *args):
     def run(rank, world):
         out = {}
@@ -329,6 +353,8 @@ def cases() -> dict:
         "tied_after_assign_load": _both(tied_after_assign_load),
         "list_call_member_alone": _both(list_call_member_alone),
         "inside_replicate": _both(inside_replicate),
+        "fp16_reduction_1d": _both(fp16_reduction, (4,)),
+        "fp16_reduction_2d": _both(fp16_reduction, (2, 2)),
     }
 
 

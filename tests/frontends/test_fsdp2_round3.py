@@ -16,7 +16,10 @@
 - a module of a list call (`fully_shard([norm, head])`) that the forward skips, called on its
   own for each chunk of a chunked loss (so after a backward), trains as natively;
 - `fully_shard`-ed layers inside torch's composable `replicate()` train as natively (replicate
-  skips the modules fully_shard manages: ours are marked as FSDP2 marks its own).
+  skips the modules fully_shard manages: ours are marked as FSDP2 marks its own);
+- fp16 gradients are divided before and after their reduction as natively (a power of two
+  before, the rest after, in fp16), so ten fp16 steps end on native's weights bit for bit, on a
+  1-D mesh (each pair of ranks swaps halves on gloo) and on a 2-D HSDP mesh.
 """
 
 from __future__ import annotations
@@ -120,3 +123,10 @@ def test_fully_shard_inside_replicate_trains_as_native(world, rank):
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"parameter {index}: {m}")
 
+
+
+@pytest.mark.parametrize("mesh", ["fp16_reduction_1d", "fp16_reduction_2d"])
+def test_fp16_reduction_divides_as_native_bit_for_bit(world, mesh):
+    result = case(world, mesh, 0)
+    for name, value in result["native"]["full"].items():
+        assert torch.equal(result["ours"]["full"][name], value), name
