@@ -5,6 +5,7 @@ starts, so a long run never ends in a traceback about its output path, and writt
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import uuid
 from typing import Optional
@@ -28,6 +29,26 @@ def check_output_file(flag: str, path: Optional[str]) -> None:
     if not os.access(parent, os.W_OK):
         raise ValueError(f"{flag} {path!r}: the directory {parent!r} is not writable; write "
                          "somewhere else.")
+
+
+def check_plot_file(flag: str, path: Optional[str]) -> None:
+    """Raise ValueError naming `flag` unless `path` can be written as a file in an image format
+    matplotlib writes, told by its suffix (matplotlib picks the format from it)."""
+    check_output_file(flag, path)
+    if path is None:
+        return
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(f"{flag} {path!r} needs matplotlib, which is not installed: pip "
+                         "install 'fsdp-bridge[plot]' (or matplotlib), or leave out the plot.")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    root, suffix = os.path.splitext(path)
+    if suffix.lstrip(".").lower() not in formats:
+        said = f"its suffix {suffix!r} is" if suffix else "it has no suffix, which is"
+        raise ValueError(f"{flag} {path!r}: {said} not an image format matplotlib writes; end "
+                         f"the name with one of {', '.join('.' + f for f in formats)}, e.g. "
+                         f"{root + '.png'!r}.")
 
 
 @contextlib.contextmanager

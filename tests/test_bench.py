@@ -60,6 +60,8 @@ def test_bench_rejects_bad_options(capsys, tmp_path):
     assert "add --sweep" in capsys.readouterr().err
     assert main(["bench", "--sweep", "--plot", str(tmp_path / "missing" / "p.png")]) == 2
     assert "--plot" in capsys.readouterr().err
+    assert main(["bench", "--sweep", "--plot", str(tmp_path / "sweep.txt")]) == 2
+    assert "suffix '.txt' is not an image format" in capsys.readouterr().err
     assert main(["bench", "--sweep", "--device", "cuda"]) == 2
     assert "CPU bench only" in capsys.readouterr().err
     assert main(["bench", "--cap-mib", "100"]) == 2

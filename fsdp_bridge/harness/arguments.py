@@ -3,14 +3,13 @@ at once, naming the option, not after minutes of training or as a failure per ba
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import re
 from typing import Optional
 
 from fsdp_bridge.harness.compare import check_tolerance_value
-from fsdp_bridge.outputs import check_output_file
+from fsdp_bridge.outputs import check_output_file, check_plot_file
 
 
 def positive_int(flag: str, value) -> None:
@@ -50,7 +49,4 @@ def tolerances(rtol: Optional[float], atol: Optional[float]) -> None:
 
 def outputs(json_path: Optional[str], plot_path: Optional[str]) -> None:
     check_output_file("--json", json_path)
-    check_output_file("--plot", plot_path)
-    if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
-        raise ValueError(f"--plot {plot_path!r} needs matplotlib, which is not installed: "
-                         "pip install matplotlib, or leave out --plot.")
+    check_plot_file("--plot", plot_path)

@@ -54,6 +54,8 @@ COMPARE = [
     (["--nproc", "0"], "--nproc 0: expected an int >= 1"),
     (["--json", "/missing/dir/x.json"], "--json '/missing/dir/x.json': the directory"),
     (["--plot", "{tmp}"], "is a directory; give a file path"),
+    (["--plot", "{tmp}/out.txt"], "its suffix '.txt' is not an image format matplotlib writes"),
+    (["--plot", "{tmp}/curves"], "it has no suffix, which is not an image format"),
     (["--backends", "reference"], "name at least two backends"),
     (["--recipe", "tiny-llama", "--hidden", "12", "--heads", "4"], "even head size"),
 ]
@@ -78,6 +80,7 @@ SCRIPTS = [
     (["--loss-pattern", "("], "--loss-pattern '(' is not a valid regular expression"),
     (["--loss-pattern", r"step (\d+)"], "has no named group 'loss'"),
     (["--json", "/missing/dir/x.json"], "--json '/missing/dir/x.json': the directory"),
+    (["--plot", "out.txt"], "--plot 'out.txt': its suffix '.txt' is not an image format"),
     (["--rtol", "-1", "--atol", "-1"], "--rtol=-1.0: expected a finite number >= 0"),
     (["--nproc", "0"], "--nproc 0: expected an int >= 1"),
 ]
