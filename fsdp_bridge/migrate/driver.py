@@ -5,7 +5,7 @@ Whether `isinstance(x, FullyShardedDataParallel)` may become `isinstance(x, FSDP
 on every file of the run: a constructor left as FSDP1 in one file builds the modules another file
 checks. So every file is first rewritten as if the rest of the tree kept no FSDP1 constructor,
 each result noting where its own file keeps them and whether it narrowed a type check; then, if
-anything is kept anywhere (or a file that mentions FSDP could not be read, parsed or written),
+anything is kept anywhere (or a file that mentions FSDP could not be read or parsed),
 the files that narrowed a check are rewritten again, told where, so that their checks accept
 both classes. Nothing is written before this is settled (see fsdp_bridge/codemods/base.py, [Note: what
 the tree keeps of FSDP1]).
@@ -179,11 +179,10 @@ def fsdp1_kept(results: Iterable[FileResult]) -> list[str]:
     return kept
 
 
-def settle_type_checks(results: list[FileResult], target: str, jobs: int,
-                       extra_kept: Iterable[str] = ()) -> list[FileResult]:
+def settle_type_checks(results: list[FileResult], target: str, jobs: int) -> list[FileResult]:
     """Rewrite again the files whose type checks were narrowed while the tree keeps FSDP1
     constructors (see [Note: type checks are settled over the whole tree])."""
-    kept = tuple(fsdp1_kept(results)) + tuple(extra_kept)
+    kept = tuple(fsdp1_kept(results))
     redo = [r.path for r in results if r.narrowed and r.error is None]
     if not kept or not redo:
         return results
@@ -281,7 +280,7 @@ class ChangedOnDisk(OSError):
     """The file is no longer what the rewrite was computed from: replacing it would lose edits."""
 
 
-def _check_unchanged(real: str, expected: bytes, read_stat: tuple[int, int] | None) -> None:
+def check_unchanged(real: str, expected: bytes, read_stat: tuple[int, int] | None) -> None:
     """Raise ChangedOnDisk unless `real` still holds `expected` (size, mtime and content)."""
     try:
         with open(real, "rb") as handle:
@@ -339,7 +338,7 @@ class Writer:
                 os.fsync(handle.fileno())
             os.chmod(temp, mode)
             if expected is not None:
-                _check_unchanged(real, expected, read_stat)
+                check_unchanged(real, expected, read_stat)
             os.replace(temp, real)
         except BaseException:
             if os.path.exists(temp):
