@@ -43,6 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", metavar="FILE", help="write every site to FILE (.json or .md)")
     parser.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                         help="skip paths matching this gitignore-style glob (repeatable)")
+    parser.add_argument("--no-default-excludes", dest="default_excludes", action="store_false",
+                        help="also walk into virtual environments (a directory holding "
+                        "pyvenv.cfg, .venv, venv, site-packages, ...) and build or tool "
+                        "directories (build, dist, .tox, node_modules, __pypackages__, ...), "
+                        "skipped by default as ruff and black skip them")
     parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
                         help="worker processes for the files that need parsing (default: all cores)")
     parser.add_argument("-q", "--quiet", action="store_true",
@@ -111,10 +116,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.report:  # every output path is checked before any file is touched
             report.check_path(args.report)
-        paths = list(walk(args.paths, args.exclude))
+        skipped: list[str] = []
+        paths = list(walk(args.paths, args.exclude, args.default_excludes, skipped))
     except (FileNotFoundError, ValueError) as exc:
         print(f"fsdp-bridge migrate: {exc}", file=sys.stderr)
         return 2
+    if skipped:
+        shown = ", ".join(skipped[:3]) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
+        progress.note(f"fsdp-bridge migrate: skipped {shown} (virtual environment or build "
+                      "directory); --no-default-excludes to migrate them too", args.quiet)
     with progress.bar(len(paths), "migrate", "file", args.quiet) as files_done:
         results = run_all(paths, args.target, args.jobs, lambda: files_done.update(1))
     nothing_written = None

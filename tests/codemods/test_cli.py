@@ -139,3 +139,34 @@ def test_report_counts_the_sites_that_still_import_fsdp_bridge_per_file(tmp_path
     counts = {pathlib.Path(entry["path"]).name: entry["fsdp_bridge_sites"] for entry in data["files"]}
     assert counts == {"pure.py": 0, "helper.py": 1}  # torch alone where torch suffices
     assert data["summary"]["fsdp_bridge_sites"] == 1
+
+
+def test_virtual_environments_and_build_dirs_are_skipped_by_default(tmp_path, capsys):
+    # None of these is in a .gitignore: the defaults alone keep migrate out of them.
+    for relative in (".venv/lib/python3.12/site-packages/torch/fsdp_user.py", "venv/x.py",
+                     "myenv/lib/y.py", "build/lib/z.py", "dist/d.py", ".tox/py/t.py",
+                     "node_modules/n.py", "__pypackages__/3.12/p.py", "src/train.py"):
+        path = tmp_path / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(FSDP1)
+    (tmp_path / "myenv" / "pyvenv.cfg").write_text("home = /usr/bin\n")  # a venv of any name
+    assert main(["migrate", str(tmp_path), "--to", "fsdp2", "--check", "-j", "1"]) == 1
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [f"would rewrite {tmp_path / 'src' / 'train.py'}"]
+    assert "skipped" in err and "--no-default-excludes" in err
+    assert "1 files" in err.splitlines()[-1]
+
+    assert main(["migrate", str(tmp_path), "--to", "fsdp2", "--check", "-j", "1",
+                 "--no-default-excludes"]) == 1
+    assert len(capsys.readouterr().out.splitlines()) == 9
+    # A directory named on the command line is walked, whatever its name.
+    assert main(["migrate", str(tmp_path / "venv"), "--to", "fsdp2", "--check", "-j", "1"]) == 1
+    assert "venv/x.py" in capsys.readouterr().out
+
+
+def test_help_documents_the_default_excludes(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["migrate", "--help"])
+    assert "--no-default-excludes" in capsys.readouterr().out
