@@ -1,7 +1,8 @@
 """`fsdp-bridge migrate PATH... --to {bridge,fsdp2,yafsdp}`.
 
 Exit codes: 0 nothing to change (or everything written), 1 changes pending (--diff, --check),
-2 errors (a file that fails to parse is reported; the other files are still processed).
+2 errors (a file that fails to parse, or a file named on the command line that is not Python,
+YAML or a notebook, is reported; the other files are still processed).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from fsdp_bridge.migrate.driver import (
     run_all,
     write_problem,
 )
-from fsdp_bridge.migrate.files import walk
+from fsdp_bridge.migrate.files import READ_SUFFIXES, unsupported_files, walk
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
                         help="worker processes for the files that need parsing (default: all cores)")
     parser.add_argument("-q", "--quiet", action="store_true",
-                        help="no progress bar (it is drawn on stderr, and only on a terminal)")
+                        help="no progress bar (drawn on stderr, only on a terminal) and no summary "
+                        "lines; errors are still printed")
 
 
 def _diff(result: FileResult) -> str:
@@ -117,10 +119,16 @@ def run(args: argparse.Namespace) -> int:
         if args.report:  # every output path is checked before any file is touched
             report.check_path(args.report)
         skipped: list[str] = []
-        paths = list(walk(args.paths, args.exclude, args.default_excludes, skipped))
+        unread = unsupported_files(args.paths)
+        paths = list(walk([p for p in args.paths if p not in unread], args.exclude,
+                          args.default_excludes, skipped))
     except (FileNotFoundError, ValueError) as exc:
         print(f"fsdp-bridge migrate: {exc}", file=sys.stderr)
         return 2
+    for path in unread:
+        print(f"error: {path}: not a Python ({', '.join(READ_SUFFIXES[:2])}), YAML or notebook "
+              "file: skipped (migrate rewrites Python and reports YAML and notebooks)",
+              file=sys.stderr)
     if skipped:
         shown = ", ".join(skipped[:3]) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
         progress.note(f"fsdp-bridge migrate: skipped {shown} (virtual environment or build "
@@ -145,14 +153,15 @@ def run(args: argparse.Namespace) -> int:
     if args.report:
         report.write(args.report, results, args.target)
     totals = report.summary(results, args.target)
+    errors = totals["errors"] + len(unread)
     by_status = ", ".join(f"{n} {status}" for status, n in totals["by_status"].items())
     verb = "rewritten" if args.mode == "write" else "to change"
-    print(
+    progress.note(
         f"fsdp-bridge migrate --to {args.target}: {totals['files']} files, {totals['parsed']} parsed, "
         f"{totals['changed']} {verb}, {totals['sites']} sites" + (f" ({by_status})" if by_status else "")
-        + f", {totals['errors']} errors in {time.perf_counter() - started:.2f}s",
-        file=sys.stderr,
+        + f", {errors} errors in {time.perf_counter() - started:.2f}s",
+        args.quiet,
     )
-    if totals["errors"]:
+    if errors:
         return 2
     return 1 if totals["changed"] and args.mode != "write" else 0

@@ -41,6 +41,13 @@ YAML_FSDP = re.compile(rb"^\s*(?:distributed_type:\s*FSDP|fsdp_config:)", re.MUL
 PYTHON_SUFFIXES = (".py", ".pyi")
 YAML_SUFFIXES = (".yaml", ".yml")
 NOTEBOOK_SUFFIXES = (".ipynb",)  # not rewritten; reported when they mention FSDP
+READ_SUFFIXES = PYTHON_SUFFIXES + YAML_SUFFIXES + NOTEBOOK_SUFFIXES
+
+
+def unsupported_files(paths: list[str]) -> list[str]:
+    """The files named on the command line that migrate does not read (not Python, YAML or a
+    notebook): each is an error, not a silent skip."""
+    return [path for path in paths if os.path.isfile(path) and not path.endswith(READ_SUFFIXES)]
 ALWAYS_SKIPPED = {".git", ".hg", ".svn", "__pycache__"}
 # Directories of installed or generated code, skipped by default as ruff and black skip them
 # (the union of their default excludes): a virtual environment that .gitignore does not list
@@ -194,6 +201,5 @@ def _walk(paths: list[str], excludes: list[str], default_excludes: bool,
             dirnames[:] = kept
             for name in sorted(filenames):
                 path = os.path.join(directory, name)
-                if (name.endswith(PYTHON_SUFFIXES + YAML_SUFFIXES + NOTEBOOK_SUFFIXES)
-                        and not ignores.ignored(path, False)):
+                if name.endswith(READ_SUFFIXES) and not ignores.ignored(path, False):
                     yield path

@@ -170,3 +170,26 @@ def test_help_documents_the_default_excludes(capsys):
     with pytest.raises(SystemExit):
         main(["migrate", "--help"])
     assert "--no-default-excludes" in capsys.readouterr().out
+
+
+def test_a_named_file_migrate_does_not_read_is_an_error_not_a_silent_skip(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text(FSDP1)
+    (tmp_path / "train.py").write_text(FSDP1)
+    assert main(["migrate", str(notes), str(tmp_path / "train.py"), "--to", "fsdp2", "-j", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert f"error: {notes}: not a Python (.py, .pyi), YAML or notebook file: skipped" in err
+    assert "+model = fully_shard(model)" in out  # the other files are still migrated
+    assert "1 errors" in err.splitlines()[-1]
+
+
+def test_quiet_silences_the_summary_lines_but_not_errors(tmp_path, capsys):
+    (tmp_path / "train.py").write_text(FSDP1)
+    (tmp_path / "venv").mkdir()
+    (tmp_path / "venv" / "x.py").write_text(FSDP1)
+    assert main(["migrate", str(tmp_path), "--to", "fsdp2", "--check", "-q", "-j", "1"]) == 1
+    assert capsys.readouterr().err == ""
+    (tmp_path / "bad.py").write_text("import torch.distributed.fsdp\ndef f(:\n")
+    assert main(["migrate", str(tmp_path), "--to", "fsdp2", "--check", "-q", "-j", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'bad.py'}") and len(err.splitlines()) == 1
