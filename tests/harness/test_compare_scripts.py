@@ -60,3 +60,14 @@ def test_a_script_that_shards_nothing_is_not_called_equivalent(tmp_path, capsys)
         "module" in captured.err, captured.err
     assert main([*argv[:4], "--allow-no-fsdp", *argv[4:]]) == 0
     assert "RESULT: equivalent" in capsys.readouterr().out
+
+
+def test_a_script_printing_on_every_rank_is_read_per_rank(tmp_path, capsys):
+    # Each rank prints its own slice's loss, and which rank prints first alternates between
+    # runs: read first-line-wins, the repeat of A would differ from A (exit 2).
+    script = os.path.join(os.path.dirname(__file__), "scripts", "train_every_rank_prints.py")
+    code = main(["compare-scripts", script, script, "--nproc", "2", "--",
+                 "--steps", "2", "--order-file", str(tmp_path / "order")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "is deterministic" in out and "2 loss lines (rank 0's)" in out
