@@ -1,6 +1,8 @@
-"""Files the command line writes (`--json`, `--plot`, `--write-docs`): checked before any work
-starts, so a long run never ends in a traceback about its output path, and written atomically
-(a temporary sibling renamed into place), so an interrupted write never leaves half a file."""
+"""Files fsdp-bridge writes: checked before any work starts (`check_output_file`), so a long run
+never ends in a traceback about its output path, and written atomically (`atomic_path`: a
+temporary sibling renamed into place), so an interrupted write never leaves half a file. The one
+file writer of the package: the command line's outputs (`--json`, `--plot`, `--write-docs`),
+migrate's rewrites and converted checkpoint files all go through `atomic_path`."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import contextlib
 import importlib.util
 import os
 import uuid
-from typing import Optional
+from typing import Callable, Optional
 
 
 def check_output_file(flag: str, path: Optional[str]) -> None:
@@ -52,18 +54,50 @@ def check_plot_file(flag: str, path: Optional[str]) -> None:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str):
+def atomic_path(path: str, *, temporary: Optional[str] = None, durable: bool = False,
+                before_replace: Callable[[], None] = lambda: None):
     """Yield a temporary sibling of `path` to write; it replaces `path` only if the block
-    succeeds, and is removed otherwise."""
+    succeeds (and `before_replace()`, a last check, raises nothing), and is removed otherwise.
+
+    `temporary`: its name (default: `path` with a random infix, same extension, since writers
+    infer formats from it). `durable`: fsync the file before the rename and the directory after
+    it, so that the new content survives a power loss, not only a crash."""
     full = os.path.abspath(path)
     root, ext = os.path.splitext(full)
-    tmp = f"{root}.tmp-{uuid.uuid4().hex[:12]}{ext}"  # same extension: writers infer formats
+    tmp = temporary or f"{root}.tmp-{uuid.uuid4().hex[:12]}{ext}"
     try:
         yield tmp
+        if durable:
+            fsync_file(tmp)
+        before_replace()
         os.replace(tmp, full)
+        if durable:
+            fsync_dir(os.path.dirname(full))
     finally:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename in directory `path` durable (where directories can be opened and synced)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
 
 
 def write_text(path: str, text: str) -> None:

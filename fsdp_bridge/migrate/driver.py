@@ -11,11 +11,12 @@ both classes. Nothing is written before this is settled (see fsdp_bridge/codemod
 the tree keeps of FSDP1]).
 
 [Note: nothing half-done survives a kill]
-A file is replaced by `os.replace` of a complete temporary file, so readers see the original or
-the full rewrite. SIGKILL leaves no chance to clean up in the process itself, so two things do it
-from outside: pool workers ask the kernel to kill them when their parent dies (PR_SET_PDEATHSIG),
-and a small guard process, in its own session, is told each temporary file's name before it is
-created and removes any that are left when the migrating process goes away.
+A file is replaced by `os.replace` of a complete temporary file (`fsdp_bridge.outputs.atomic_path`),
+so readers see the original or the full rewrite. SIGKILL leaves no chance to clean up in the
+process itself, so two things do it from outside: pool workers ask the kernel to kill them when
+their parent dies (PR_SET_PDEATHSIG), and a small guard process, in its own session, is told each
+temporary file's name before it is created and removes any that are left when the migrating
+process goes away.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Callable, Iterable, Iterator
 
 from fsdp_bridge.codemods import rules
 from fsdp_bridge.migrate.files import NOTEBOOK_SUFFIXES, PREFILTER, YAML_FSDP, YAML_SUFFIXES, may_use_fsdp
+from fsdp_bridge.outputs import atomic_path
 
 TARGETS = ("bridge", "fsdp2", "yafsdp")
 
@@ -329,21 +331,18 @@ class Writer:
         directory, name = os.path.split(real)
         mode = os.stat(real).st_mode & 0o7777
         temp = os.path.join(directory, f".fsdp-bridge-{name}-{os.getpid()}-{next(self._count)}.tmp")
-        self._announce("+", temp)
-        try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(temp, mode)
+
+        def still_expected() -> None:
             if expected is not None:
                 check_unchanged(real, expected, read_stat)
-            os.replace(temp, real)
-        except BaseException:
-            if os.path.exists(temp):
-                os.unlink(temp)
-            raise
+
+        self._announce("+", temp)
+        try:
+            with atomic_path(real, temporary=temp, durable=True, before_replace=still_expected):
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as handle:
+                    handle.write(data)
+                os.chmod(temp, mode)
         finally:
             self._announce("-", temp)
 
