@@ -190,7 +190,9 @@ def test_compare_says_on_stderr_what_it_trains_and_each_backend_done_unless_quie
                    for extra in ([], ["--quiet"]))
     assert loud.returncode == 0 and quiet.returncode == 0, loud.stderr + quiet.stderr
     lines = loud.stderr.splitlines()
-    assert lines[0].startswith("fsdp-bridge compare: training mlp under 2 backends"), lines
+    # What it loads first (torch, after the light checks), then what it trains.
+    assert lines[0] == "fsdp-bridge compare: loading torch and the recipe's model code...", lines
+    assert lines[1].startswith("fsdp-bridge compare: training mlp under 2 backends"), lines
     assert any("bridge-fsdp2 trained (2/2 backends" in line for line in lines), lines
     assert "RESULT: equivalent" in loud.stdout and "trained" not in loud.stdout
     assert quiet.stderr == "" and "RESULT: equivalent" in quiet.stdout
