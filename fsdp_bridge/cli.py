@@ -32,7 +32,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "compare-scripts": ("fsdp_bridge.harness.cli_compare_scripts", "run two training scripts "
                         "under torchrun and compare their per-step losses and parameter "
                         "digests"),
-    "convert-checkpoint": ("fsdp_bridge.checkpoint.cli", "convert a checkpoint between "
+    "convert-checkpoint": ("fsdp_bridge.checkpoint_cli", "convert a checkpoint between "
                            "torch.save, DCP and safetensors, offline (no ranks)"),
 }
 
@@ -75,16 +75,28 @@ def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# The exit code of a command stopped by Ctrl-C (128 + SIGINT, as shells report it).
+EXIT_INTERRUPTED = 130
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser(argv[0] if argv and argv[0] in SUBCOMMANDS else None)
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:  # said with the subcommand's usage, not the overview's
-        args.chosen_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    if args.command is None:
-        parser.print_help()
-        return 2
-    return _run(args)
+    chosen = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    try:
+        parser = build_parser(chosen)  # imports the chosen subcommand's module
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # said with the subcommand's usage, not the overview's
+            args.chosen_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        if args.command is None:
+            parser.print_help()
+            return 2
+        return _run(args)
+    except KeyboardInterrupt:
+        # Whatever the command was doing (importing torch, walking files, training): one line.
+        # Commands stop the processes they started before the interrupt reaches here.
+        print(f"fsdp-bridge{' ' + chosen if chosen else ''}: interrupted (Ctrl-C).",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def _run(args: argparse.Namespace) -> int:

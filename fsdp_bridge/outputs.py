@@ -1,13 +1,16 @@
-"""Files the command line writes (`--json`, `--plot`, `--write-docs`): checked before any work
-starts, so a long run never ends in a traceback about its output path, and written atomically
-(a temporary sibling renamed into place), so an interrupted write never leaves half a file."""
+"""Files fsdp-bridge writes: checked before any work starts (`check_output_file`), so a long run
+never ends in a traceback about its output path, and written atomically (`atomic_path`: a
+temporary sibling renamed into place), so an interrupted write never leaves half a file. The one
+file writer of the package: the command line's outputs (`--json`, `--plot`, `--write-docs`),
+migrate's rewrites and converted checkpoint files all go through `atomic_path`."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import uuid
-from typing import Optional
+from typing import Callable, Optional
 
 
 def check_output_file(flag: str, path: Optional[str]) -> None:
@@ -30,19 +33,71 @@ def check_output_file(flag: str, path: Optional[str]) -> None:
                          "somewhere else.")
 
 
+def check_plot_file(flag: str, path: Optional[str]) -> None:
+    """Raise ValueError naming `flag` unless `path` can be written as a file in an image format
+    matplotlib writes, told by its suffix (matplotlib picks the format from it)."""
+    check_output_file(flag, path)
+    if path is None:
+        return
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError(f"{flag} {path!r} needs matplotlib, which is not installed: pip "
+                         "install 'fsdp-bridge[plot]' (or matplotlib), or leave out the plot.")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    root, suffix = os.path.splitext(path)
+    if suffix.lstrip(".").lower() not in formats:
+        said = f"its suffix {suffix!r} is" if suffix else "it has no suffix, which is"
+        raise ValueError(f"{flag} {path!r}: {said} not an image format matplotlib writes; end "
+                         f"the name with one of {', '.join('.' + f for f in formats)}, e.g. "
+                         f"{root + '.png'!r}.")
+
+
 @contextlib.contextmanager
-def atomic_path(path: str):
+def atomic_path(path: str, *, temporary: Optional[str] = None, durable: bool = False,
+                before_replace: Callable[[], None] = lambda: None):
     """Yield a temporary sibling of `path` to write; it replaces `path` only if the block
-    succeeds, and is removed otherwise."""
+    succeeds (and `before_replace()`, a last check, raises nothing), and is removed otherwise.
+
+    `temporary`: its name (default: `path` with a random infix, same extension, since writers
+    infer formats from it). `durable`: fsync the file before the rename and the directory after
+    it, so that the new content survives a power loss, not only a crash."""
     full = os.path.abspath(path)
     root, ext = os.path.splitext(full)
-    tmp = f"{root}.tmp-{uuid.uuid4().hex[:12]}{ext}"  # same extension: writers infer formats
+    tmp = temporary or f"{root}.tmp-{uuid.uuid4().hex[:12]}{ext}"
     try:
         yield tmp
+        if durable:
+            fsync_file(tmp)
+        before_replace()
         os.replace(tmp, full)
+        if durable:
+            fsync_dir(os.path.dirname(full))
     finally:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename in directory `path` durable (where directories can be opened and synced)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
 
 
 def write_text(path: str, text: str) -> None:

@@ -11,12 +11,19 @@ from fsdp_bridge.cli import main
 TINY = ["--hidden", "32", "--layers", "2", "--vocab", "64", "--seq", "8", "--batch", "2"]
 
 
-def test_bench_runs_and_writes_figures(tmp_path, capsys):
+def test_bench_runs_and_writes_figures(tmp_path, capfd):
     out = tmp_path / "bench.json"
     code = main(["bench", *TINY, "--steps", "2", "--warmup", "0", "--repeats", "1",
                  "--json", str(out)])
     assert code == 0
-    printed = capsys.readouterr().out
+    printed, progress = capfd.readouterr()  # fd level: the ranks' stderr too
+    # A line as each phase starts, not only as it ends: no long silence.
+    phases = ["starting 2 ranks", "repeat 1/1 fp32: building", "repeat 1/1 fp32: median",
+              "repeat 1/1 bf16: building", "measuring each config's memory",
+              "memory and collectives measured"]
+    lines = [line for line in progress.splitlines() if line.startswith("[bench]")]
+    found = [next((i for i, line in enumerate(lines) if phase in line), -1) for phase in phases]
+    assert -1 not in found and found == sorted(found), lines
     assert "fp32:" in printed and "bf16:" in printed and "targets:" in printed
     assert "init (wrap from meta) peak: ours" in printed
 
@@ -60,6 +67,8 @@ def test_bench_rejects_bad_options(capsys, tmp_path):
     assert "add --sweep" in capsys.readouterr().err
     assert main(["bench", "--sweep", "--plot", str(tmp_path / "missing" / "p.png")]) == 2
     assert "--plot" in capsys.readouterr().err
+    assert main(["bench", "--sweep", "--plot", str(tmp_path / "sweep.txt")]) == 2
+    assert "suffix '.txt' is not an image format" in capsys.readouterr().err
     assert main(["bench", "--sweep", "--device", "cuda"]) == 2
     assert "CPU bench only" in capsys.readouterr().err
     assert main(["bench", "--cap-mib", "100"]) == 2

@@ -39,6 +39,10 @@ def test_help_lists_every_subcommand_without_importing_torch():
 @pytest.mark.parametrize("argv", [["-m", "fsdp_bridge", "migrate", "--help"],
                                   ["-m", "fsdp_bridge", "compare", "--help"],
                                   ["-m", "fsdp_bridge", "compare-scripts", "--help"],
+                                  ["-m", "fsdp_bridge", "convert-checkpoint", "--help"],
+                                  ["-m", "fsdp_bridge", "explain", "--help"],
+                                  ["-m", "fsdp_bridge", "bench", "--help"],
+                                  ["-m", "fsdp_bridge", "demo", "--help"],
                                   ["-m", "fsdp_bridge", "--version"],
                                   ["-c", "import fsdp_bridge"]])
 def test_help_of_light_commands_and_the_package_import_no_torch(argv):
@@ -58,3 +62,16 @@ def test_a_subcommand_usage_error_shows_the_subcommand_usage(argv, said):
     assert done.returncode == 2
     assert done.stderr.startswith(f"usage: fsdp-bridge {argv[0]} "), done.stderr
     assert f"fsdp-bridge {argv[0]}: error: {said}" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["compare", "--backends", "reference,torch-fsdp3"], "backend 'torch-fsdp3' is unknown"),
+    (["compare", "--steps", "0"], "--steps 0: expected an int >= 1"),
+    (["compare", "--plot", "out.txt"], "its suffix '.txt' is not an image format"),
+    (["explain", "build_model"], "expected MODULE:FUNCTION"),
+])
+def test_argument_errors_come_before_torch_and_transformers_load(argv, said):
+    done, imported = _run("-m", "fsdp_bridge", *argv)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert said in done.stderr
+    assert _torch_modules(imported) == [] and "transformers" not in imported

@@ -25,7 +25,7 @@ LAYERS = (
     # Built on the front-ends: checkpoints, the equivalence harness, migration, measurement.
     ("tools", ("fsdp_bridge.checkpoint", "fsdp_bridge.harness", "fsdp_bridge.migrate",
                "fsdp_bridge.codemods", "fsdp_bridge.memory", "fsdp_bridge.explanation",
-               "fsdp_bridge.explain_cli", "fsdp_bridge.outputs", "fsdp_bridge.bench",
+               "fsdp_bridge.explain_cli", "fsdp_bridge.checkpoint_cli", "fsdp_bridge.outputs", "fsdp_bridge.bench",
                "fsdp_bridge.tiny", "fsdp_bridge.demo", "fsdp_bridge.examples",
                "fsdp_bridge.extras", "fsdp_bridge.progress")),
     ("command line", ("fsdp_bridge.cli", "fsdp_bridge.__main__", "fsdp_bridge")),

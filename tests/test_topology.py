@@ -67,3 +67,26 @@ def test_shared_wrapper_errors_name_the_wrapping_dialect():
     with pytest.raises(ValueError, match=r"^zeta\.fsdp: writeback="):
         with type(model).summon_full_params(model, rank0_only=True):
             pass
+
+
+def test_a_launched_rank_without_a_process_group_is_refused_by_name(monkeypatch):
+    # torchrun sets these; forgetting init_process_group must not train a world of one per rank.
+    from fsdp_bridge.fsdp import FullyShardedDataParallel
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ValueError, match=r"init_process_group\(\.\.\.\)") as caught:
+        FullyShardedDataParallel(nn.Linear(4, 4))
+    assert "RANK=1 WORLD_SIZE=2 LOCAL_RANK=1" in str(caught.value)
+    with pytest.raises(ValueError, match="init_process_group"):
+        topology_of_groups(ShardingMode.SHARD)
+
+
+def test_a_single_process_or_a_launched_world_of_one_needs_no_group(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert topology_of_groups(ShardingMode.SHARD).world_group is None
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert topology_of_groups(ShardingMode.SHARD).world_group is None

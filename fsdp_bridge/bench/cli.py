@@ -61,10 +61,8 @@ def add_arguments(parser) -> None:
 
 
 def _check_sweep_options(args, s: dict) -> None:
-    import importlib.util
-
     from fsdp_bridge.bench import sweep
-    from fsdp_bridge.outputs import check_output_file
+    from fsdp_bridge.outputs import check_plot_file
 
     if getattr(args, "plot", None) and not args.sweep:
         raise ValueError(f"--plot {args.plot!r}: the plot is drawn from a size sweep; add "
@@ -77,10 +75,7 @@ def _check_sweep_options(args, s: dict) -> None:
         raise ValueError(f"--cap-mib {cap:g}: must be a positive number of MiB")
     if not args.sweep:
         return
-    check_output_file("--plot", args.plot or DEFAULT_PLOT)
-    if importlib.util.find_spec("matplotlib") is None:
-        raise ValueError("--sweep draws its plot with matplotlib, which is not installed: pip "
-                         "install 'fsdp-bridge[plot]' (or matplotlib)")
+    check_plot_file("--plot", args.plot or DEFAULT_PLOT)
     sweep.check_cap(s, _cap(args))
 
 

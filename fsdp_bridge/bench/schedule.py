@@ -104,8 +104,12 @@ def rank_program(rank: int, world: int, s: dict) -> dict:
     warnings.filterwarnings("ignore")  # FSDP1's deprecation notice, our YaFSDP notes
     ids = batch(s, rank)
     times = {d: {c: [] for c in CONFIGS} for d in s["dtypes"]}
+    quiet = s.get("quiet", False)
     for repeat_index in range(s["repeats"]):
         for dtype_name in s["dtypes"]:
+            log(rank, f"repeat {repeat_index + 1}/{s['repeats']} {dtype_name}: building "
+                f"{', '.join(CONFIGS)}, {s['warmup']} warm-up and {s['steps']} timed steps "
+                "each...", quiet)
             repeat = _timed_repeat(dtype_name, s, ids, repeat_index)
             for config, step_times in repeat.items():
                 times[dtype_name][config].append(step_times)
@@ -116,17 +120,20 @@ def rank_program(rank: int, world: int, s: dict) -> dict:
                 s.get("quiet", False))
     # After the timed repeats on purpose: the first use of some torch internals allocates
     # for good, which would otherwise be charged to whichever config is measured first.
+    log(rank, "measuring each config's memory and collectives...", quiet)
     measured = {d: {c: _measured_step(c, d, s, ids) for c in CONFIGS} for d in s["dtypes"]}
     for dtype_name in s["dtypes"]:
         for config in CONFIGS:
             measured[dtype_name][config]["init_peak_bytes"] = _measured_wrap(config, dtype_name, s)
-    log(rank, "memory and collectives measured", s.get("quiet", False))
+    log(rank, "memory and collectives measured", quiet)
     return {"times": times, "measured": measured}
 
 
 def run_world(s: dict, program=rank_program, setup: RankSetup = CPU_RANKS) -> list:
     """`program(rank, world, s)` on `s["nproc"]` spawned ranks; their results, in rank order."""
     os.environ["OMP_NUM_THREADS"] = "1"  # read by the spawned ranks at start-up
+    log(0, f"starting {s['nproc']} ranks (each loads torch and transformers)...",
+        s.get("quiet", False))
     try:
         return spawn(program, s["nproc"], (s,), setup)
     except WorldFailed as failed:

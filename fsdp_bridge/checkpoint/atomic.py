@@ -11,8 +11,8 @@ before the rename leaves `<path>` as it was (the previous checkpoint, or nothing
 directory is atomic on POSIX file systems; the parent directory is fsync'ed after each rename
 so that the new name survives a power loss too.
 
-Every save of `<path>` holds `lock(<path>)` from its checks to its clean-up, so no other save
-of the same path runs meanwhile; a second one is refused with the holder's pid. Under the lock,
+Every save of `<path>` holds `lock(<path>)` (filelock) from its checks to its clean-up, so no
+other save of the same path runs meanwhile; a second one is refused with the holder's pid. Under the lock,
 any `.tmp-`/`.old-` sibling of `<path>` is a leftover of a crashed save: the next save removes
 them before it writes (`clean_before_save`, keeping an `.old-` that is the only copy) and again
 once its own checkpoint is in place (`clean_leftovers`).
@@ -21,8 +21,6 @@ once its own checkpoint is in place (`clean_leftovers`).
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import glob
 import os
 import re
@@ -30,8 +28,11 @@ import shutil
 import socket
 import warnings
 
+import filelock
+
 from fsdp_bridge.checkpoint import manifest
 from fsdp_bridge.checkpoint.validate import CheckpointError
+from fsdp_bridge.outputs import fsync_dir, fsync_file
 
 TMP, OLD = ".tmp-", ".old-"
 LOCK_SUFFIX = ".fsdp-bridge-lock"
@@ -40,25 +41,8 @@ LOCK_SUFFIX = ".fsdp-bridge-lock"
 def fsync_tree(path: str) -> None:
     for root, _, files in os.walk(path):
         for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(os.path.join(root, name))
         fsync_dir(root)
-
-
-def fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
 
 
 def temporary_path(path: str, token: str) -> str:
@@ -115,46 +99,29 @@ def lock_path(path: str) -> str:
 
 @contextlib.contextmanager
 def lock(path: str):
-    """Hold the save lock of checkpoint `path` (an flock on a hidden sibling file, released by
-    the kernel if the process dies); refuse at once if another process holds it."""
+    """Hold the save lock of checkpoint `path` (filelock's lock on a hidden sibling file, an
+    flock that the kernel releases if the process dies); refuse at once if another save holds
+    it, naming the holder written in the file."""
     file = lock_path(path)
     os.makedirs(os.path.dirname(file), exist_ok=True)
-    for _ in range(10):
-        fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EAGAIN, errno.EACCES):  # no flock on this file system
-                os.close(fd)
-                warnings.warn(f"fsdp_bridge: cannot lock {file!r} ({exc.strerror}); a second "
-                              f"save of {path!r} running at the same time would not be "
-                              "detected.", stacklevel=3)
-                yield
-                return
-            holder = _read_holder(fd)
-            os.close(fd)
-            raise CheckpointError(
-                f"another save to {path!r} is in progress ({holder or 'holder unknown'}): two "
-                "saves of one path would overwrite each other. Wait for it to finish, or save "
-                "to another path.") from None
-        # The holder before us may have removed the file between our open and our flock.
-        try:
-            same = os.stat(file).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)
-    else:  # pragma: no cover - needs ten lost races in a row
-        raise CheckpointError(f"could not take the save lock {file!r}; try again.")
+    held = filelock.FileLock(file, is_singleton=False, thread_local=False)
     try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+        held.acquire(blocking=False)
+    except filelock.Timeout:
+        raise CheckpointError(
+            f"another save to {path!r} is in progress ({_read_holder(file) or 'holder unknown'}): "
+            "two saves of one path would overwrite each other. Wait for it to finish, or save "
+            "to another path.") from None
+    try:
+        with open(file, "w") as handle:
+            handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
         yield
     finally:
+        # Removed before the release: a save waiting on this file then finds it gone and
+        # takes a new one (filelock checks the file it locked is still linked).
         with contextlib.suppress(OSError):
             os.remove(file)
-        os.close(fd)
+        held.release()
 
 
 @contextlib.contextmanager
@@ -169,9 +136,10 @@ def locked_target(path: str, overwrite: bool = False):
         yield
 
 
-def _read_holder(fd: int) -> str:
+def _read_holder(file: str) -> str:
     try:
-        return os.pread(fd, 200, 0).decode(errors="replace").strip()
+        with open(file, errors="replace") as handle:
+            return handle.read(200).strip()
     except OSError:
         return ""
 

@@ -14,6 +14,7 @@ tensor and bit for bit, with what was meant to be written before the command rep
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -24,6 +25,7 @@ import torch
 
 from fsdp_bridge.checkpoint import atomic, manifest, save_checks, validate
 from fsdp_bridge.checkpoint.validate import CheckpointError
+from fsdp_bridge.outputs import atomic_path
 
 FORMATS = ("torch", "dcp", "safetensors")
 
@@ -154,11 +156,8 @@ def write(state: dict, path: str, fmt: str) -> None:
     tmp = atomic.temporary_path(path, token)
     try:
         if fmt == "torch":
-            with open(tmp, "wb") as handle:
-                torch.save(state, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            _replace_file(tmp, path)
+            with _file_at(path, tmp) as out:
+                torch.save(state, out)
         elif fmt == "dcp":
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint import FileSystemWriter
@@ -170,10 +169,8 @@ def write(state: dict, path: str, fmt: str) -> None:
             from safetensors.torch import save_file
 
             if path.endswith(".safetensors"):
-                save_file(state, tmp, metadata={"format": "pt"})
-                with open(tmp, "rb") as handle:
-                    os.fsync(handle.fileno())
-                _replace_file(tmp, path)
+                with _file_at(path, tmp) as out:
+                    save_file(state, out, metadata={"format": "pt"})
             else:  # a directory, as save_pretrained writes it
                 os.makedirs(tmp)
                 save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
@@ -187,9 +184,12 @@ def write(state: dict, path: str, fmt: str) -> None:
             os.remove(tmp)
 
 
-def _replace_file(tmp: str, path: str) -> None:
-    os.replace(tmp, path)
-    atomic.fsync_dir(os.path.dirname(os.path.abspath(path)))
+@contextlib.contextmanager
+def _file_at(path: str, tmp: str):
+    """Write one file durably in place of `path` (through `tmp`), then remove what crashed
+    conversions to `path` left."""
+    with atomic_path(path, temporary=tmp, durable=True) as out:
+        yield out
     atomic.clean_leftovers(path)
 
 

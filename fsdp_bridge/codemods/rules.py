@@ -54,7 +54,8 @@ NOT_MIRRORED = _rule("FB004", "name the mirror does not have", (BRIDGE,), """
     through it, such as `ta.sync`) are not all in the fsdp_bridge module that mirrors it: the
     import is left pointing at the original, under a TODO naming what is missing.""")
 FRAMEWORK_MODEL = _rule("FB005", "model built by a framework", (BRIDGE,), """
-    In a file that imports Hugging Face transformers, accelerate or Lightning, an FSDP1 static
+    In a file that uses the Hugging Face Trainer (or TrainingArguments), accelerate or Lightning
+    (importing transformers' model classes alone does not count), an FSDP1 static
     method call or `isinstance(x, FullyShardedDataParallel)`: the framework wraps the model in
     torch's own FullyShardedDataParallel, which fsdp_bridge's class does not accept (the call
     raises, the check is never true), so the site is flagged.""")

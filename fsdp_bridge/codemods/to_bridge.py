@@ -73,6 +73,22 @@ def missing_in_mirror(module: str, names) -> list[str]:
 
 # Frameworks that wrap the model in torch's own FSDP1 themselves (HF Trainer, accelerate, Lightning).
 FRAMEWORKS = ("transformers", "accelerate", "trl", "lightning", "pytorch_lightning")
+# transformers wraps a model only through its Trainer: a file that imports its model classes
+# alone (LlamaForCausalLM, AutoConfig) builds and wraps the model itself.
+TRANSFORMERS_WRAPPERS = ("Trainer", "TrainingArguments")
+
+
+def _uses_framework_wrapper(imported: dict[str, set[str]]) -> bool:
+    """Whether a file's imports (module -> names it takes from it, or reads through it) reach a
+    framework that wraps the model itself."""
+    for module, names in imported.items():
+        top = module.split(".")[0]
+        if top == "transformers":
+            if "*" in names or any(w in name for name in names for w in TRANSFORMERS_WRAPPERS):
+                return True
+        elif top in FRAMEWORKS:
+            return True
+    return False
 
 
 def _module_node(dotted_name: str) -> cst.Attribute | cst.Name:
@@ -100,11 +116,18 @@ class ToBridgeCommand(FsdpCodemod):
             base = get_full_name_for_node(attribute.value)
             if base is not None:
                 self._attributes_of[base].add(attribute.attr.value)
-        imported = [get_full_name_for_node(imp.module) or "" for imp in m.findall(node, m.ImportFrom())
-                    if imp.module is not None and not imp.relative]
-        imported += [get_full_name_for_node(alias.name) or "" for imp in m.findall(node, m.Import())
-                     for alias in imp.names]
-        self._framework = any(name.split(".")[0] in FRAMEWORKS for name in imported)
+        imported: dict[str, set[str]] = defaultdict(set)
+        for imp in m.findall(node, m.ImportFrom()):
+            if imp.module is not None and not imp.relative:
+                names = ({"*"} if isinstance(imp.names, cst.ImportStar)
+                         else {get_full_name_for_node(a.name) or "" for a in imp.names})
+                imported[get_full_name_for_node(imp.module) or ""] |= names
+        for imp in m.findall(node, m.Import()):
+            for alias in imp.names:
+                name = get_full_name_for_node(alias.name) or ""
+                bound = get_full_name_for_node(alias.asname.name) if alias.asname else name
+                imported[name] |= self._attributes_of.get(bound or "", set())
+        self._framework = _uses_framework_wrapper(imported)
         self._imports_fsdp1 = any(
             (get_full_name_for_node(imp.module) or "").startswith("torch.distributed.fsdp")
             for imp in m.findall(node, m.ImportFrom(module=m.DoNotCare()))

@@ -5,6 +5,7 @@ groups is the front-end kit's job (`fsdp_bridge.topology`)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import torch.distributed as dist
@@ -26,8 +27,38 @@ class Topology:
     mesh: Optional[DeviceMesh] = None  # the mesh the groups came from (given or built)
 
 
+# Set by torchrun (and other launchers) in every rank it starts.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
 def world_group() -> Optional[dist.ProcessGroup]:
-    return dist.group.WORLD if dist.is_initialized() else None
+    """The default group; None without torch.distributed (one process, a world of one). A rank
+    started by a launcher of several ranks must have a group: without one it would train alone,
+    silently apart from the others (native FSDP1 raises here too)."""
+    if dist.is_initialized():
+        return dist.group.WORLD
+    check_launched_world_has_group()
+    return None
+
+
+def check_launched_world_has_group() -> None:
+    """ValueError when the environment says this process is one rank of several (torchrun's
+    WORLD_SIZE > 1) but no process group exists."""
+    seen = {name: os.environ[name] for name in LAUNCHER_VARIABLES if name in os.environ}
+    try:
+        world = int(seen.get("WORLD_SIZE", "1"))
+    except ValueError:
+        world = 1  # not a launcher's value; nothing to say about it
+    if world <= 1:
+        return
+    shown = " ".join(f"{name}={value}" for name, value in seen.items())
+    raise ValueError(
+        f"fsdp_bridge: this process was launched as one of {world} ranks ({shown}) but "
+        "torch.distributed has no process group, so it would train alone as a world of one "
+        "and the ranks would silently diverge. Call "
+        "torch.distributed.init_process_group(...) (e.g. "
+        "torch.distributed.init_process_group(backend='gloo' or 'nccl')) before wrapping the "
+        "model.")
 
 
 def topology_of_groups(mode: ShardingMode, shard_group=None, replicate_group=None,

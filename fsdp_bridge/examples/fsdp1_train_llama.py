@@ -12,6 +12,7 @@ Prints one line per optimizer step: `step 1 loss 4.123456`.
 import argparse
 import functools
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -69,6 +70,9 @@ def batches(rank, steps):
 
 def main():
     args = parse_args()
+    if "RANK" not in os.environ:  # started with python, not by a launcher: say how to run it
+        sys.exit(f"{os.path.basename(__file__)}: run it under torchrun, one process per rank, "
+                 f"e.g. torchrun --nproc_per_node 2 {__file__}")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)

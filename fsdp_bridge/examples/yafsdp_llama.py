@@ -3,7 +3,8 @@ import changed (`from ya_fsdp import YaFSDP` -> `from fsdp_bridge.ya_fsdp import
 
 Two typos of the guide's snippet are fixed, nothing else: the rogue norm of a
 `LlamaForCausalLM` is `model.model.norm` (the guide writes `model.norm`), and a comma was
-missing after that argument. Run it on 2 CPU ranks:
+missing after that argument; and started without torchrun, it says how to run it
+instead of failing on a missing RANK. Run it on 2 CPU ranks:
 
     python -m torch.distributed.run --nproc_per_node 2 fsdp_bridge/examples/yafsdp_llama.py --steps 5
 
@@ -13,6 +14,7 @@ loss over the global batch) after each optimizer step.
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -62,6 +64,9 @@ def parse_args():
 def main():
     args = parse_args()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" not in os.environ:  # started with python, not by a launcher: say how to run it
+        sys.exit(f"{os.path.basename(__file__)}: run it under torchrun, one process per rank, "
+                 f"e.g. torchrun --nproc_per_node 2 {__file__}")
     dist.init_process_group(backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" else torch.device("cpu")

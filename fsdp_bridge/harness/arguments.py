@@ -1,16 +1,16 @@
 """Checks of the harness's arguments, made before any process starts: a bad value is reported
-at once, naming the option, not after minutes of training or as a failure per backend."""
+at once, naming the option, not after minutes of training or as a failure per backend. Free of
+torch (imported by a check only when it runs), so that the checks come before torch loads."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import re
 from typing import Optional
 
-from fsdp_bridge.harness.compare import check_tolerance_value
-from fsdp_bridge.outputs import check_output_file
+from fsdp_bridge.harness.names import BACKENDS
+from fsdp_bridge.outputs import check_output_file, check_plot_file
 
 
 def positive_int(flag: str, value) -> None:
@@ -43,14 +43,26 @@ def script(flag: str, path: str) -> None:
         raise ValueError(f"{flag} {path!r} {state}: pass the path of a Python training script.")
 
 
+def backend_names(flag: str, value: str) -> list[str]:
+    """The comma-separated backend names of `value`: at least two, each a known one."""
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    if len(names) < 2:
+        raise ValueError(f"{flag} {value!r}: name at least two backends to compare (the first "
+                         "is the baseline), e.g. reference,torch-fsdp2.")
+    for name in names:
+        if name not in BACKENDS:
+            raise ValueError(f"{flag} {value!r}: backend {name!r} is unknown; use "
+                             f"{', '.join(BACKENDS)}.")
+    return names
+
+
 def tolerances(rtol: Optional[float], atol: Optional[float]) -> None:
+    from fsdp_bridge.harness.compare import check_tolerance_value
+
     check_tolerance_value("--rtol", rtol)
     check_tolerance_value("--atol", atol)
 
 
 def outputs(json_path: Optional[str], plot_path: Optional[str]) -> None:
     check_output_file("--json", json_path)
-    check_output_file("--plot", plot_path)
-    if plot_path is not None and importlib.util.find_spec("matplotlib") is None:
-        raise ValueError(f"--plot {plot_path!r} needs matplotlib, which is not installed: "
-                         "pip install matplotlib, or leave out --plot.")
+    check_plot_file("--plot", plot_path)

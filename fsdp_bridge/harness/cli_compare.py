@@ -68,18 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="no progress lines on stderr (what is trained, each backend done)")
 
 
-def checked_arguments(args: argparse.Namespace):
-    """(recipe, backends) after checking every argument and output path; ValueError or
-    BackendUnavailable naming the first bad one. Starts no process."""
+def check_light_arguments(args: argparse.Namespace) -> list[str]:
+    """The backend names, after every check that needs neither torch nor transformers
+    (ValueError naming the first bad option): they come at once, before those load."""
     from fsdp_bridge.extras import require
     from fsdp_bridge.harness import arguments
-    from fsdp_bridge.harness.backends import get_backend
-    from fsdp_bridge.harness.launcher import resolve_device
-    from fsdp_bridge.harness.recipes import Size, builtin_recipe
-
-    if args.recipe != "mlp":  # the others are Hugging Face models
-        require("transformers", why=f"--recipe {args.recipe} is a Hugging Face model; "
-                "--recipe mlp is not")
 
     for flag in ("nproc", "steps", "micro_batches"):
         arguments.positive_int(f"--{flag.replace('_', '-')}", getattr(args, flag))
@@ -87,17 +80,30 @@ def checked_arguments(args: argparse.Namespace):
         raise ValueError(f"--lr {args.lr!r}: expected a finite learning rate >= 0, e.g. 1e-3.")
     if args.seed < 0:
         raise ValueError(f"--seed {args.seed}: expected an int >= 0.")
-    arguments.tolerances(args.rtol, args.atol)
     arguments.outputs(args.json, args.plot)
+    backends = arguments.backend_names("--backends", args.backends)
+    if args.recipe != "mlp":  # the others are Hugging Face models
+        require("transformers", why=f"--recipe {args.recipe} is a Hugging Face model; "
+                "--recipe mlp is not")
+    return backends
+
+
+def checked_arguments(args: argparse.Namespace):
+    """(recipe, backends) after checking every argument and output path; ValueError or
+    BackendUnavailable naming the first bad one. Starts no process."""
+    from fsdp_bridge.harness import arguments
+
+    backends = check_light_arguments(args)
+    from fsdp_bridge.harness.backends import get_backend
+    from fsdp_bridge.harness.launcher import resolve_device
+    from fsdp_bridge.harness.recipes import Size, builtin_recipe
+
+    arguments.tolerances(args.rtol, args.atol)
     size = Size(**{field: getattr(args, field) for field in SIZE_DEFAULTS})
     recipe = builtin_recipe(args.recipe, size, steps=args.steps,
                             micro_batches=args.micro_batches, mp=args.mp,
                             strategy=args.strategy, optimizer=args.optimizer, lr=args.lr,
                             seed=args.seed)
-    backends = [name.strip() for name in args.backends.split(",") if name.strip()]
-    if len(backends) < 2:
-        raise ValueError(f"--backends {args.backends!r}: name at least two backends to compare "
-                         "(the first is the baseline), e.g. reference,torch-fsdp2.")
     for name in backends:
         get_backend(name).check_available()
     recipe.check_world(args.nproc)
@@ -105,9 +111,20 @@ def checked_arguments(args: argparse.Namespace):
     return recipe, backends
 
 
+EXIT_ERROR = 2  # compare.EXIT_ERROR, without importing torch to say it
+
+
 def run(args: argparse.Namespace) -> int:
+    from fsdp_bridge import progress
+
+    try:
+        check_light_arguments(args)
+    except ValueError as exc:
+        print(f"fsdp-bridge compare: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    progress.note("fsdp-bridge compare: loading torch and the recipe's model code...",
+                  args.quiet)
     from fsdp_bridge.harness.backends import BackendUnavailable
-    from fsdp_bridge.harness.compare import EXIT_ERROR
     from fsdp_bridge.harness.equivalence import check_equivalence
     from fsdp_bridge.harness.report import show
 
@@ -116,8 +133,6 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, BackendUnavailable) as exc:
         print(f"fsdp-bridge compare: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    from fsdp_bridge import progress
-
     # One spawned world trains every backend in turn and reports at the end: say what it does.
     progress.note(f"fsdp-bridge compare: training {args.recipe} under {len(backends)} backends "
                   f"({', '.join(backends)}), {args.steps} steps on {args.nproc} ranks...",

@@ -4,10 +4,10 @@
 `torchrun` starts each rank with `start_new_session=True`, so killing torchrun alone (what
 `subprocess.run(timeout=...)` does) leaves the ranks running, adopted by PID 1, and signalling
 torchrun's process group does not reach them either. So on a timeout or an interrupt (Ctrl-C)
-we first list every descendant of the command from /proc (while the parent links still exist),
+we first list every descendant of the command with psutil (while the parent links still exist),
 send SIGTERM to the command's process group and to each descendant (torchrun also forwards it to
-its workers), wait a few seconds, then SIGKILL whatever is left. A descendant is identified by
-pid *and* start time, so a reused pid is never signalled.
+its workers), wait a few seconds, then SIGKILL whatever is left. psutil identifies a descendant
+by pid *and* start time, so a reused pid is never signalled.
 """
 
 from __future__ import annotations
@@ -20,50 +20,32 @@ import sys
 import time
 from typing import Optional, Sequence
 
+import psutil
+
 GRACE_SECONDS = 3.0
 
 
-def _stat(pid: int) -> Optional[tuple[int, str, int]]:
-    """(parent pid, state, start time) of `pid` from /proc, or None if it is gone."""
+def descendants(root: int) -> dict[int, psutil.Process]:
+    """{pid: process} of every live descendant of `root`. A psutil.Process remembers its start
+    time, so signalling it later never reaches another process that reused the pid."""
     try:
-        with open(f"/proc/{pid}/stat") as handle:
-            text = handle.read()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) "
-    return int(fields[1]), fields[0], int(fields[19])
+        children = psutil.Process(root).children(recursive=True)
+    except psutil.Error:  # gone already
+        return {}
+    return {child.pid: child for child in children}
 
 
-def descendants(root: int) -> dict[int, int]:
-    """{pid: start time} of every live descendant of `root` (Linux /proc; empty elsewhere)."""
-    children: dict[int, list[int]] = {}
-    starts: dict[int, int] = {}
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/proc"):
-            if name.isdigit():
-                info = _stat(int(name))
-                if info is not None and info[1] != "Z":
-                    children.setdefault(info[0], []).append(int(name))
-                    starts[int(name)] = info[2]
-    found, stack = {}, [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            if child not in found:
-                found[child] = starts[child]
-                stack.append(child)
-    return found
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
-def _alive(pid: int, start: int) -> bool:
-    info = _stat(pid)
-    return info is not None and info[1] != "Z" and info[2] == start
-
-
-def _signal(tree: dict[int, int], sig: int) -> None:
-    for pid, start in tree.items():
-        if _alive(pid, start):
-            with contextlib.suppress(OSError):
-                os.kill(pid, sig)
+def _signal(tree: dict[int, psutil.Process], sig: int) -> None:
+    for process in tree.values():
+        with contextlib.suppress(psutil.Error):  # gone, or its pid taken by another process
+            process.send_signal(sig)
 
 
 def stop_tree(proc: subprocess.Popen, grace: float = GRACE_SECONDS) -> None:
@@ -75,7 +57,7 @@ def stop_tree(proc: subprocess.Popen, grace: float = GRACE_SECONDS) -> None:
     _signal(tree, signal.SIGTERM)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
-        if proc.poll() is not None and not any(_alive(p, s) for p, s in tree.items()):
+        if proc.poll() is not None and not any(_alive(p) for p in tree.values()):
             break
         time.sleep(0.05)
     if proc.poll() is None:

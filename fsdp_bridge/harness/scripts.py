@@ -8,6 +8,13 @@ Two sources per run:
 Row k of the comparison holds the loss printed as step k and the digest after the k-th
 optimizer step (digests count from 1).
 
+[Note: losses per rank]
+Scripts may print their loss on every rank (TorchAcc's example loop does), and each rank's
+value can differ (the loss of its own slice of the batch). torchrun is run with `--tee 3`, which
+prefixes every line of a worker with its local rank (`[default1]:step 3 loss ...`), so losses
+are read per rank and a run's losses are those of its lowest printing rank (rank 0 when it
+prints): lines of different ranks are never mixed, whichever arrives first.
+
 [Note: determinism]
 Comparing two scripts step by step only means something if each script is deterministic: same
 seed for the weights and the data on every run, no data-order randomness left unseeded. The
@@ -63,6 +70,7 @@ class ScriptRun:
     wrappers: dict[str, int] = dataclasses.field(default_factory=dict)  # see step_hook
     retried: bool = False  # run again after torch's gloo exit abort
     pattern: str = DEFAULT_LOSS_PATTERN  # the one its losses were read with
+    loss_rank: Optional[int] = 0  # whose losses `losses` holds; None: lines without a rank
 
     @property
     def error(self) -> Optional[str]:
@@ -105,15 +113,34 @@ def parse_losses(output: str, pattern: str) -> dict[int, float]:
     return losses
 
 
-def read_losses(output: str, pattern: str) -> tuple[dict[int, float], str]:
-    """(step -> loss, the pattern that read them): the default pattern falls back to the
-    Hugging Face Trainer's log lines when it matches nothing."""
-    losses = parse_losses(output, pattern)
-    if not losses and pattern == DEFAULT_LOSS_PATTERN:
-        hf = parse_losses(output, HF_TRAINER_LOSS_PATTERN)
-        if hf:
-            return hf, HF_TRAINER_LOSS_PATTERN
-    return losses, pattern
+# torchrun --tee's prefix of a worker's line: `[default0]:` (role name, then local rank).
+_RANK_PREFIX = re.compile(r"^\[[A-Za-z_]*(\d+)\]:")
+
+
+def lines_by_rank(output: str) -> dict[Optional[int], str]:
+    """The output split by the local rank that printed each line (None: lines without a rank
+    prefix, torchrun's own)."""
+    lines: dict[Optional[int], list[str]] = {}
+    for line in output.splitlines():
+        match = _RANK_PREFIX.match(line)
+        rank = int(match.group(1)) if match else None
+        lines.setdefault(rank, []).append(line[match.end():] if match else line)
+    return {rank: "\n".join(text) for rank, text in lines.items()}
+
+
+def read_losses(output: str, pattern: str) -> tuple[dict[int, float], str, Optional[int]]:
+    """(step -> loss, the pattern that read them, the rank that printed them): see
+    [Note: losses per rank]. The default pattern falls back to the Hugging Face Trainer's log
+    lines when it matches nothing."""
+    patterns = [pattern] + ([HF_TRAINER_LOSS_PATTERN] if pattern == DEFAULT_LOSS_PATTERN else [])
+    by_rank = lines_by_rank(output)
+    ranks = sorted(rank for rank in by_rank if rank is not None)
+    for used in patterns:
+        for rank in ranks + [None]:  # unprefixed lines only when no rank printed a loss
+            losses = parse_losses(by_rank.get(rank, ""), used)
+            if losses:
+                return losses, used, rank
+    return {}, pattern, None
 
 
 def _read_wrappers(out_dir: str) -> dict[str, int]:
@@ -148,7 +175,7 @@ def run_script(label: str, script: str, nproc: int, args: Sequence[str], pattern
     """Run `script` under torchrun on `nproc` local ranks with the step hook injected. On a
     timeout or Ctrl-C, torchrun and every rank it started are stopped."""
     arguments.script("script", script)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--tee", "3",
                f"--nproc_per_node={nproc}", script, *args]
     with tempfile.TemporaryDirectory(prefix="fsdp-bridge-script-") as out_dir:
         started = time.perf_counter()
@@ -160,9 +187,10 @@ def run_script(label: str, script: str, nproc: int, args: Sequence[str], pattern
             returncode = 124
             output = (f"{exc.output or ''}\n[timed out after {timeout:g} s: torchrun and all "
                       "of its ranks were stopped]")
-        losses, used = read_losses(output, pattern)
+        losses, used, rank = read_losses(output, pattern)
         return ScriptRun(label, script, returncode, output, losses, _read_digests(out_dir),
-                         time.perf_counter() - started, _read_wrappers(out_dir), retried, used)
+                         time.perf_counter() - started, _read_wrappers(out_dir), retried, used,
+                         rank)
 
 
 def _clear(folder: str) -> None:
@@ -321,7 +349,8 @@ def compare_scripts(baseline: str, candidates: Sequence[str], nproc: int = 2,
                                      for run in runs[1:]]
     notes += _run_notes(runs) + _nan_notes(runs)
     for run in runs:
-        notes.append(f"{run.label} = {run.script}: {len(run.losses)} loss lines, "
+        printed_by = "" if run.loss_rank is None else f" (rank {run.loss_rank}'s)"
+        notes.append(f"{run.label} = {run.script}: {len(run.losses)} loss lines{printed_by}, "
                      f"{len(run.digests)} optimizer steps, {run.seconds:.1f} s")
     settings = {"nproc": nproc, "args": " ".join(args) or "-", "loss pattern": pattern}
     title = f"compare-scripts {os.path.basename(baseline)} vs " + ", ".join(

@@ -1,7 +1,8 @@
 """`fsdp-bridge migrate PATH... --to {bridge,fsdp2,yafsdp}`.
 
 Exit codes: 0 nothing to change (or everything written), 1 changes pending (--diff, --check),
-2 errors (a file that fails to parse is reported; the other files are still processed).
+2 errors (a file that fails to parse, or a file named on the command line that is not Python,
+YAML or a notebook, is reported; the other files are still processed).
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from fsdp_bridge.migrate.driver import (
     ChangedOnDisk,
     FileResult,
     Writer,
+    check_unchanged,
     run_all,
-    settle_type_checks,
     write_problem,
 )
-from fsdp_bridge.migrate.files import walk
+from fsdp_bridge.migrate.files import READ_SUFFIXES, unsupported_files, walk
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,10 +44,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report", metavar="FILE", help="write every site to FILE (.json or .md)")
     parser.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                         help="skip paths matching this gitignore-style glob (repeatable)")
+    parser.add_argument("--no-default-excludes", dest="default_excludes", action="store_false",
+                        help="also walk into virtual environments (a directory holding "
+                        "pyvenv.cfg, .venv, venv, site-packages, ...) and build or tool "
+                        "directories (build, dist, .tox, node_modules, __pypackages__, ...), "
+                        "skipped by default as ruff and black skip them")
     parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1, metavar="N",
                         help="worker processes for the files that need parsing (default: all cores)")
     parser.add_argument("-q", "--quiet", action="store_true",
-                        help="no progress bar (it is drawn on stderr, and only on a terminal)")
+                        help="no progress bar (drawn on stderr, only on a terminal) and no summary "
+                        "lines; errors are still printed")
 
 
 def _diff(result: FileResult) -> str:
@@ -55,37 +62,52 @@ def _diff(result: FileResult) -> str:
     return "".join(difflib.unified_diff(old, new, f"a/{result.path}", f"b/{result.path}"))
 
 
-# Sites of a constructor the rewrite turns into the new dialect.
-CONSTRUCTOR_RULES = {rules.CONSTRUCTOR_IN_PLACE, rules.CONSTRUCTOR_AT_RUN_TIME, rules.YAFSDP_IN_PLACE,
-                     rules.YAFSDP_AT_RUN_TIME}
+def _write_problem(result: FileResult) -> str | None:
+    """Why `result`'s file cannot be rewritten now: not writable, or edited since it was read."""
+    problem = write_problem(result.path)
+    if problem is None:
+        try:
+            check_unchanged(os.path.realpath(result.path), result.old_source, result.read_stat)
+        except ChangedOnDisk as exc:
+            problem = str(exc)
+    return problem
 
 
-def _write(results: list[FileResult], target: str, jobs: int) -> list[FileResult]:
-    """Check every file to be rewritten, then rewrite those that can be (problems become errors).
-
-    A file that cannot be written keeps its FSDP1 constructors, so the type checks of the other
-    files are settled again, knowing that, before anything is written."""
-    problems = {r.path: write_problem(r.path) for r in results if r.changed}
-    stuck = [f"{r.path} (cannot be written)" for r in results if problems.get(r.path)
-             and any(site["rule"] in CONSTRUCTOR_RULES for site in r.sites)]
-    if stuck:
-        results = settle_type_checks(results, target, jobs, stuck)
+def _write(results: list[FileResult]) -> tuple[list[FileResult], str | None]:
+    """Rewrite every changed file, or none: each is checked (writable, unchanged since it was
+    read) before any is written, and if a rename still fails midway, the files already rewritten
+    get their original bytes back. Returns the results (errors set, and nothing marked changed
+    when nothing was written) and a line saying why nothing was written (None: all were)."""
     pending = [r for r in results if r.changed]
     for result in pending:
-        result.error = problems[result.path] if result.path in problems else write_problem(result.path)
+        result.error = _write_problem(result)
+    refused = [r for r in pending if r.error is not None]
+    if not refused:
+        refused = _write_all(pending)
+    if not refused:
+        return results, None
+    for result in pending:
+        result.new_source = None  # not rewritten: the report must not say it was
+    return results, (f"nothing was written: {len(refused)} of the {len(pending)} files to "
+                     "rewrite could not be (see the errors above), and --write rewrites all of "
+                     "them or none, so the tree is never half migrated; fix those and run again")
+
+
+def _write_all(pending: list[FileResult]) -> list[FileResult]:
+    """Write each file; on a failure, restore those already written. The files that failed."""
+    written: list[FileResult] = []
     with Writer() as writer:
         for result in pending:
-            if result.error is None:
-                try:
-                    writer.write(result.path, result.new_source, result.old_source, result.read_stat)
-                except ChangedOnDisk as exc:
-                    result.error = str(exc)
-                except OSError as exc:
-                    result.error = f"cannot rewrite: {exc}"
-    for result in pending:
-        if result.error is not None:
-            result.new_source = None  # not rewritten: the report must not say it was
-    return results
+            try:
+                writer.write(result.path, result.new_source, result.old_source, result.read_stat)
+            except OSError as exc:
+                reason = str(exc) if isinstance(exc, ChangedOnDisk) else f"cannot rewrite: {exc}"
+                result.error = reason
+                for done in reversed(written):  # back to the bytes it had, if still ours
+                    writer.write(done.path, done.old_source, done.new_source)
+                return [result]
+            written.append(result)
+    return []
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,14 +118,26 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.report:  # every output path is checked before any file is touched
             report.check_path(args.report)
-        paths = list(walk(args.paths, args.exclude))
+        skipped: list[str] = []
+        unread = unsupported_files(args.paths)
+        paths = list(walk([p for p in args.paths if p not in unread], args.exclude,
+                          args.default_excludes, skipped))
     except (FileNotFoundError, ValueError) as exc:
         print(f"fsdp-bridge migrate: {exc}", file=sys.stderr)
         return 2
+    for path in unread:
+        print(f"error: {path}: not a Python ({', '.join(READ_SUFFIXES[:2])}), YAML or notebook "
+              "file: skipped (migrate rewrites Python and reports YAML and notebooks)",
+              file=sys.stderr)
+    if skipped:
+        shown = ", ".join(skipped[:3]) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
+        progress.note(f"fsdp-bridge migrate: skipped {shown} (virtual environment or build "
+                      "directory); --no-default-excludes to migrate them too", args.quiet)
     with progress.bar(len(paths), "migrate", "file", args.quiet) as files_done:
         results = run_all(paths, args.target, args.jobs, lambda: files_done.update(1))
+    nothing_written = None
     if args.mode == "write":
-        results = _write(results, args.target, args.jobs)
+        results, nothing_written = _write(results)
     for result in results:
         if result.error:
             print(f"error: {result.path}: {result.error}", file=sys.stderr)
@@ -114,17 +148,20 @@ def run(args: argparse.Namespace) -> int:
         for site in result.sites:
             if site["rule"] == rules.NOTEBOOK:
                 print(f"note: {result.path}: {site['what']}; {site['reason']}", file=sys.stderr)
+    if nothing_written:
+        print(f"fsdp-bridge migrate: {nothing_written}", file=sys.stderr)
     if args.report:
         report.write(args.report, results, args.target)
     totals = report.summary(results, args.target)
+    errors = totals["errors"] + len(unread)
     by_status = ", ".join(f"{n} {status}" for status, n in totals["by_status"].items())
     verb = "rewritten" if args.mode == "write" else "to change"
-    print(
+    progress.note(
         f"fsdp-bridge migrate --to {args.target}: {totals['files']} files, {totals['parsed']} parsed, "
         f"{totals['changed']} {verb}, {totals['sites']} sites" + (f" ({by_status})" if by_status else "")
-        + f", {totals['errors']} errors in {time.perf_counter() - started:.2f}s",
-        file=sys.stderr,
+        + f", {errors} errors in {time.perf_counter() - started:.2f}s",
+        args.quiet,
     )
-    if totals["errors"]:
+    if errors:
         return 2
     return 1 if totals["changed"] and args.mode != "write" else 0

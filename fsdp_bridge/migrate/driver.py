@@ -5,17 +5,18 @@ Whether `isinstance(x, FullyShardedDataParallel)` may become `isinstance(x, FSDP
 on every file of the run: a constructor left as FSDP1 in one file builds the modules another file
 checks. So every file is first rewritten as if the rest of the tree kept no FSDP1 constructor,
 each result noting where its own file keeps them and whether it narrowed a type check; then, if
-anything is kept anywhere (or a file that mentions FSDP could not be read, parsed or written),
+anything is kept anywhere (or a file that mentions FSDP could not be read or parsed),
 the files that narrowed a check are rewritten again, told where, so that their checks accept
 both classes. Nothing is written before this is settled (see fsdp_bridge/codemods/base.py, [Note: what
 the tree keeps of FSDP1]).
 
 [Note: nothing half-done survives a kill]
-A file is replaced by `os.replace` of a complete temporary file, so readers see the original or
-the full rewrite. SIGKILL leaves no chance to clean up in the process itself, so two things do it
-from outside: pool workers ask the kernel to kill them when their parent dies (PR_SET_PDEATHSIG),
-and a small guard process, in its own session, is told each temporary file's name before it is
-created and removes any that are left when the migrating process goes away.
+A file is replaced by `os.replace` of a complete temporary file (`fsdp_bridge.outputs.atomic_path`),
+so readers see the original or the full rewrite. SIGKILL leaves no chance to clean up in the
+process itself, so two things do it from outside: pool workers ask the kernel to kill them when
+their parent dies (PR_SET_PDEATHSIG), and a small guard process, in its own session, is told each
+temporary file's name before it is created and removes any that are left when the migrating
+process goes away.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Callable, Iterable, Iterator
 
 from fsdp_bridge.codemods import rules
 from fsdp_bridge.migrate.files import NOTEBOOK_SUFFIXES, PREFILTER, YAML_FSDP, YAML_SUFFIXES, may_use_fsdp
+from fsdp_bridge.outputs import atomic_path
 
 TARGETS = ("bridge", "fsdp2", "yafsdp")
 
@@ -179,11 +181,10 @@ def fsdp1_kept(results: Iterable[FileResult]) -> list[str]:
     return kept
 
 
-def settle_type_checks(results: list[FileResult], target: str, jobs: int,
-                       extra_kept: Iterable[str] = ()) -> list[FileResult]:
+def settle_type_checks(results: list[FileResult], target: str, jobs: int) -> list[FileResult]:
     """Rewrite again the files whose type checks were narrowed while the tree keeps FSDP1
     constructors (see [Note: type checks are settled over the whole tree])."""
-    kept = tuple(fsdp1_kept(results)) + tuple(extra_kept)
+    kept = tuple(fsdp1_kept(results))
     redo = [r.path for r in results if r.narrowed and r.error is None]
     if not kept or not redo:
         return results
@@ -281,7 +282,7 @@ class ChangedOnDisk(OSError):
     """The file is no longer what the rewrite was computed from: replacing it would lose edits."""
 
 
-def _check_unchanged(real: str, expected: bytes, read_stat: tuple[int, int] | None) -> None:
+def check_unchanged(real: str, expected: bytes, read_stat: tuple[int, int] | None) -> None:
     """Raise ChangedOnDisk unless `real` still holds `expected` (size, mtime and content)."""
     try:
         with open(real, "rb") as handle:
@@ -330,21 +331,18 @@ class Writer:
         directory, name = os.path.split(real)
         mode = os.stat(real).st_mode & 0o7777
         temp = os.path.join(directory, f".fsdp-bridge-{name}-{os.getpid()}-{next(self._count)}.tmp")
+
+        def still_expected() -> None:
+            if expected is not None:
+                check_unchanged(real, expected, read_stat)
+
         self._announce("+", temp)
         try:
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(temp, mode)
-            if expected is not None:
-                _check_unchanged(real, expected, read_stat)
-            os.replace(temp, real)
-        except BaseException:
-            if os.path.exists(temp):
-                os.unlink(temp)
-            raise
+            with atomic_path(real, temporary=temp, durable=True, before_replace=still_expected):
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as handle:
+                    handle.write(data)
+                os.chmod(temp, mode)
         finally:
             self._announce("-", temp)
 

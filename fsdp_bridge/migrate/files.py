@@ -41,7 +41,25 @@ YAML_FSDP = re.compile(rb"^\s*(?:distributed_type:\s*FSDP|fsdp_config:)", re.MUL
 PYTHON_SUFFIXES = (".py", ".pyi")
 YAML_SUFFIXES = (".yaml", ".yml")
 NOTEBOOK_SUFFIXES = (".ipynb",)  # not rewritten; reported when they mention FSDP
+READ_SUFFIXES = PYTHON_SUFFIXES + YAML_SUFFIXES + NOTEBOOK_SUFFIXES
+
+
+def unsupported_files(paths: list[str]) -> list[str]:
+    """The files named on the command line that migrate does not read (not Python, YAML or a
+    notebook): each is an error, not a silent skip."""
+    return [path for path in paths if os.path.isfile(path) and not path.endswith(READ_SUFFIXES)]
 ALWAYS_SKIPPED = {".git", ".hg", ".svn", "__pycache__"}
+# Directories of installed or generated code, skipped by default as ruff and black skip them
+# (the union of their default excludes): a virtual environment that .gitignore does not list
+# would otherwise have torch's own installed files rewritten. `--no-default-excludes` keeps them.
+DEFAULT_EXCLUDED = {
+    ".bzr", ".direnv", ".eggs", ".git-rewrite", ".ipynb_checkpoints", ".mypy_cache", ".nox",
+    ".pants.d", ".pyenv", ".pytest_cache", ".pytype", ".ruff_cache", ".tox", ".venv", ".vscode",
+    "__pypackages__", "_build", "buck-out", "build", "dist", "node_modules", "site-packages",
+    "venv",
+}
+# A directory holding this file is a virtual environment, whatever its name.
+VENV_MARKER = "pyvenv.cfg"
 
 
 # Stage 2 of the prefilter: module paths whose import (or dotted use) makes a file relevant.
@@ -136,22 +154,32 @@ class _Ignores:
         return False
 
 
-def walk(paths: list[str], excludes: list[str]) -> Iterator[str]:
-    """Python, YAML and notebook files under `paths`, honouring .gitignore files and `--exclude`.
+def walk(paths: list[str], excludes: list[str], default_excludes: bool = True,
+         skipped: list[str] | None = None) -> Iterator[str]:
+    """Python, YAML and notebook files under `paths`, honouring .gitignore files and `--exclude`,
+    and (with `default_excludes`) skipping virtual environments and build directories, each
+    skipped one appended to `skipped`.
 
-    A file named explicitly on the command line is always included. A file reached twice (a
-    symlink and its target, or two links) is listed once, under the first path met: it is
-    rewritten through the link, which stays a link.
+    A file or directory named explicitly on the command line is always included. A file reached
+    twice (a symlink and its target, or two links) is listed once, under the first path met: it
+    is rewritten through the link, which stays a link.
     """
     seen: set[str] = set()
-    for path in _walk(paths, excludes):
+    for path in _walk(paths, excludes, default_excludes, skipped if skipped is not None else []):
         real = os.path.realpath(path)
         if real not in seen:
             seen.add(real)
             yield path
 
 
-def _walk(paths: list[str], excludes: list[str]) -> Iterator[str]:
+def is_default_excluded(directory: str) -> bool:
+    """A virtual environment (by name or by its pyvenv.cfg) or a build or tool directory."""
+    return (os.path.basename(directory) in DEFAULT_EXCLUDED
+            or os.path.isfile(os.path.join(directory, VENV_MARKER)))
+
+
+def _walk(paths: list[str], excludes: list[str], default_excludes: bool,
+          skipped: list[str]) -> Iterator[str]:
     for top in paths:
         if os.path.isfile(top):
             yield top
@@ -161,12 +189,17 @@ def _walk(paths: list[str], excludes: list[str]) -> Iterator[str]:
         ignores = _Ignores(top, excludes)
         for directory, dirnames, filenames in os.walk(top):
             ignores.add_dir(directory)
-            dirnames[:] = sorted(
-                d for d in dirnames
-                if d not in ALWAYS_SKIPPED and not ignores.ignored(os.path.join(directory, d), True)
-            )
+            kept = []
+            for name in sorted(dirnames):
+                path = os.path.join(directory, name)
+                if name in ALWAYS_SKIPPED or ignores.ignored(path, True):
+                    continue
+                if default_excludes and is_default_excluded(path):
+                    skipped.append(path)
+                    continue
+                kept.append(name)
+            dirnames[:] = kept
             for name in sorted(filenames):
                 path = os.path.join(directory, name)
-                if (name.endswith(PYTHON_SUFFIXES + YAML_SUFFIXES + NOTEBOOK_SUFFIXES)
-                        and not ignores.ignored(path, False)):
+                if name.endswith(READ_SUFFIXES) and not ignores.ignored(path, False):
                     yield path

@@ -139,3 +139,57 @@ def test_report_counts_the_sites_that_still_import_fsdp_bridge_per_file(tmp_path
     counts = {pathlib.Path(entry["path"]).name: entry["fsdp_bridge_sites"] for entry in data["files"]}
     assert counts == {"pure.py": 0, "helper.py": 1}  # torch alone where torch suffices
     assert data["summary"]["fsdp_bridge_sites"] == 1
+
+
+def test_virtual_environments_and_build_dirs_are_skipped_by_default(tmp_path, capsys):
+    # None of these is in a .gitignore: the defaults alone keep migrate out of them.
+    for relative in (".venv/lib/python3.12/site-packages/torch/fsdp_user.py", "venv/x.py",
+                     "myenv/lib/y.py", "build/lib/z.py", "dist/d.py", ".tox/py/t.py",
+                     "node_modules/n.py", "__pypackages__/3.12/p.py", "src/train.py"):
+        path = tmp_path / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(FSDP1)
+    (tmp_path / "myenv" / "pyvenv.cfg").write_text("home = /usr/bin\n")  # a venv of any name
+    assert main(["migrate", str(tmp_path), "--to", "fsdp2", "--check", "-j", "1"]) == 1
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [f"would rewrite {tmp_path / 'src' / 'train.py'}"]
+    assert "skipped" in err and "--no-default-excludes" in err
+    assert "1 files" in err.splitlines()[-1]
+
+    assert main(["migrate", str(tmp_path), "--to", "fsdp2", "--check", "-j", "1",
+                 "--no-default-excludes"]) == 1
+    assert len(capsys.readouterr().out.splitlines()) == 9
+    # A directory named on the command line is walked, whatever its name.
+    assert main(["migrate", str(tmp_path / "venv"), "--to", "fsdp2", "--check", "-j", "1"]) == 1
+    assert "venv/x.py" in capsys.readouterr().out
+
+
+def test_help_documents_the_default_excludes(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        main(["migrate", "--help"])
+    assert "--no-default-excludes" in capsys.readouterr().out
+
+
+def test_a_named_file_migrate_does_not_read_is_an_error_not_a_silent_skip(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text(FSDP1)
+    (tmp_path / "train.py").write_text(FSDP1)
+    assert main(["migrate", str(notes), str(tmp_path / "train.py"), "--to", "fsdp2", "-j", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert f"error: {notes}: not a Python (.py, .pyi), YAML or notebook file: skipped" in err
+    assert "+model = fully_shard(model)" in out  # the other files are still migrated
+    assert "1 errors" in err.splitlines()[-1]
+
+
+def test_quiet_silences_the_summary_lines_but_not_errors(tmp_path, capsys):
+    (tmp_path / "train.py").write_text(FSDP1)
+    (tmp_path / "venv").mkdir()
+    (tmp_path / "venv" / "x.py").write_text(FSDP1)
+    assert main(["migrate", str(tmp_path), "--to", "fsdp2", "--check", "-q", "-j", "1"]) == 1
+    assert capsys.readouterr().err == ""
+    (tmp_path / "bad.py").write_text("import torch.distributed.fsdp\ndef f(:\n")
+    assert main(["migrate", str(tmp_path), "--to", "fsdp2", "--check", "-q", "-j", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'bad.py'}") and len(err.splitlines()) == 1

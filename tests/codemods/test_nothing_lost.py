@@ -19,7 +19,7 @@ def test_symlink_is_rewritten_through_and_stays_a_link(tmp_path):
     assert "fully_shard(model)" in (tmp_path / "real.py").read_text()
 
 
-def test_read_only_file_and_unwritable_directory_are_errors_not_writes(tmp_path, capsys):
+def test_read_only_file_and_unwritable_directory_are_errors_and_nothing_is_written(tmp_path, capsys):
     locked = tmp_path / "locked.py"
     locked.write_text(FSDP1)
     locked.chmod(0o444)
@@ -36,11 +36,54 @@ def test_read_only_file_and_unwritable_directory_are_errors_not_writes(tmp_path,
     assert code == 2
     assert locked.read_text() == FSDP1 and stat.S_IMODE(locked.stat().st_mode) == 0o444
     assert "read-only file: not rewritten" in err
-    # root may write into a 0555 directory; everyone else gets the error and an untouched file
+    # root may write into a 0555 directory; everyone else gets the error too
     if os.geteuid() != 0:
-        assert inner.read_text() == FSDP1 and "is not writable" in err
-    assert "fully_shard" in (tmp_path / "ok.py").read_text()
-    assert "Traceback" not in err
+        assert "is not writable" in err
+    # All or none: one file that cannot be written leaves every other file as it was.
+    assert inner.read_text() == FSDP1 and (tmp_path / "ok.py").read_text() == FSDP1
+    assert "nothing was written: 1 of the 3 files" in err or "nothing was written: 2 of the 3" in err
+    assert "0 rewritten" in err and "Traceback" not in err
+
+
+def test_a_file_edited_during_the_run_leaves_every_file_unwritten(tmp_path, capsys, monkeypatch):
+    from fsdp_bridge.migrate import cli as migrate_cli
+
+    first, second = tmp_path / "a.py", tmp_path / "b.py"
+    first.write_text(FSDP1)
+    second.write_text(FSDP1)
+    run_all = migrate_cli.run_all
+
+    def then_edit(*args, **kwargs):  # an editor saves b.py after migrate read it
+        results = run_all(*args, **kwargs)
+        second.write_text(FSDP1 + "# edited\n")
+        return results
+
+    monkeypatch.setattr(migrate_cli, "run_all", then_edit)
+    assert main(["migrate", str(tmp_path), "--to", "fsdp2", "--write", "-j", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "changed on disk since it was read" in err and "nothing was written" in err
+    assert first.read_text() == FSDP1 and second.read_text() == FSDP1 + "# edited\n"
+
+
+def test_a_rename_failing_midway_restores_the_files_already_written(tmp_path, capsys,
+                                                                    monkeypatch):
+    from fsdp_bridge.migrate import driver
+
+    first, second = tmp_path / "a.py", tmp_path / "b.py"
+    first.write_text(FSDP1)
+    second.write_text(FSDP1)
+    replace = os.replace
+
+    def fail_on_b(source, target):
+        if str(target) == str(second) and "fully_shard" in open(source).read():
+            raise PermissionError(13, "Permission denied", str(target))
+        replace(source, target)
+
+    monkeypatch.setattr(driver.os, "replace", fail_on_b)
+    assert main(["migrate", str(tmp_path), "--to", "fsdp2", "--write", "-j", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "b.py: cannot rewrite" in err and "nothing was written" in err
+    assert first.read_text() == FSDP1 and second.read_text() == FSDP1
 
 
 def test_bad_report_path_fails_before_any_file_is_written(tmp_path, capsys):

@@ -54,6 +54,8 @@ COMPARE = [
     (["--nproc", "0"], "--nproc 0: expected an int >= 1"),
     (["--json", "/missing/dir/x.json"], "--json '/missing/dir/x.json': the directory"),
     (["--plot", "{tmp}"], "is a directory; give a file path"),
+    (["--plot", "{tmp}/out.txt"], "its suffix '.txt' is not an image format matplotlib writes"),
+    (["--plot", "{tmp}/curves"], "it has no suffix, which is not an image format"),
     (["--backends", "reference"], "name at least two backends"),
     (["--recipe", "tiny-llama", "--hidden", "12", "--heads", "4"], "even head size"),
 ]
@@ -78,6 +80,7 @@ SCRIPTS = [
     (["--loss-pattern", "("], "--loss-pattern '(' is not a valid regular expression"),
     (["--loss-pattern", r"step (\d+)"], "has no named group 'loss'"),
     (["--json", "/missing/dir/x.json"], "--json '/missing/dir/x.json': the directory"),
+    (["--plot", "out.txt"], "--plot 'out.txt': its suffix '.txt' is not an image format"),
     (["--rtol", "-1", "--atol", "-1"], "--rtol=-1.0: expected a finite number >= 0"),
     (["--nproc", "0"], "--nproc 0: expected an int >= 1"),
 ]
@@ -194,9 +197,9 @@ def test_hf_trainer_log_lines_are_read_when_the_default_pattern_finds_nothing():
               "{'loss': 2.3125, 'grad_norm': 1.5, 'learning_rate': 5e-05, 'epoch': 0.5}\n"
               "{'loss': 2.25, 'grad_norm': 1.25, 'learning_rate': 2.5e-05, 'epoch': 1.0}\n"
               "{'train_runtime': 1.2, 'train_loss': 2.28, 'epoch': 1.0}\n")
-    losses, used = scripts.read_losses(output, scripts.DEFAULT_LOSS_PATTERN)
+    losses, used, _ = scripts.read_losses(output, scripts.DEFAULT_LOSS_PATTERN)
     assert losses == {1: 2.3125, 2: 2.25} and used == scripts.HF_TRAINER_LOSS_PATTERN
     assert scripts.read_losses("step 1 loss 0.5\n", scripts.DEFAULT_LOSS_PATTERN) == (
-        {1: 0.5}, scripts.DEFAULT_LOSS_PATTERN)
+        {1: 0.5}, scripts.DEFAULT_LOSS_PATTERN, None)
     # A pattern of the user's own is never replaced.
     assert scripts.read_losses(output, r"step (?P<step>\d+) loss (?P<loss>\S+)")[0] == {}

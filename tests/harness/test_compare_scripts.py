@@ -60,3 +60,29 @@ def test_a_script_that_shards_nothing_is_not_called_equivalent(tmp_path, capsys)
         "module" in captured.err, captured.err
     assert main([*argv[:4], "--allow-no-fsdp", *argv[4:]]) == 0
     assert "RESULT: equivalent" in capsys.readouterr().out
+
+
+def test_a_script_printing_on_every_rank_is_read_per_rank(tmp_path, capsys):
+    # Each rank prints its own slice's loss, and which rank prints first alternates between
+    # runs (a counter file): read first-line-wins, the repeat of A would differ from A (exit 2).
+    order = tmp_path / "order"
+    every_rank = f"""    runs = [int(open({str(order)!r}).read()) if os.path.exists({str(order)!r}) else 0]
+    first = runs[0] % world
+    for turn in range(world):
+        if rank == (first + turn) % world:
+            print(f"step {{step}} loss {{loss.item():.6f}}", flush=True)
+        dist.barrier()
+    if rank == 0 and step == args.steps:
+        open({str(order)!r}, "w").write(str(runs[0] + 1))
+"""
+    script = _variant(tmp_path, "every_rank.py", """    if rank == 0:
+        print(f"step {step} loss {mean.item() / world:.6f}", flush=True)
+""", every_rank)
+    with open(script) as handle:
+        text = handle.read().replace("import argparse\n", "import argparse\nimport os\n")
+    with open(script, "w") as handle:
+        handle.write(text)
+    code = main(["compare-scripts", script, script, "--nproc", "2", "--", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "is deterministic" in out and "2 loss lines (rank 0's)" in out

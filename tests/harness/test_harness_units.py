@@ -70,6 +70,23 @@ def test_loss_lines_are_parsed_first_wins():
         parse_losses(text, r"step (\d+)")
 
 
+def test_losses_printed_on_every_rank_are_read_per_rank():
+    from fsdp_bridge.harness.scripts import HF_TRAINER_LOSS_PATTERN, read_losses
+
+    # Rank 1's lines arrive first; each rank prints the loss of its own slice.
+    text = ("[default1]:step 1 loss 2.5\n[default0]:step 1 loss 1.5\n"
+            "[default1]:step 2 loss 2.25\nW1126 torchrun says something\n"
+            "[default0]:step 2 loss 1.25\n")
+    assert read_losses(text, DEFAULT_LOSS_PATTERN) == ({1: 1.5, 2: 1.25}, DEFAULT_LOSS_PATTERN, 0)
+    # Only rank 1 prints: its losses, said to be rank 1's.
+    assert read_losses(text.replace("[default0]:step", "[default0]:stage"),
+                       DEFAULT_LOSS_PATTERN)[2] == 1
+    # The Trainer's lines count per rank too: the k-th line of rank 0 is its step k.
+    hf = "[default1]:{'loss': 9.0}\n[default0]:{'loss': 1.0}\n[default1]:{'loss': 8.0}\n" \
+         "[default0]:{'loss': 0.5}\n"
+    assert read_losses(hf, DEFAULT_LOSS_PATTERN) == ({1: 1.0, 2: 0.5}, HF_TRAINER_LOSS_PATTERN, 0)
+
+
 def test_wrapper_prefixes_are_removed_from_keys():
     assert clean_key("_fsdp_wrapped_module.layers.0._fsdp_wrapped_module.w") == "layers.0.w"
     assert clean_key("model.layers.0.weight") == "model.layers.0.weight"
@@ -173,7 +190,9 @@ def test_compare_says_on_stderr_what_it_trains_and_each_backend_done_unless_quie
                    for extra in ([], ["--quiet"]))
     assert loud.returncode == 0 and quiet.returncode == 0, loud.stderr + quiet.stderr
     lines = loud.stderr.splitlines()
-    assert lines[0].startswith("fsdp-bridge compare: training mlp under 2 backends"), lines
+    # What it loads first (torch, after the light checks), then what it trains.
+    assert lines[0] == "fsdp-bridge compare: loading torch and the recipe's model code...", lines
+    assert lines[1].startswith("fsdp-bridge compare: training mlp under 2 backends"), lines
     assert any("bridge-fsdp2 trained (2/2 backends" in line for line in lines), lines
     assert "RESULT: equivalent" in loud.stdout and "trained" not in loud.stdout
     assert quiet.stderr == "" and "RESULT: equivalent" in quiet.stdout

@@ -1,4 +1,7 @@
-"""`fsdp-bridge convert-checkpoint SRC DST --to {torch,dcp,safetensors}`."""
+"""`fsdp-bridge convert-checkpoint SRC DST --to {torch,dcp,safetensors}`.
+
+Outside the `checkpoint` package, whose import loads torch: `--help` and argument errors stay
+fast."""
 
 from __future__ import annotations
 

@@ -1,0 +1,62 @@
+"""`fsdp-bridge explain MODEL`: the user's own model, named as MODULE:FUNCTION or FILE.py:FUNCTION,
+and the shipped examples started without torchrun."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fsdp_bridge.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUILD = """import torch
+from fsdp_bridge.fsdp import FullyShardedDataParallel
+
+def wrapped():
+    inner = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    return FullyShardedDataParallel(inner, auto_wrap_policy=lambda module, recurse, **_: recurse
+                                    or isinstance(module, torch.nn.Linear))
+
+def unwrapped():
+    return torch.nn.Linear(8, 4)
+"""
+
+
+def _explain(*argv, cwd=None):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, cwd or ""]))
+    return subprocess.run([sys.executable, "-m", "fsdp_bridge", "explain", *argv], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_explain_takes_a_script_path_and_a_module_path(tmp_path):
+    (tmp_path / "mymodels.py").write_text(BUILD)
+    by_file = _explain(f"{tmp_path / 'mymodels.py'}:wrapped")
+    assert by_file.returncode == 0, by_file.stderr
+    assert "front-end FullyShardedDataParallel" in by_file.stdout
+    assert by_file.stdout.count("torch.float32 -> torch.float32") == 2  # one unit per Linear
+    by_module = _explain("mymodels:unwrapped", cwd=str(tmp_path))
+    assert by_module.returncode == 0, by_module.stderr
+    assert "returned an unwrapped Linear; it was wrapped whole" in by_module.stdout
+
+
+@pytest.mark.parametrize("model, words", [
+    ("build_model", "expected MODULE:FUNCTION"),
+    ("missing.py:build", "the file 'missing.py' does not exist"),
+    ("pkg.mod:not-a-name", "expected MODULE:FUNCTION"),
+])
+def test_a_malformed_model_argument_is_refused_before_any_import(model, words, capsys):
+    assert main(["explain", model]) == 2
+    err = capsys.readouterr().err
+    assert words in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("example", ["fsdp1_train_llama.py", "yafsdp_llama.py"])
+def test_an_example_started_without_torchrun_says_how_to_run_it(example):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "fsdp_bridge", "examples", example)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        f"{example}: run it under torchrun, one process per rank, e.g. torchrun "
+        f"--nproc_per_node 2 {os.path.join(ROOT, 'fsdp_bridge', 'examples', example)}"]
