@@ -17,6 +17,7 @@ from libcst.metadata import ScopeProvider
 from fsdp_bridge.codemods.base import FsdpCodemod
 from fsdp_bridge.codemods.diagnostics import WRAP_FUNCTIONS, DiagnosticsRules
 from fsdp_bridge.codemods.facts import FactsMixin
+from fsdp_bridge.codemods.fsdp1 import current_keywords
 from fsdp_bridge.codemods.helpers import dotted
 from fsdp_bridge.codemods.names import ATTRIBUTE_BY_NAME, FSDP1, FSDP2_MARKERS, RUNTIME_CONSTRUCTORS, TYPE_CHECKS
 from fsdp_bridge.codemods.type_checks import TypeCheckRules
@@ -186,8 +187,8 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
         qualified = self.qualified(original.func)
         if id(original) in self.constructor_calls:
             self.in_constructor -= 1
-        if name == FSDP1:
-            return self.translate_constructor(original, updated)
+        if name == FSDP1:  # (torch 2.0's keywords under their current names: the helpers take those)
+            return self.translate_constructor(original, current_keywords(updated))
         if name.startswith(FSDP1 + "."):
             return self.translate_static_method(original, updated, name.split(".", 1)[1])
         if name in WRAP_FUNCTIONS:

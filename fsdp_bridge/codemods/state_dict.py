@@ -163,7 +163,8 @@ class StateDictRules:
         return self._runtime_call(original, updated, rules.STATE_DICT, "fsdp1_optim_state_dict_to_load", args,
                                   "FSDP1 returned a state for optim.load_state_dict(); DCP loads it directly "
                                   "(set_optimizer_state_dict), so the helper loads it and returns the loaded state "
-                                  "for that call")
+                                  "for that call (torch 2.0's argument order, optim_state_dict first, is told by "
+                                  "the types when the script runs)")
 
     def _static_args(self, original: cst.Call, updated: cst.Call, method: str) -> list[cst.Arg] | None:
         """The call's arguments in FSDP1's positional order, or None if it passes any we do not map."""

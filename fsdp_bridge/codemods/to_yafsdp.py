@@ -19,7 +19,7 @@ import libcst as cst
 
 from fsdp_bridge.codemods import fsdp1, rules
 from fsdp_bridge.codemods.base import IN_PLACE, RUNTIME
-from fsdp_bridge.codemods.fsdp1 import FSDP1_PARAMS, STATE_DICT_TYPE_PARAMS
+from fsdp_bridge.codemods.fsdp1 import STATE_DICT_TYPE_PARAMS
 from fsdp_bridge.codemods.fsdp1_codemod import Fsdp1Codemod
 from fsdp_bridge.codemods.helpers import (
     append_args,
@@ -62,7 +62,7 @@ class ToYafsdpCommand(Fsdp1Codemod):
     # -- FSDP(...) -----------------------------------------------------------------------
 
     def translate_constructor(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
-        args = call_arguments(original, FSDP1_PARAMS)
+        args = fsdp1.constructor_arguments(original)
         values = {n: a.value for n, a in (args or {}).items()}
         unsupported = self._unsupported(values)
         if unsupported:

@@ -453,7 +453,16 @@ def fsdp1_optim_state_dict_to_load(model: nn.Module, optim, optim_state_dict: di
     FSDP1 returned a dict for `optim.load_state_dict(...)`; DCP loads directly. Returning the
     loaded optimizer's own state dict keeps that following `load_state_dict` call harmless.
     Without `options`, those of an active `fsdp1_state_dict_type` context apply (FULL otherwise).
+    torch 2.0 took the arguments as `(optim_state_dict, model, optim)`; code written for it passes
+    them so, which the types show (a dict first, then the module), so that order is accepted too.
     """
+    if isinstance(model, dict) and isinstance(optim, nn.Module):
+        model, optim, optim_state_dict = optim, optim_state_dict, model
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"fsdp1_optim_state_dict_to_load: model={type(model).__name__} is not a module; pass "
+            "(model, optim, optim_state_dict) as torch 2.1+ does, or torch 2.0's (optim_state_dict, model, optim)."
+        )
     set_optimizer_state_dict(model, optim, optim_state_dict, options=options or _active_options(model, True))
     return optim.state_dict()
 
