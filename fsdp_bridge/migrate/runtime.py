@@ -463,8 +463,21 @@ def fsdp1_optim_state_dict_to_load(model: nn.Module, optim, optim_state_dict: di
             f"fsdp1_optim_state_dict_to_load: model={type(model).__name__} is not a module; pass "
             "(model, optim, optim_state_dict) as torch 2.1+ does, or torch 2.0's (optim_state_dict, model, optim)."
         )
-    set_optimizer_state_dict(model, optim, optim_state_dict, options=options or _active_options(model, True))
+    options = _as_load_options(options or _active_options(model, True))
+    if options.broadcast_from_rank0 and optim_state_dict is None:
+        optim_state_dict = {}  # FSDP1's rank0_only load: the ranks after 0 pass None
+    set_optimizer_state_dict(model, optim, optim_state_dict, options=options)
     return optim.state_dict()
+
+
+def _as_load_options(options: StateDictOptions) -> StateDictOptions:
+    """Options for loading an optimizer state, from those that would take it under the same FSDP1
+    config. A full state dict offloaded to the CPU means FSDP1's rank0_only there (DCP's
+    cpu_offload is "rank 0 only, on the CPU"); loading under rank0_only, rank 0 passes the full
+    state and FSDP1 broadcasts it to the other ranks, which is DCP's broadcast_from_rank0."""
+    if options.full_state_dict and options.cpu_offload:
+        return dataclasses.replace(options, cpu_offload=False, broadcast_from_rank0=True)
+    return options
 
 
 # --------------------------------------------------------------------------------------------
@@ -493,11 +506,18 @@ def _holds_fsdp2(module: Any) -> bool:
     return isinstance(module, nn.Module) and any(isinstance(m, FSDPModule) for m in module.modules())
 
 
-def _active_options(model: nn.Module, for_optimizer: bool) -> StateDictOptions:
+def _active_setting(model: nn.Module) -> _Setting | None:
     for setting in reversed(_ACTIVE):
         if setting.module is model or any(sub is model for sub in setting.module.modules()):
-            return setting.optim if for_optimizer else setting.model
-    return StateDictOptions(full_state_dict=True)  # FSDP1's default state-dict type is FULL
+            return setting
+    return None
+
+
+def _active_options(model: nn.Module, for_optimizer: bool) -> StateDictOptions:
+    setting = _active_setting(model)
+    if setting is None:
+        return StateDictOptions(full_state_dict=True)  # FSDP1's default state-dict type is FULL
+    return setting.optim if for_optimizer else setting.model
 
 
 @contextlib.contextmanager
@@ -554,13 +574,37 @@ def fsdp1_optim_state_dict(model: nn.Module, optim, options: StateDictOptions | 
     FSDP1 returns copies; DCP hands back some of the optimizer's own state tensors (Adam's
     `step`, unsharded entries), which later steps would change under a state dict kept in memory.
     Those are copied.
+
+    With no options and no active setting, FSDP1's default optimizer config applies (a full state
+    dict on every rank, offloaded to the CPU): DCP offloads a full state dict only on rank 0, so
+    every rank gathers it and moves it to the CPU here, with a warning where that gather went
+    through device memory (FSDP1 offloads one parameter's state at a time).
     """
+    default = options is None and _active_setting(model) is None
     state = get_optimizer_state_dict(model, optim, options=options or _active_options(model, True))
+    if default:
+        state = _on_cpu(state)
     live = {id(value) for entry in optim.state.values() for value in entry.values() if torch.is_tensor(value)}
     for entry in state.get("state", {}).values():
         for key, value in entry.items():
             if id(value) in live:
                 entry[key] = value.detach().clone()
+    return state
+
+
+def _on_cpu(state: dict) -> dict:
+    """An optimizer state dict with its state tensors on the CPU (warned when any was not)."""
+    moved = False
+    for entry in state.get("state", {}).values():
+        for key, value in entry.items():
+            if torch.is_tensor(value) and value.device.type != "cpu":
+                entry[key], moved = value.cpu(), True
+    if moved:
+        warnings.warn(
+            "FSDP.optim_state_dict outside a state_dict_type context (FSDP1's default optimizer config: "
+            "full on every rank, offloaded to the CPU): every rank gathered the full optimizer state in "
+            "device memory before moving it to the CPU. Pass options=StateDictOptions(full_state_dict=True, "
+            "cpu_offload=True) if rank 0's copy is enough.", stacklevel=3)
     return state
 
 

@@ -7,6 +7,8 @@ before and after `migrate --to fsdp2` inside one 2-rank gloo world:
   helper that receives FSDP or DDP modules, a state dict taken outside any context, blocks on a
   parameter with literal configs held in variables (rewritten to torch alone), optimizer state
   through full_optim_state_dict / scatter_full_optim_state_dict / optim_state_dict_to_load;
+- fsdp1_optimizer_options.py: FSDP1's default optimizer config (full on every rank, on the
+  CPU), a state saved on rank 0 only and loaded back with rank0_only (the other ranks pass None);
 - fsdp1_torch20_forms.py: torch 2.0's `ignored_parameters=` and `optim_state_dict_to_load(osd,
   model, optim)`, which current torch no longer runs: its reference is the same file in torch
   2.1+'s spellings.
@@ -19,7 +21,7 @@ from fsdp_bridge.migrate.driver import transform_source
 from tests.world import run_world
 
 RUNNABLE = pathlib.Path(__file__).parent / "runnable"
-FIXTURES = ("fsdp1_meta_sync", "fsdp1_checkpoint_styles", "fsdp1_torch20_forms")
+FIXTURES = ("fsdp1_meta_sync", "fsdp1_checkpoint_styles", "fsdp1_torch20_forms", "fsdp1_optimizer_options")
 
 
 def _load(path: str):
@@ -48,6 +50,8 @@ def test_rewritten_fixtures_behave_like_fsdp1(tmp_path):
             assert "get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))" in source
             assert "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))" in source
             assert "isinstance(submodule, FSDPModule)]" in source
+        if name == "fsdp1_optimizer_options":
+            assert "broadcast_from_rank0=True" in source and "fsdp1_optim_state_dict(model, optimizer)" in source
         original = RUNNABLE / f"{name}.py"
         if name == "fsdp1_torch20_forms":
             assert "ignored_states=list(" in source and "ignored_parameters=list(" not in source
@@ -66,6 +70,8 @@ def test_rewritten_fixtures_behave_like_fsdp1(tmp_path):
         assert len(fsdp1) == 3 and fsdp1 == fsdp2
         fsdp1, fsdp2 = rank_result["fsdp1_torch20_forms"]
         assert len(fsdp1["optimizer reload"]) == 4 and fsdp1 == fsdp2
+        fsdp1, fsdp2 = rank_result["fsdp1_optimizer_options"]
+        assert len(fsdp1["losses"]) == 4 and fsdp1 == fsdp2
         fsdp1, fsdp2 = rank_result["fsdp1_checkpoint_styles"]
         assert fsdp1 == fsdp2, (fsdp1["optimizer losses"], fsdp2["optimizer losses"])
     rank0, rank1 = (r["fsdp1_checkpoint_styles"][1] for r in results)
@@ -77,3 +83,6 @@ def test_rewritten_fixtures_behave_like_fsdp1(tmp_path):
     assert rank0["ddp"] == ["module.bias", "module.weight"]
     assert rank0["fsdp units"] == 1  # and the same count before the rewrite (fsdp1 == fsdp2 above)
     assert len(rank0["optimizer losses"]) == 4
+    rank0, rank1 = (r["fsdp1_optimizer_options"][1] for r in results)
+    assert rank1["rank 0 only"] == {} and rank0["rank 0 only"] == rank1["default"]
+    assert {device for entry in rank1["default"].values() for device, _, _ in entry.values()} == {"cpu"}
