@@ -36,7 +36,7 @@ PRIVATE_ATTRIBUTES = frozenset(
 )
 # Public attributes of FSDP1's wrapper that the new class lacks: flagged where the object is
 # known to be the wrapper (a tested isinstance, or a receiver assigned FSDP(...)).
-FSDP1_WRAPPER_ATTRIBUTES = frozenset({"params", "check_is_root", "training_state", "compute_device"})
+FSDP1_WRAPPER_ATTRIBUTES = frozenset({"params", "check_is_root", "training_state", "compute_device", "process_group"})
 
 # Builtins a codemod resolves (type checks); every other name must come from an import.
 BUILTINS_WE_MATCH = frozenset({"isinstance", "issubclass", "type", "getattr", "hasattr"})

@@ -142,7 +142,8 @@ INEXACT_STATE_DICT_OPTIONS = _rule("FB214", "state-dict config DCP cannot expres
     differ: DCP's `cpu_offload` means both at once, so the block is translated with the closer
     option and a TODO says where the state dict now lives.""")
 CLIP_ELSEWHERE = _rule("FB215", "clip_grad_norm_ of a model wrapped elsewhere", (FSDP2,), """
-    `model.clip_grad_norm_(max_norm)` in a file that imports no FSDP class, or on a receiver the
+    `model.clip_grad_norm_(max_norm)` in a file that does not use the FSDP1 class (it may import
+    other FSDP names), or on a receiver the
     file does not show to hold an FSDP1 model: FSDP1's method on a model wrapped in another
     file; fully_shard modules have none, so the call is flagged with the torch.nn.utils form to
     use.""")

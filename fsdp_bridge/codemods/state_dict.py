@@ -49,6 +49,7 @@ OPTIM_SIGNATURES = {
 }
 
 KEPT = "kept"  # a state_dict_type block left as it was (FB204/FB209)
+ANY_MODULE = "*"  # see StateDictRules.foreign_contexts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +145,8 @@ class StateDictRules:
         # One entry per enclosing `with`: None, KEPT, or a `Block`.
         self.state_dict_blocks: list = []
         # One entry per enclosing `with`: the names it passes to a context manager not torch's
-        # (`with checkpoint_context(model):`), which may set a state-dict type for them.
+        # (`with checkpoint_context(model):`), which may set a state-dict type for them; ANY_MODULE
+        # for a context held in a variable in a file that builds state_dict_type contexts as values.
         self.foreign_contexts: list[set[str]] = []
 
     # -- FSDP.<static method>(...) -------------------------------------------------------
@@ -293,7 +295,7 @@ class StateDictRules:
         in_block = current is not None and receiver == current.model
         if kind != PROVEN and not in_block and self.in_fsdp2_function:
             return updated  # FSDP2 code already: its state dict is the DTensor one it expects
-        if not in_block and kind is None:
+        if not in_block and kind is None and not self.in_foreign_context(receiver):
             return updated
         return self.model_state_dict(original, updated, receiver, method, kind, current if in_block else None)
 
@@ -325,9 +327,9 @@ class StateDictRules:
         if strict is not None:
             args.append(strict)
         helper = "fsdp1_state_dict" if method == "state_dict" else "fsdp1_load_state_dict"
-        if kind == PROVEN and self.in_foreign_context(receiver):
-            why = ("the model is an FSDP module inside a context manager it is passed to, which may set its "
-                   "state-dict type (fsdp1_state_dict_type, once the helper that builds it is migrated)")
+        if self.in_foreign_context(receiver):
+            why = (f"{receiver} is used inside a context manager (held in a variable, or one that is passed it) that "
+                   "may set its state-dict type as fsdp1_state_dict_type does")
         elif kind == PROVEN:
             why = "the model is an FSDP module, but a state_dict_type context held in a variable may set its options"
         else:
@@ -354,6 +356,9 @@ class StateDictRules:
         self.foreign_contexts.append({
             name for item in node.items if isinstance(item.item, cst.Call) and self._foreign(item.item.func)
             for name in (dotted(arg.value) for arg in item.item.args) if name})
+        held = any(isinstance(item.item, (cst.Name, cst.Attribute)) for item in node.items)
+        if self.runtime_state_dict_type and held:
+            self.foreign_contexts[-1].add(ANY_MODULE)  # `with ctx:` where ctx may be fsdp1_state_dict_type(...)
         for item in node.items:
             call = item.item
             if not isinstance(call, cst.Call) or not isinstance(call.func, cst.Attribute):
@@ -379,8 +384,9 @@ class StateDictRules:
         return not any(name.split(".")[0] in ("torch", "contextlib", "builtins") for name in names)
 
     def in_foreign_context(self, receiver: str | None) -> bool:
-        """True inside `with helper(receiver, ...):` (see `_foreign`)."""
-        return receiver is not None and any(receiver in names for names in self.foreign_contexts)
+        """True inside `with helper(receiver, ...):` (see `_foreign`) or `with ctx:` in a file that holds
+        state_dict_type contexts in variables: FSDP1's context there may configure the receiver."""
+        return receiver is not None and any(receiver in names or ANY_MODULE in names for names in self.foreign_contexts)
 
     def _state_dict_context(self, call: cst.Call) -> Block | None:
         """What a state_dict_type call asks of the state-dict calls of its block (None: kept).

@@ -9,6 +9,8 @@ before and after `migrate --to fsdp2` inside one 2-rank gloo world:
   through full_optim_state_dict / scatter_full_optim_state_dict / optim_state_dict_to_load;
 - fsdp1_optimizer_options.py: FSDP1's default optimizer config (full on every rank, on the
   CPU), a state saved on rank 0 only and loaded back with rank0_only (the other ranks pass None);
+- fsdp1_wrapper_reads.py: a compiled model loaded through `model._orig_mod.load_state_dict`, a
+  state dict taken inside a context held in a variable from a name the file does not prove;
 - fsdp1_torch20_forms.py: torch 2.0's `ignored_parameters=` and `optim_state_dict_to_load(osd,
   model, optim)`, which current torch no longer runs: its reference is the same file in torch
   2.1+'s spellings.
@@ -21,7 +23,8 @@ from fsdp_bridge.migrate.driver import transform_source
 from tests.world import run_world
 
 RUNNABLE = pathlib.Path(__file__).parent / "runnable"
-FIXTURES = ("fsdp1_meta_sync", "fsdp1_checkpoint_styles", "fsdp1_torch20_forms", "fsdp1_optimizer_options")
+FIXTURES = ("fsdp1_meta_sync", "fsdp1_checkpoint_styles", "fsdp1_torch20_forms", "fsdp1_optimizer_options",
+            "fsdp1_wrapper_reads")
 
 
 def _load(path: str):
@@ -52,6 +55,8 @@ def test_rewritten_fixtures_behave_like_fsdp1(tmp_path):
             assert "isinstance(submodule, FSDPModule)]" in source
         if name == "fsdp1_optimizer_options":
             assert "broadcast_from_rank0=True" in source and "fsdp1_optim_state_dict(model, optimizer)" in source
+        if name == "fsdp1_wrapper_reads":
+            assert "fsdp1_load_state_dict(model._orig_mod, state)" in source and "fsdp1_state_dict(unwrapped)" in source
         original = RUNNABLE / f"{name}.py"
         if name == "fsdp1_torch20_forms":
             assert "ignored_states=list(" in source and "ignored_parameters=list(" not in source
@@ -72,6 +77,8 @@ def test_rewritten_fixtures_behave_like_fsdp1(tmp_path):
         assert len(fsdp1["optimizer reload"]) == 4 and fsdp1 == fsdp2
         fsdp1, fsdp2 = rank_result["fsdp1_optimizer_options"]
         assert len(fsdp1["losses"]) == 4 and fsdp1 == fsdp2
+        fsdp1, fsdp2 = rank_result["fsdp1_wrapper_reads"]
+        assert fsdp1["changed"] and fsdp1["after load"] == fsdp1["taken"] and fsdp1 == fsdp2
         fsdp1, fsdp2 = rank_result["fsdp1_checkpoint_styles"]
         assert fsdp1 == fsdp2, (fsdp1["optimizer losses"], fsdp2["optimizer losses"])
     rank0, rank1 = (r["fsdp1_checkpoint_styles"][1] for r in results)
