@@ -39,6 +39,7 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
         self.fsdp2_functions: list[bool] = []  # per enclosing function: does it speak FSDP2?
         self.version_guards: list[bool] = []  # per enclosing `if`: does it test fsdp_version(...)?
         self.type_guards: list[set[str]] = []  # per enclosing `if`: names it tests isinstance(x, FSDP)
+        self.check_fns = 0  # inside an activation-checkpointing check_fn (a function or lambda)
 
     # -- hooks: what a command translates ---------------------------------------------------
 
@@ -88,10 +89,19 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
             self.fsdp2_functions.append(True)  # popped by leave_FunctionDef all the same
             return False  # such a function is left as it is
         self.fsdp2_functions.append(self.speaks_fsdp2(node))
+        self.check_fns += node.name.value in self.check_fn_names
         return True
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         self.fsdp2_functions.pop()
+        self.check_fns -= original.name.value in self.check_fn_names and self.check_fns > 0
+        return updated
+
+    def visit_Lambda(self, node: cst.Lambda) -> None:
+        self.check_fns += id(node) in self.check_fn_lambdas
+
+    def leave_Lambda(self, original: cst.Lambda, updated: cst.Lambda) -> cst.Lambda:
+        self.check_fns -= id(original) in self.check_fn_lambdas
         return updated
 
     @property

@@ -56,6 +56,10 @@ DTENSOR_MARKERS = frozenset({"full_tensor", "DTensor"})
 # Owners of a `clip_grad_norm_` that is not FSDP1's (accelerate, AMP, DeepSpeed, Lightning...).
 NOT_FSDP1_CLIP = re.compile(r"accelerat|scaler|engine|trainer|strategy|fabric|optim|utils", re.IGNORECASE)
 
+# Frameworks that wrap a model in torch's own FSDP1 themselves (HF Trainer, accelerate, Lightning):
+# a file that imports one may test models that no migrated constructor built.
+FSDP1_FRAMEWORKS = ("transformers", "accelerate", "trl", "lightning", "pytorch_lightning")
+
 # Libraries that wrap the model in FSDP themselves when configured to.
 HF_CONFIG_CALLS = {
     "transformers.TrainingArguments",

@@ -11,6 +11,8 @@ before and after `migrate --to fsdp2` inside one 2-rank gloo world:
   CPU), a state saved on rank 0 only and loaded back with rank0_only (the other ranks pass None);
 - fsdp1_wrapper_reads.py: a compiled model loaded through `model._orig_mod.load_state_dict`, a
   state dict taken inside a context held in a variable from a name the file does not prove;
+- fsdp1_checkpoint_check_fn.py: an activation-checkpointing check_fn that skips FSDP1's wrapper
+  objects with `not isinstance(m, FSDP)` (narrowed, it would skip every sharded block);
 - fsdp1_torch20_forms.py: torch 2.0's `ignored_parameters=` and `optim_state_dict_to_load(osd,
   model, optim)`, which current torch no longer runs: its reference is the same file in torch
   2.1+'s spellings.
@@ -24,7 +26,7 @@ from tests.world import run_world
 
 RUNNABLE = pathlib.Path(__file__).parent / "runnable"
 FIXTURES = ("fsdp1_meta_sync", "fsdp1_checkpoint_styles", "fsdp1_torch20_forms", "fsdp1_optimizer_options",
-            "fsdp1_wrapper_reads")
+            "fsdp1_wrapper_reads", "fsdp1_checkpoint_check_fn")
 
 
 def _load(path: str):
@@ -79,6 +81,8 @@ def test_rewritten_fixtures_behave_like_fsdp1(tmp_path):
         assert len(fsdp1["losses"]) == 4 and fsdp1 == fsdp2
         fsdp1, fsdp2 = rank_result["fsdp1_wrapper_reads"]
         assert fsdp1["changed"] and fsdp1["after load"] == fsdp1["taken"] and fsdp1 == fsdp2
+        fsdp1, fsdp2 = rank_result["fsdp1_checkpoint_check_fn"]
+        assert fsdp1["checkpointed blocks"] == 2 and fsdp1 == fsdp2
         fsdp1, fsdp2 = rank_result["fsdp1_checkpoint_styles"]
         assert fsdp1 == fsdp2, (fsdp1["optimizer losses"], fsdp2["optimizer losses"])
     rank0, rank1 = (r["fsdp1_checkpoint_styles"][1] for r in results)
