@@ -41,6 +41,10 @@ WRAP_FUNCTIONS = ("enable_wrap", "wrap")
 SETTING_OWNER = re.compile(r"config|cfg|conf$|args|arguments|options|opts|settings|strategy|plugin|params|kwargs",
                            re.IGNORECASE)
 
+# What to read instead of the FSDP1 wrapper's process group.
+PROCESS_GROUP_HINT = {"process_group": "; the sharding group is the device mesh's (the mesh passed to the "
+                                       "new call; mesh.get_group() for its process group)"}
+
 # Wording of the TODOs by target: (the target's name, how a module is sharded there).
 TARGET_WORDS = {"FSDP2": ("FSDP2", "call fully_shard on the model"),
                 "YaFSDP": ("YaFSDP", "wrap the model with YaFSDP(...) once, naming its units in "
@@ -152,7 +156,7 @@ class DiagnosticsRules:
                 and not self.in_version_guard):
             self.todo(rules.PRIVATE_INTERNALS, original, f".{original.attr.value}",
                       f"FSDP1's wrapper internals do not exist in {self.TARGET} (no FSDP1 wrapper, no flat "
-                      "parameter)")
+                      "parameter)" + PROCESS_GROUP_HINT.get(original.attr.value, ""))
 
     def check_attribute_by_name(self, call: cst.Call) -> None:
         """`getattr(p, "_is_flat_param", False)`: a private FSDP1 attribute named by a string."""

@@ -30,7 +30,7 @@ from libcst.metadata import ScopeProvider
 
 from fsdp_bridge.codemods.fsdp1 import STATE_DICT_TYPE_PARAMS
 from fsdp_bridge.codemods.helpers import call_arguments, dotted, is_literal
-from fsdp_bridge.codemods.names import FSDP1, FSDP2_MARKERS, FSDP2_NAMES, FSDP_MODULES, STATE_DICT_TYPE
+from fsdp_bridge.codemods.names import FSDP1, FSDP1_FRAMEWORKS, FSDP2_MARKERS, FSDP2_NAMES, STATE_DICT_TYPE
 
 PROVEN, MAYBE = "proven", "maybe"
 
@@ -50,6 +50,9 @@ class FileFacts(cst.CSTVisitor):
         self.branch_imports = False  # an import inside an `if`/`try` (conditional or fallback)
         self.imported_modules: set[str] = set()  # `a.b` of `import a.b` and `from a.b import c`
         self._classes: list[cst.ClassDef] = []
+        self.class_names: set[str] = set()  # classes defined in the file
+        self.check_fn_names: set[str] = set()  # `f` of `check_fn=f` (activation checkpointing)
+        self.check_fn_lambdas: set[int] = set()  # ids of `check_fn=lambda m: ...`
         self._in_class: list[bool] = []  # per enclosing class or function: is it a class?
         self._branches = 0
 
@@ -66,6 +69,7 @@ class FileFacts(cst.CSTVisitor):
 
     def visit_ClassDef(self, node) -> None:
         self._classes.append(node)
+        self.class_names.add(node.name.value)
         self._in_class.append(True)
 
     def leave_ClassDef(self, node) -> None:
@@ -85,6 +89,12 @@ class FileFacts(cst.CSTVisitor):
         self.withs.append(node)
 
     def visit_Call(self, node) -> None:
+        for arg in node.args:
+            if arg.keyword is not None and arg.keyword.value == "check_fn":
+                if isinstance(arg.value, cst.Lambda):
+                    self.check_fn_lambdas.add(id(arg.value))
+                elif isinstance(arg.value, cst.Name):
+                    self.check_fn_names.add(arg.value.value)
         if isinstance(node.func, cst.Attribute):
             self.attribute_calls.append(node)
         elif isinstance(node.func, cst.Name):
@@ -132,8 +142,11 @@ class FactsMixin:
         self.has_fsdp2 = False
         self.uses_fsdp1 = False
         self.names_in_file: set[str] = set()
+        self.built_by_own_classes: set[str] = set()  # "model": assigned an instance of a class of this file
+        self.framework_file = False  # the file imports a framework that builds FSDP1 wrappers itself
+        self.check_fn_names: set[str] = set()  # see FileFacts
+        self.check_fn_lambdas: set[int] = set()
         self.fsdp_file = False  # the file names FSDP1 or ShardingStrategy (FB213 applies)
-        self.names_fsdp = False  # the file names torch's FSDP modules or anything in them
 
     def read_file_facts(self, node: cst.Module) -> None:
         facts = FileFacts()
@@ -141,11 +154,13 @@ class FactsMixin:
         heads = {(self.fsdp(n) or "").split(".")[0] for n in facts.names}
         self.uses_fsdp1 = FSDP1 in heads
         self.fsdp_file = self.uses_fsdp1 or "ShardingStrategy" in heads
-        # Any torch FSDP name or module at all (FSDP1 modules here would come from FSDP(...)).
-        self.names_fsdp = any(heads - {""}) or any(
-            module == fsdp or module.startswith(fsdp + ".")
-            for module in facts.imported_modules for fsdp in FSDP_MODULES)
         self.names_in_file = {n.value for n in facts.names if isinstance(n, cst.Name)}
+        self.built_by_own_classes = {
+            name for assign, _ in facts.assigns if isinstance(assign, cst.Assign) and isinstance(assign.value, cst.Call)
+            and isinstance(assign.value.func, cst.Name) and assign.value.func.value in facts.class_names
+            for name in (dotted(t.target) for t in assign.targets) if name}
+        self.framework_file = any(module.split(".")[0] in FSDP1_FRAMEWORKS for module in facts.imported_modules)
+        self.check_fn_names, self.check_fn_lambdas = facts.check_fn_names, facts.check_fn_lambdas
         if not self.uses_fsdp1:
             return
         self.has_fsdp2 = (any(self.fsdp(n) in FSDP2_NAMES for n in facts.names)
@@ -244,8 +259,10 @@ class FactsMixin:
         name = dotted(node)
         if name is None:
             return None
-        if isinstance(node, cst.Attribute) and node.attr.value == "module":
-            return self.receiver(node.value)  # FSDP1's wrapped module is the migrated model itself
+        if isinstance(node, cst.Attribute) and node.attr.value in ("module", "_orig_mod"):
+            # FSDP1's wrapped module is the migrated model itself; torch.compile's original module
+            # is the module it compiled.
+            return self.receiver(node.value)
         if isinstance(node, cst.Name) and self._proven_name(node):
             return PROVEN
         if (isinstance(node, cst.Attribute) and dotted(node.value) == "self" and self.classes

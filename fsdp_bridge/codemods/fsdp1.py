@@ -31,12 +31,36 @@ FSDP1_PARAMS = (
     "ignored_states",
     "device_mesh",
 )
+# Keywords FSDP1 took under another name in torch 2.0 (torch 2.1 renamed them): old -> current.
+RENAMED_KEYWORDS = {"ignored_parameters": "ignored_states"}
 STATE_DICT_TYPE_PARAMS = ("module", "state_dict_type", "state_dict_config", "optim_state_dict_config")
 
 # `resolve(node)` gives the short FSDP name a node refers to ("ShardingStrategy.FULL_SHARD"),
 # `qualified(node)` all its qualified names; both come from the codemod's metadata.
 Resolve = Callable[[cst.CSTNode], "str | None"]
 Qualified = Callable[[cst.CSTNode], "set[str]"]
+
+
+def constructor_arguments(call: cst.Call) -> dict[str, cst.Arg] | None:
+    """The arguments of an `FSDP(...)` call by FSDP1's current parameter names (a torch 2.0
+    keyword such as `ignored_parameters` counts as its new name), or None as `call_arguments`.
+    The values are `call`'s own argument nodes."""
+    renamed = current_keywords(call)
+    bound = call_arguments(renamed, FSDP1_PARAMS)
+    if bound is None:
+        return None
+    own = {id(new): old for new, old in zip(renamed.args, call.args)}
+    return {name: own[id(arg)] for name, arg in bound.items()}
+
+
+def current_keywords(call: cst.Call) -> cst.Call:
+    """`call` with torch 2.0's constructor keywords renamed as current torch names them (the same
+    argument nodes otherwise, so positions and comments stay)."""
+    if not any(a.keyword is not None and a.keyword.value in RENAMED_KEYWORDS for a in call.args):
+        return call
+    return call.with_changes(args=[
+        a.with_changes(keyword=cst.Name(RENAMED_KEYWORDS[a.keyword.value]))
+        if a.keyword is not None and a.keyword.value in RENAMED_KEYWORDS else a for a in call.args])
 
 
 def strategy(node: cst.BaseExpression | None, resolve: Resolve) -> str | None:

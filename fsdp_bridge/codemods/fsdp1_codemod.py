@@ -17,6 +17,7 @@ from libcst.metadata import ScopeProvider
 from fsdp_bridge.codemods.base import FsdpCodemod
 from fsdp_bridge.codemods.diagnostics import WRAP_FUNCTIONS, DiagnosticsRules
 from fsdp_bridge.codemods.facts import FactsMixin
+from fsdp_bridge.codemods.fsdp1 import current_keywords
 from fsdp_bridge.codemods.helpers import dotted
 from fsdp_bridge.codemods.names import ATTRIBUTE_BY_NAME, FSDP1, FSDP2_MARKERS, RUNTIME_CONSTRUCTORS, TYPE_CHECKS
 from fsdp_bridge.codemods.type_checks import TypeCheckRules
@@ -38,6 +39,7 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
         self.fsdp2_functions: list[bool] = []  # per enclosing function: does it speak FSDP2?
         self.version_guards: list[bool] = []  # per enclosing `if`: does it test fsdp_version(...)?
         self.type_guards: list[set[str]] = []  # per enclosing `if`: names it tests isinstance(x, FSDP)
+        self.check_fns = 0  # inside an activation-checkpointing check_fn (a function or lambda)
 
     # -- hooks: what a command translates ---------------------------------------------------
 
@@ -87,10 +89,19 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
             self.fsdp2_functions.append(True)  # popped by leave_FunctionDef all the same
             return False  # such a function is left as it is
         self.fsdp2_functions.append(self.speaks_fsdp2(node))
+        self.check_fns += node.name.value in self.check_fn_names
         return True
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         self.fsdp2_functions.pop()
+        self.check_fns -= original.name.value in self.check_fn_names and self.check_fns > 0
+        return updated
+
+    def visit_Lambda(self, node: cst.Lambda) -> None:
+        self.check_fns += id(node) in self.check_fn_lambdas
+
+    def leave_Lambda(self, original: cst.Lambda, updated: cst.Lambda) -> cst.Lambda:
+        self.check_fns -= id(original) in self.check_fn_lambdas
         return updated
 
     @property
@@ -186,8 +197,8 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
         qualified = self.qualified(original.func)
         if id(original) in self.constructor_calls:
             self.in_constructor -= 1
-        if name == FSDP1:
-            return self.translate_constructor(original, updated)
+        if name == FSDP1:  # (torch 2.0's keywords under their current names: the helpers take those)
+            return self.translate_constructor(original, current_keywords(updated))
         if name.startswith(FSDP1 + "."):
             return self.translate_static_method(original, updated, name.split(".", 1)[1])
         if name in WRAP_FUNCTIONS:

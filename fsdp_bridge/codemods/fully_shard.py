@@ -13,9 +13,7 @@ import libcst as cst
 
 from fsdp_bridge.codemods import fsdp1, rules
 from fsdp_bridge.codemods.base import IN_PLACE, RUNTIME
-from fsdp_bridge.codemods.fsdp1 import FSDP1_PARAMS
 from fsdp_bridge.codemods.helpers import (
-    call_arguments,
     code,
     comments_in,
     dotted,
@@ -44,7 +42,7 @@ class FullyShardRules:
     """The FSDP2 translation of the FSDP1 constructor; mixed into `Fsdp1Codemod`."""
 
     def translate_constructor(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
-        args = call_arguments(original, FSDP1_PARAMS)
+        args = fsdp1.constructor_arguments(original)
         reasons = self._needs_runtime(original, args)
         if reasons:
             return self._via_runtime(original, updated, reasons)

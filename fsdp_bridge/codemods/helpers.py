@@ -170,6 +170,8 @@ def call_like(func: cst.BaseExpression, args: Sequence[cst.Arg], like: cst.Call)
         args = [a.with_changes(comma=space_comma()) for a in args[:-1]] + (
             [args[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)] if args else [])
         return fit(cst.Call(func=func, args=args), like)
+    if not old:  # `f(\n)`: the new arguments one step in, the parenthesis where it was
+        return _one_per_line(func, args, like.whitespace_before_args)
     between = next((a.comma.whitespace_after for a in old[:-1]
                     if isinstance(a.comma, cst.Comma) and _line_break(a.comma.whitespace_after)),
                    like.whitespace_before_args)
@@ -190,8 +192,43 @@ def call_like(func: cst.BaseExpression, args: Sequence[cst.Arg], like: cst.Call)
             comma = cst.Comma(whitespace_after=between.with_changes(first_line=first_line))
         else:
             comma = space_comma()
-        laid_out.append(arg.with_changes(comma=comma))
+        # Only the last argument keeps what stood before the closing parenthesis (a line break
+        # when it had a line of its own); an argument moved up from there would leave a blank line.
+        after = old[-1].whitespace_after_arg if index == len(args) - 1 else cst.SimpleWhitespace("")
+        laid_out.append(arg.with_changes(comma=comma, whitespace_after_arg=after))
+    if not _line_break(like.whitespace_before_args):
+        laid_out = _realigned(laid_out, len(code(func)) - len(code(like.func)))
     return cst.Call(func=func, args=laid_out, whitespace_before_args=like.whitespace_before_args)
+
+
+def _realigned(args: list[cst.Arg], shift: int) -> list[cst.Arg]:
+    """Arguments aligned under the opening parenthesis (`f(a,\n  b)`), moved by `shift` columns
+    as the parenthesis moved with the new function's name (the closing parenthesis stays)."""
+    if shift == 0:
+        return args
+    out = []
+    for arg in args[:-1]:
+        comma = arg.comma
+        if isinstance(comma, cst.Comma) and _line_break(comma.whitespace_after):
+            spaces = comma.whitespace_after.last_line.value
+            if len(spaces) + shift >= 0 and not spaces.strip():
+                comma = comma.with_changes(whitespace_after=comma.whitespace_after.with_changes(
+                    last_line=cst.SimpleWhitespace(" " * (len(spaces) + shift))))
+        out.append(arg.with_changes(comma=comma))
+    return [*out, args[-1]]
+
+
+def _one_per_line(func: cst.BaseExpression, args: Sequence[cst.Arg], closing) -> cst.Call:
+    """`func(` then each argument on its own line, one step in from `closing`, the line on which
+    the closing parenthesis stands (after a trailing comma)."""
+    indent = closing.last_line.value if isinstance(closing, cst.ParenthesizedWhitespace) else ""
+    step = cst.ParenthesizedWhitespace(indent=True, last_line=cst.SimpleWhitespace(indent + "    "))
+    end = cst.ParenthesizedWhitespace(indent=True, last_line=cst.SimpleWhitespace(indent))
+    laid_out = [a.with_changes(comma=cst.Comma(whitespace_after=step), whitespace_after_arg=cst.SimpleWhitespace(""))
+                for a in args[:-1]]
+    laid_out.append(args[-1].with_changes(comma=cst.Comma(whitespace_after=end),
+                                          whitespace_after_arg=cst.SimpleWhitespace("")))
+    return cst.Call(func=func, args=laid_out, whitespace_before_args=step)
 
 
 # A rewritten call on one line longer than this (and than the call it replaces) is laid out one
@@ -204,13 +241,7 @@ def fit(call: cst.Call, like: cst.CSTNode) -> cst.Call:
     text = code(call)
     if "\n" in text or len(text) <= max(LONG_CALL, len(code(like))) or not call.args:
         return call
-    step = cst.ParenthesizedWhitespace(indent=True, last_line=cst.SimpleWhitespace("    "))
-    closing = cst.ParenthesizedWhitespace(indent=True, last_line=cst.SimpleWhitespace(""))
-    args = [a.with_changes(comma=cst.Comma(whitespace_after=step), whitespace_after_arg=cst.SimpleWhitespace(""))
-            for a in call.args[:-1]]
-    args.append(call.args[-1].with_changes(comma=cst.Comma(whitespace_after=closing),
-                                           whitespace_after_arg=cst.SimpleWhitespace("")))
-    return call.with_changes(args=args, whitespace_before_args=step)
+    return _one_per_line(call.func, call.args, None)
 
 
 class _OnOneLine(cst.CSTTransformer):

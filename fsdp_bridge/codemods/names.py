@@ -36,7 +36,7 @@ PRIVATE_ATTRIBUTES = frozenset(
 )
 # Public attributes of FSDP1's wrapper that the new class lacks: flagged where the object is
 # known to be the wrapper (a tested isinstance, or a receiver assigned FSDP(...)).
-FSDP1_WRAPPER_ATTRIBUTES = frozenset({"params", "check_is_root", "training_state", "compute_device"})
+FSDP1_WRAPPER_ATTRIBUTES = frozenset({"params", "check_is_root", "training_state", "compute_device", "process_group"})
 
 # Builtins a codemod resolves (type checks); every other name must come from an import.
 BUILTINS_WE_MATCH = frozenset({"isinstance", "issubclass", "type", "getattr", "hasattr"})
@@ -55,6 +55,10 @@ DTENSOR_MARKERS = frozenset({"full_tensor", "DTensor"})
 
 # Owners of a `clip_grad_norm_` that is not FSDP1's (accelerate, AMP, DeepSpeed, Lightning...).
 NOT_FSDP1_CLIP = re.compile(r"accelerat|scaler|engine|trainer|strategy|fabric|optim|utils", re.IGNORECASE)
+
+# Frameworks that wrap a model in torch's own FSDP1 themselves (HF Trainer, accelerate, Lightning):
+# a file that imports one may test models that no migrated constructor built.
+FSDP1_FRAMEWORKS = ("transformers", "accelerate", "trl", "lightning", "pytorch_lightning")
 
 # Libraries that wrap the model in FSDP themselves when configured to.
 HF_CONFIG_CALLS = {

@@ -83,7 +83,9 @@ STATE_DICT = _rule("FB104", "state dicts", (FSDP2,), """
     `StateDictOptions` (through runtime helpers where the options are known only at run time).""")
 FSDP2_TYPE_CHECK = _rule("FB105", "isinstance and annotations, FSDP2", (FSDP2,), """
     `isinstance(x, FSDP)` becomes `isinstance(x, FSDPModule)`, or `isinstance(x, (FSDPModule,
-    FSDP))` while the migrated tree keeps FSDP1 constructors; annotations become `FSDPModule`.""")
+    FSDP))` while the migrated tree keeps FSDP1 constructors or the file imports a framework that
+    wraps models in FSDP1 itself; annotations become `FSDPModule`. In an activation-checkpointing
+    `check_fn` the test (for FSDP1's wrapper objects) is kept as written and reported.""")
 MODULE_ATTRIBUTE = _rule("FB106", "model.module", (FSDP2, YAFSDP), """
     `model.module` becomes `model` where `model` is proven to hold the wrapper (neither fully_shard
     nor YaFSDP leaves a `.module`), `fsdp1_unwrap(model)` where it may.""")
@@ -143,7 +145,8 @@ INEXACT_STATE_DICT_OPTIONS = _rule("FB214", "state-dict config DCP cannot expres
     differ: DCP's `cpu_offload` means both at once, so the block is translated with the closer
     option and a TODO says where the state dict now lives.""")
 CLIP_ELSEWHERE = _rule("FB215", "clip_grad_norm_ of a model wrapped elsewhere", (FSDP2,), """
-    `model.clip_grad_norm_(max_norm)` in a file that imports no FSDP class, or on a receiver the
+    `model.clip_grad_norm_(max_norm)` in a file that does not use the FSDP1 class (it may import
+    other FSDP names), or on a receiver the
     file does not show to hold an FSDP1 model: FSDP1's method on a model wrapped in another
     file; fully_shard modules have none, so the call is flagged with the torch.nn.utils form to
     use.""")
@@ -160,15 +163,16 @@ YAFSDP_AT_RUN_TIME = _rule("FB301", "FSDP(...) to fsdp1_to_yafsdp(...)", (YAFSDP
     `FSDP(model, ...)` with non-literal values becomes `fsdp1_to_yafsdp(model, ...)`, which
     translates them when the script runs.""")
 YAFSDP_UNSUPPORTED = _rule("FB302", "setting YaFSDP cannot express", (YAFSDP,), """
-    Hybrid or NO_SHARD strategies, CPU offload, ignored modules or a device mesh: the call is left
-    as it was, with a TODO.""")
+    Hybrid or NO_SHARD strategies (also held in a variable that only ever holds them), CPU
+    offload, ignored modules or a device mesh: the call is left as it was, with a TODO.""")
 YAFSDP_TYPE_CHECK = _rule("FB303", "isinstance and annotations, YaFSDP", (YAFSDP,), """
     `isinstance(x, FSDP)` becomes `isinstance(x, (YaFSDP, FSDP))`: constructors this run could not
     translate still build FSDP1 modules; annotations become `YaFSDP`.""")
 YAFSDP_STATE_DICT_TYPE = _rule("FB304", "state_dict_type under YaFSDP", (YAFSDP,), """
     YaFSDP's `state_dict()` is full, so a `with FSDP.state_dict_type(model, FULL_STATE_DICT)`
-    block keeps its body and loses the `with`; other types, or the context used as a value, get
-    a TODO.""")
+    block keeps its body and loses the `with` (a `rank0_only=True` config goes to the model's
+    `state_dict(rank0_only=True)`); other types, a config that is not a literal, or the context
+    used as a value, get a TODO.""")
 YAFSDP_PRECISION = _rule("FB305", "mixed precision YaFSDP cannot express", (YAFSDP,), """
     YaFSDP reduces gradients in fp32, or in `param_dtype` with `bit16_reduce_scatter=True` (what
     FSDP1 does when `reduce_dtype` is unset or equal to `param_dtype`); another `reduce_dtype` or

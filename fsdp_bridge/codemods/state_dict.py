@@ -9,8 +9,11 @@ Where the options are known only when the script runs, the runtime helpers take 
 
 from __future__ import annotations
 
+import dataclasses
+
 import libcst as cst
 import libcst.matchers as m
+from libcst.metadata import QualifiedNameProvider
 
 from fsdp_bridge.codemods import rules
 from fsdp_bridge.codemods.base import IN_PLACE, RUNTIME
@@ -46,6 +49,29 @@ OPTIM_SIGNATURES = {
 }
 
 KEPT = "kept"  # a state_dict_type block left as it was (FB204/FB209)
+ANY_MODULE = "*"  # see StateDictRules.foreign_contexts
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """What a translated `with FSDP.state_dict_type(model, ...)` block asks of its calls: the
+    StateDictOptions code for the model's state dict, an optimizer state dict taken, and one
+    loaded (loading differs: FSDP1's rank0_only load is DCP's broadcast_from_rank0)."""
+
+    model: str
+    model_options: str
+    optim_save_options: str | None  # None: FSDP1's default optimizer config, which the helper applies
+    optim_load_options: str
+
+
+def _load_options(full: bool, rank0_only: bool) -> str:
+    """StateDictOptions code for loading an optimizer state under an FSDP1 config: with
+    rank0_only, rank 0 passes the full state and the others None, and FSDP1 broadcasts it."""
+    if not full:
+        return "StateDictOptions(full_state_dict=False)"
+    if rank0_only:
+        return "StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)"
+    return "StateDictOptions(full_state_dict=True)"
 
 
 def _options(full: bool, offload_to_cpu: bool, rank0_only: bool) -> tuple[str, str | None]:
@@ -71,10 +97,15 @@ def _options(full: bool, offload_to_cpu: bool, rank0_only: bool) -> tuple[str, s
 
 
 def _takes_optimizer_state(resolve: Resolve, node: cst.With) -> bool:
-    """True if the block calls one of FSDP1's optimizer state-dict methods."""
-    return any((resolve(call.func) or "").startswith(f"{FSDP1}.optim") or
-               (resolve(call.func) or "").endswith("optim_state_dict")
-               for call in m.findall(node.body, m.Call()))
+    """True if the block takes an optimizer state dict under its config: `FSDP.optim_state_dict`
+    (loading one is exact whatever offload_to_cpu says; full_optim_state_dict has its own flags)."""
+    return any(resolve(call.func) == f"{FSDP1}.optim_state_dict" for call in m.findall(node.body, m.Call()))
+
+
+def _takes_model_state(node: cst.With, model: str) -> bool:
+    """True if the block calls `model.state_dict()` or `model.load_state_dict(...)`."""
+    return any(isinstance(call.func, cst.Attribute) and call.func.attr.value in STATE_DICT_METHODS
+               and dotted(call.func.value) == model for call in m.findall(node.body, m.Call()))
 
 
 def configures_elsewhere(node: cst.With, model: str | None, resolve: Resolve) -> bool:
@@ -111,8 +142,12 @@ class StateDictRules:
 
     def __init__(self, context) -> None:
         super().__init__(context)
-        # One entry per enclosing `with`: None, KEPT, or (model, model options, optimizer options).
+        # One entry per enclosing `with`: None, KEPT, or a `Block`.
         self.state_dict_blocks: list = []
+        # One entry per enclosing `with`: the names it passes to a context manager not torch's
+        # (`with checkpoint_context(model):`), which may set a state-dict type for them; ANY_MODULE
+        # for a context held in a variable in a file that builds state_dict_type contexts as values.
+        self.foreign_contexts: list[set[str]] = []
 
     # -- FSDP.<static method>(...) -------------------------------------------------------
 
@@ -141,7 +176,6 @@ class StateDictRules:
                                       "FSDP1 returned rank 0's state scattered, for optim.load_state_dict(); "
                                       "DCP loads it directly (set_optimizer_state_dict, broadcast_from_rank0), so "
                                       "the helper loads it and returns the loaded state for that call")
-        runtime_options = self.runtime_state_dict_type and self.current_state_dict_block() is None
         if method in ("optim_state_dict", "full_optim_state_dict"):
             # get_optimizer_state_dict shares some tensors with the optimizer (Adam's step); FSDP1
             # returned copies, so the helper copies those.
@@ -150,20 +184,20 @@ class StateDictRules:
             if method == "full_optim_state_dict":
                 # FSDP1's default is rank0_only=True: with cpu_offload, DCP gives the full dict on rank 0.
                 options = "StateDictOptions(full_state_dict=True, cpu_offload=True)"
-            elif runtime_options:
-                options, why = None, why + "; options from the active fsdp1_state_dict_type context"
             else:
-                options = self._optim_options()
+                options, why = self._optim_options(False, why)
             if options is not None:
                 args = [*args, self._options_arg(options)]
             return self._runtime_call(original, updated, rules.STATE_DICT, "fsdp1_optim_state_dict", args, why)
         # optim_state_dict_to_load
-        if not runtime_options:
-            args = [*args, self._options_arg(self._optim_options())]
+        options, _ = self._optim_options(True, "")
+        if options is not None:
+            args = [*args, self._options_arg(options)]
         return self._runtime_call(original, updated, rules.STATE_DICT, "fsdp1_optim_state_dict_to_load", args,
                                   "FSDP1 returned a state for optim.load_state_dict(); DCP loads it directly "
                                   "(set_optimizer_state_dict), so the helper loads it and returns the loaded state "
-                                  "for that call")
+                                  "for that call (torch 2.0's argument order, optim_state_dict first, is told by "
+                                  "the types when the script runs)")
 
     def _static_args(self, original: cst.Call, updated: cst.Call, method: str) -> list[cst.Arg] | None:
         """The call's arguments in FSDP1's positional order, or None if it passes any we do not map."""
@@ -221,11 +255,21 @@ class StateDictRules:
             self.drop_import_of(original.func)
         return call_like(cst.Name(helper), args, updated)
 
-    def _optim_options(self) -> str:
+    def _optim_options(self, load: bool, why: str) -> tuple[str | None, str]:
+        """The options an optimizer state-dict call passes (None: none, the helper decides), and
+        `why` completed. Only a translated block's options are written out: elsewhere a context
+        set at run time (held in a variable, built by a helper of this file or another) may be
+        active, and the helper takes its options, or FSDP1's defaults where none is."""
         current = self.current_state_dict_block()
+        if current is not None and (load or current.optim_save_options is not None):
+            return (current.optim_load_options if load else current.optim_save_options), why
         if current is not None:
-            return current[2]
-        return "StateDictOptions(full_state_dict=True)"  # FSDP1's default state-dict type is FULL
+            return None, why + ("; the block's optimizer config is full on every rank, offloaded to the CPU "
+                                "(FSDP1's default), which DCP has no options for: the helper gathers the state "
+                                "on every rank and moves it to the CPU")
+        return None, why + ("; outside any state_dict_type block the helper takes the options of an active "
+                            "fsdp1_state_dict_type context, else FSDP1's default optimizer config (full on every "
+                            "rank, offloaded to the CPU)")
 
     def _dcp_call(self, original, updated, function: str, args: list[cst.Arg], options: str) -> cst.Call:
         self.site(rules.STATE_DICT, IN_PLACE, original, code(original.func) + "(...)",
@@ -248,10 +292,10 @@ class StateDictRules:
         if self.in_kept_state_dict_block():
             return updated  # the FSDP1 context stays, and with it the calls it configures
         current = self.current_state_dict_block()
-        in_block = current is not None and receiver == current[0]
+        in_block = current is not None and receiver == current.model
         if kind != PROVEN and not in_block and self.in_fsdp2_function:
             return updated  # FSDP2 code already: its state dict is the DTensor one it expects
-        if not in_block and kind is None:
+        if not in_block and kind is None and not self.in_foreign_context(receiver):
             return updated
         return self.model_state_dict(original, updated, receiver, method, kind, current if in_block else None)
 
@@ -260,7 +304,7 @@ class StateDictRules:
             return updated
         args = original.args
         strict = next((a for a in updated.args[1:] if a.keyword and a.keyword.value == "strict"), None)
-        options_of_block = block[1] if block is not None else "StateDictOptions(full_state_dict=True)"
+        options_of_block = block.model_options if block is not None else "StateDictOptions(full_state_dict=True)"
         if method == "load_state_dict" and (
                 not args or args[0].keyword or args[0].star or len(args) > 1 + (strict is not None)
                 or (strict is not None and not options_of_block.startswith("StateDictOptions("))):
@@ -272,17 +316,21 @@ class StateDictRules:
         args = [model_arg] if method == "state_dict" else [model_arg, updated.args[0]]
         if strict is not None:  # StateDictOptions takes it: strict=... goes into the options
             options_of_block = f"{options_of_block[:-1]}, strict={code(strict.value)})"
-            block = block and (block[0], options_of_block, block[2])
+            block = block and dataclasses.replace(block, model_options=options_of_block)
         # The block's own model holds FSDP modules: FSDP1's state_dict_type(model) completes only
         # on one that does (see `_state_dict_context`).
-        if block is not None or (kind == PROVEN and not self.runtime_state_dict_type):
+        if block is not None or (kind == PROVEN and not self.runtime_state_dict_type
+                                 and not self.in_foreign_context(receiver)):
             # Outside a state_dict_type block FSDP1 gives a full state dict; FSDP2 would give DTensors.
             function = "get_model_state_dict" if method == "state_dict" else "set_model_state_dict"
             return self._dcp_call(original, updated, function, args, options_of_block)
         if strict is not None:
             args.append(strict)
         helper = "fsdp1_state_dict" if method == "state_dict" else "fsdp1_load_state_dict"
-        if kind == PROVEN:
+        if self.in_foreign_context(receiver):
+            why = (f"{receiver} is used inside a context manager (held in a variable, or one that is passed it) that "
+                   "may set its state-dict type as fsdp1_state_dict_type does")
+        elif kind == PROVEN:
             why = "the model is an FSDP module, but a state_dict_type context held in a variable may set its options"
         else:
             why = (f"{receiver} is not proven to be the wrapped model here (it may be a DDP or plain module, "
@@ -296,7 +344,7 @@ class StateDictRules:
     # -- with FSDP.state_dict_type(...) blocks -----------------------------------------------
 
     def current_state_dict_block(self):
-        """The innermost enclosing translated state_dict_type block: (model, model opts, optim opts)."""
+        """The innermost enclosing translated state_dict_type block (a `Block`), or None."""
         return next((ctx for ctx in reversed(self.state_dict_blocks) if ctx not in (None, KEPT)), None)
 
     def in_kept_state_dict_block(self) -> bool:
@@ -305,6 +353,12 @@ class StateDictRules:
     def enter_state_dict_block(self, node: cst.With) -> None:
         """Push what a `with` block's state_dict_type item (if any) asks of its state-dict calls."""
         self.state_dict_blocks.append(None)
+        self.foreign_contexts.append({
+            name for item in node.items if isinstance(item.item, cst.Call) and self._foreign(item.item.func)
+            for name in (dotted(arg.value) for arg in item.item.args) if name})
+        held = any(isinstance(item.item, (cst.Name, cst.Attribute)) for item in node.items)
+        if self.runtime_state_dict_type and held:
+            self.foreign_contexts[-1].add(ANY_MODULE)  # `with ctx:` where ctx may be fsdp1_state_dict_type(...)
         for item in node.items:
             call = item.item
             if not isinstance(call, cst.Call) or not isinstance(call.func, cst.Attribute):
@@ -319,10 +373,23 @@ class StateDictRules:
                 self.state_dict_blocks[-1] = KEPT if context is None else context
 
     def leave_state_dict_block(self):
+        self.foreign_contexts.pop()
         return self.state_dict_blocks.pop()
 
-    def _state_dict_context(self, call: cst.Call):
-        """(model name, model options code, optimizer options code) for a state_dict_type call.
+    def _foreign(self, func: cst.BaseExpression) -> bool:
+        """True for a context manager that is not torch's, contextlib's or a builtin: a helper of
+        this file or another (`with fsdp_checkpoint_context(model):`) may open FSDP1's
+        state_dict_type inside, which the migrated helper does as fsdp1_state_dict_type."""
+        names = {q.name for q in self.get_metadata(QualifiedNameProvider, func, set())}
+        return not any(name.split(".")[0] in ("torch", "contextlib", "builtins") for name in names)
+
+    def in_foreign_context(self, receiver: str | None) -> bool:
+        """True inside `with helper(receiver, ...):` (see `_foreign`) or `with ctx:` in a file that holds
+        state_dict_type contexts in variables: FSDP1's context there may configure the receiver."""
+        return receiver is not None and any(receiver in names or ANY_MODULE in names for names in self.foreign_contexts)
+
+    def _state_dict_context(self, call: cst.Call) -> Block | None:
+        """What a state_dict_type call asks of the state-dict calls of its block (None: kept).
 
         Inside the block, the model's own state-dict calls become `get_/set_model_state_dict`
         whatever the model's receiver kind: torch's `state_dict_type(module)` sets the type on
@@ -348,16 +415,18 @@ class StateDictRules:
             if model_cfg is not None and optim_cfg is not None:
                 (model_options, model_problem), (optim_options, optim_problem) = (
                     _options(full, *model_cfg), _options(full, *optim_cfg))
-                if model_problem:
+                if model_problem and _takes_model_state(self._with_node, model):
                     self.todo(rules.INEXACT_STATE_DICT_OPTIONS, call, "state_dict_config", model_problem)
-                if optim_problem and _takes_optimizer_state(self.fsdp, self._with_node):
+                if optim_problem and optim_cfg == (True, False):
+                    optim_options = None  # FSDP1's default optimizer config: the helper's own default
+                elif optim_problem and _takes_optimizer_state(self.fsdp, self._with_node):
                     self.todo(rules.INEXACT_STATE_DICT_OPTIONS, call, "optim_state_dict_config", optim_problem)
-                return model, model_options, optim_options
+                return Block(model, model_options, optim_options, _load_options(full, optim_cfg[1]))
         # Non-literal type or configs: translate when the script runs.
         passed = ", ".join(f"{a.keyword.value}={code(a.value)}" if a.keyword else code(a.value)
                            for a in call.args if a is not args["module"])
-        return (model, f"fsdp1_state_dict_options({passed})",
-                f"fsdp1_state_dict_options({passed}, for_optimizer=True)")
+        optim = f"fsdp1_state_dict_options({passed}, for_optimizer=True)"
+        return Block(model, f"fsdp1_state_dict_options({passed})", optim, optim)  # the load helper adapts it
 
     def _config_value(self, arg: cst.Arg | None) -> cst.BaseExpression | None:
         """A config argument as written, or the literal call a variable passed there holds
@@ -384,7 +453,7 @@ class StateDictRules:
                           "read the setting, or its arguments cannot be read): pass StateDictOptions to "
                           "get_/set_model_state_dict where the state dict is taken, then remove the block")
             return updated
-        status = RUNTIME if "fsdp1_state_dict_options" in context[1] else IN_PLACE
+        status = RUNTIME if "fsdp1_state_dict_options" in context.model_options else IN_PLACE
         self.site(rules.STATE_DICT, status, original, "with FSDP.state_dict_type(...)",
                   "the block's state-dict calls take StateDictOptions instead" + (
                       "; the state-dict type or a config is not a literal (nor a variable assigned once from "

@@ -16,10 +16,11 @@ The walk and the rules shared with `--to fsdp2` (first pass, diagnostics, type c
 from __future__ import annotations
 
 import libcst as cst
+from libcst.metadata import ScopeProvider
 
 from fsdp_bridge.codemods import fsdp1, rules
 from fsdp_bridge.codemods.base import IN_PLACE, RUNTIME
-from fsdp_bridge.codemods.fsdp1 import FSDP1_PARAMS, STATE_DICT_TYPE_PARAMS
+from fsdp_bridge.codemods.fsdp1 import STATE_DICT_TYPE_PARAMS
 from fsdp_bridge.codemods.fsdp1_codemod import Fsdp1Codemod
 from fsdp_bridge.codemods.helpers import (
     append_args,
@@ -46,6 +47,22 @@ DROPPED = ("backward_prefetch", "forward_prefetch", "limit_all_gathers", "use_or
 ZERO_STAGE = {"FULL_SHARD": "3", "SHARD_GRAD_OP": "2"}
 
 
+class _Rank0Only(cst.CSTTransformer):
+    """`model.state_dict()` -> `model.state_dict(rank0_only=True)`: FSDP1's rank0_only config of
+    the `state_dict_type` block the call was in, as YaFSDP's state_dict takes it."""
+
+    def __init__(self, model: str | None) -> None:
+        super().__init__()
+        self.model = model
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
+        func = updated.func
+        if (isinstance(func, cst.Attribute) and func.attr.value == "state_dict" and not updated.args
+                and self.model is not None and dotted(func.value) == self.model):
+            return updated.with_changes(args=[keyword_arg("rank0_only", "True")])
+        return updated
+
+
 class ToYafsdpCommand(Fsdp1Codemod):
     DESCRIPTION = "Rewrite FSDP1 (FullyShardedDataParallel) code for fsdp_bridge.ya_fsdp.YaFSDP."
     WRAPPED_CLASS = (YAFSDP_MODULE, "YaFSDP", rules.YAFSDP_TYPE_CHECK, "the wrapped model is a YaFSDP instance")
@@ -62,7 +79,7 @@ class ToYafsdpCommand(Fsdp1Codemod):
     # -- FSDP(...) -----------------------------------------------------------------------
 
     def translate_constructor(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
-        args = call_arguments(original, FSDP1_PARAMS)
+        args = fsdp1.constructor_arguments(original)
         values = {n: a.value for n, a in (args or {}).items()}
         unsupported = self._unsupported(values)
         if unsupported:
@@ -103,15 +120,39 @@ class ToYafsdpCommand(Fsdp1Codemod):
 
     def _unsupported(self, values) -> str | None:
         """Why YaFSDP cannot express these literal settings (None: it can)."""
-        strategy = fsdp1.strategy(values.get("sharding_strategy"), self.fsdp)
-        if strategy is not None and strategy not in ZERO_STAGE:
-            return f"YaFSDP has no {strategy} (zero_stage is 3 for FULL_SHARD or 2 for SHARD_GRAD_OP)"
+        possible = self.possible_strategies(values.get("sharding_strategy"))
+        if possible and not possible & set(ZERO_STAGE):
+            # Every value it can hold is one YaFSDP lacks: fsdp1_to_yafsdp would raise at setup.
+            return (f"YaFSDP has no {' or '.join(sorted(possible))} (zero_stage is 3 for FULL_SHARD or 2 for "
+                    "SHARD_GRAD_OP)")
         if "cpu_offload" in values and fsdp1.cpu_offload(values["cpu_offload"], self.fsdp):
             return "YaFSDP has no CPU offload"
         for name in ("ignored_modules", "ignored_states", "device_mesh"):
             if name in values and not is_literal(values[name], "None"):
                 return f"YaFSDP has no {name}; keep FSDP1 here or migrate with --to fsdp2"
         return None
+
+    def possible_strategies(self, node: cst.BaseExpression | None, depth: int = 0) -> set[str]:
+        """Every ShardingStrategy member `node` can hold, as far as the file shows: a literal, either
+        branch of `a if c else b`, or a name whose every assignment reaching here is one of those
+        (empty: unknown, a value the file does not show)."""
+        if node is None or depth > 3:
+            return set() if node is not None else {"FULL_SHARD"}
+        if isinstance(node, cst.IfExp):
+            body, orelse = (self.possible_strategies(n, depth + 1) for n in (node.body, node.orelse))
+            return body | orelse if body and orelse else set()
+        member = fsdp1.strategy(node, self.fsdp)
+        if member is not None:
+            return {member}
+        scope = self.get_metadata(ScopeProvider, node, None) if isinstance(node, cst.Name) else None
+        if scope is None:
+            return set()
+        referents = {r for access in scope.accesses[node.value] if access.node is node for r in access.referents}
+        values = [self.assigned_values.get(id(getattr(r, "node", None))) for r in referents]
+        if not values or any(value is None for value in values):
+            return set()
+        found = [self.possible_strategies(value, depth + 1) for value in values]
+        return set().union(*found) if all(found) else set()
 
     def _needs_runtime(self, call, args, values=None) -> list[str]:
         if args is None:
@@ -231,10 +272,22 @@ class ToYafsdpCommand(Fsdp1Codemod):
                 self.todo(rules.YAFSDP_STATE_DICT_TYPE, original, "FSDP.state_dict_type(...)",
                           "YaFSDP's state_dict() is always full; other state-dict types have no YaFSDP form")
                 return updated
+            config = args.get("state_dict_config")
+            flags = fsdp1.state_dict_config(config and (self.literal_value(config.value) or config.value),
+                                            self.fsdp, False)
+            if flags is None:
+                self.todo(rules.YAFSDP_STATE_DICT_TYPE, original, "FSDP.state_dict_type(...)",
+                          "the state_dict_config is not a literal, so whether it asks for rank0_only is unknown: "
+                          "YaFSDP's state_dict(rank0_only=...) takes it where the state dict is taken")
+                return updated
+            rank0_only = flags[1]
             self.site(rules.YAFSDP_STATE_DICT_TYPE, IN_PLACE, original, "with FSDP.state_dict_type(FULL_STATE_DICT)",
-                      "YaFSDP's state_dict() is already a full state dict")
+                      "YaFSDP's state_dict() is already a full state dict (on the CPU)"
+                      + ("; rank0_only=True passed to the model's state_dict()" if rank0_only else ""))
             self.drop_import_of(call.func)
             for arg in call.args[1:]:
                 self.drop_import_of(arg.value)
+            if rank0_only:
+                updated = updated.with_changes(body=updated.body.visit(_Rank0Only(dotted(args["module"].value))))
             return unwrap_with(updated)
         return updated

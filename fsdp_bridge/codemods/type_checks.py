@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import libcst as cst
 
-from fsdp_bridge.codemods.base import FILE_FACTS_KEY, IN_PLACE
+from fsdp_bridge.codemods.base import FILE_FACTS_KEY, IN_PLACE, INFO
 from fsdp_bridge.codemods.helpers import code, space_comma
 from fsdp_bridge.codemods.names import FSDP1
 
@@ -47,7 +47,14 @@ class TypeCheckRules:
         if self.ACCEPT_FSDP1_TOO:
             return ("constructors the migration could not translate, here or in other files, still "
                     "build FSDP1 modules")
+        if self.framework_file:
+            return ("this file imports a framework (transformers, accelerate, Lightning) that wraps models in "
+                    "torch's FSDP1 itself unless configured for FSDP2")
         return None
+
+    def _names_fsdp1_class(self, classes: cst.BaseExpression) -> bool:
+        items = [e.value for e in classes.elements] if isinstance(classes, cst.Tuple) else [classes]
+        return any(self.fsdp(item) == FSDP1 for item in items)
 
     def fsdp1_still_built(self) -> str | None:
         """Why FSDP1 modules may still exist in the migrated tree, or None if, as far as this run
@@ -60,6 +67,15 @@ class TypeCheckRules:
 
     def translate_type_check(self, original: cst.Call, updated: cst.Call) -> cst.Call:
         if len(original.args) != 2:
+            return updated
+        if self.check_fns and self.ACCEPT_FSDP1_TOO is False and self._names_fsdp1_class(original.args[1].value):
+            # `check_fn=lambda m: not isinstance(m, FSDP) and ...`: the test picks out FSDP1's wrapper
+            # objects (which forward attribute reads to the block they wrap); fully_shard leaves none,
+            # and the sharded blocks themselves are FSDPModules: narrowed, the test would skip every block.
+            self.site(self.WRAPPED_CLASS[2], INFO, original, "isinstance(..., FullyShardedDataParallel) in a check_fn",
+                      "kept: in an activation-checkpointing check_fn it tests for FSDP1's wrapper objects, which "
+                      "the migrated model has none of (it stays False for the sharded blocks, as for the blocks "
+                      "FSDP1 wrapped); narrowed to the new class it would skip every sharded block")
             return updated
         classes, new_classes = original.args[1].value, updated.args[1].value
         module, class_name, rule, reason = self.WRAPPED_CLASS

@@ -81,9 +81,12 @@ class WrapperMethodRules:
                 "assigned from FSDP(...) here)")
 
     def check_method_elsewhere(self, original: cst.Call) -> None:
-        """`model.clip_grad_norm_(max_norm)` in a file that imports no FSDP class: the model is
-        wrapped in another file, and fully_shard modules have no such method."""
-        if original.func.attr.value == "clip_grad_norm_" and not self.names_fsdp:
+        """`model.clip_grad_norm_(max_norm)` in a file that does not use the FSDP1 class (it may
+        import other FSDP names): the model is wrapped in another file, and fully_shard modules have
+        no such method. Not inside `if fsdp_version(model) == 1:`, code that chose its dialect, nor on
+        an instance of a class of this file."""
+        if (original.func.attr.value == "clip_grad_norm_" and not self.in_version_guard
+                and dotted(original.func.value) not in self.built_by_own_classes):
             self.flag_clip_elsewhere(original, "wrapped elsewhere")
 
     def flag_clip_elsewhere(self, original: cst.Call, why: str) -> None:

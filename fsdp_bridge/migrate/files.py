@@ -12,9 +12,11 @@ lets through are then matched properly, by qualified name.
 from __future__ import annotations
 
 import ast
+import io
 import os
 import re
-from typing import Iterator
+import tokenize
+from typing import Callable, Iterator
 
 import pathspec
 
@@ -128,6 +130,22 @@ def _wrapper_clip(call: ast.Call) -> bool:
     first = call.args[0] if call.args else None
     takes_parameters = isinstance(first, ast.Call) and (_dotted(first.func) or "").endswith("parameters")
     return bool(owner) and not NOT_FSDP1_CLIP.search(owner) and not takes_parameters
+
+
+def decode_python(data: bytes) -> tuple[str, Callable[[str], bytes]]:
+    """A Python file's text, decoded as Python reads it, and how to encode a rewrite of it.
+
+    The encoding is the one Python itself would use (PEP 263): UTF-8, or the file's
+    `# -*- coding: latin-1 -*-` declaration; a UTF-8 byte-order mark is kept. The codemods see
+    the text after the mark. Raises SyntaxError for an unknown or contradictory declaration (or
+    undecodable bytes in the first two lines) and UnicodeDecodeError for bytes the encoding
+    cannot read further down; the encoder raises UnicodeEncodeError
+    when the rewrite holds a character the declared encoding cannot write.
+    """
+    encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
+    if encoding == "utf-8-sig":  # the mark stays as it was, outside the text the codemods see
+        return data[3:].decode("utf-8"), lambda text: data[:3] + text.encode("utf-8")
+    return data.decode(encoding), lambda text: text.encode(encoding)
 
 
 class _Ignores:

@@ -51,6 +51,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 
 from fsdp_bridge import policies
+from fsdp_bridge.engine.init import materialize_region, region_problem
 from fsdp_bridge.fsdp._fsdp1_translate import FRONTEND, ParsedStrategy, parse_sharding_strategy
 from fsdp_bridge.fsdp.fully_sharded_data_parallel import FullyShardedDataParallel
 from fsdp_bridge.plan import ShardingMode
@@ -154,8 +155,9 @@ def _device_type(device_id: Any) -> str:
     return accelerator.type if accelerator is not None else "cpu"
 
 
-def _move_to_device(module: nn.Module, device_id: Any) -> None:
-    """Move `module` to FSDP1's `device_id` (an int is an index of the current accelerator)."""
+def _move_to_device(region: list[nn.Module], device_id: Any) -> None:
+    """Move the region's own tensors to FSDP1's `device_id` (an int is an index of the current
+    accelerator), in place: parameters stay the same objects (and tied ones stay tied)."""
     if device_id is None:
         return
     if isinstance(device_id, int):
@@ -163,7 +165,12 @@ def _move_to_device(module: nn.Module, device_id: Any) -> None:
         device = torch.device("cpu") if accelerator is None else torch.device(accelerator.type, device_id)
     else:
         device = torch.device(device_id)
-    module.to(device)
+    with torch.no_grad():
+        for sub in region:
+            for param in sub.parameters(recurse=False):
+                param.data = param.data.to(device)
+            for name, buffer in sub.named_buffers(recurse=False):
+                setattr(sub, name, buffer.to(device))
 
 
 def _mesh(fsdp1: types.SimpleNamespace, strategy: ParsedStrategy) -> DeviceMesh:
@@ -281,25 +288,21 @@ def fsdp1_fully_shard(*args: Any, **kwargs: Any) -> nn.Module:
     mesh = _mesh(fsdp1, strategy)
     ignored = _ignored_params(fsdp1.ignored_modules, fsdp1.ignored_states)
     ignored_module_set = set(fsdp1.ignored_modules or ())
-    if fsdp1.sync_module_states:
-        # FSDP1 materialises meta tensors before it broadcasts: a rank that built the model on
-        # meta (the low-CPU-memory recipe) must join the same broadcasts as rank 0.
-        if _has_meta(module):
-            _materialize(module, fsdp1.param_init_fn, mesh.device_type)
-        # FSDP1 moves the module to `device_id` before broadcasting (NCCL cannot broadcast
-        # tensors of a model that rank 0 built on the CPU).
-        _move_to_device(module, fsdp1.device_id)
-        _broadcast_from_first_rank(module, mesh)
-    units = fsdp1_units(module, fsdp1.auto_wrap_policy, ignored_module_set)
+    # Containers and ignored modules are no units: their parameters stay with the enclosing unit.
+    units = [(unit, overrides) for unit, overrides in fsdp1_units(module, fsdp1.auto_wrap_policy, ignored_module_set)
+             if not _is_container(unit) and unit not in ignored_module_set]
+    regions = _regions(module, [unit for unit, _ in units])
     for unit, overrides in units:
-        if _is_container(unit) or unit in ignored_module_set:
-            continue  # its parameters stay with the enclosing unit
+        if fsdp1.sync_module_states:
+            _sync_region(regions[id(unit)], fsdp1, mesh)
         _check_overrides(overrides)
         unit_strategy = parse_sharding_strategy(overrides.get("sharding_strategy", strategy.strategy),
                                                 "auto_wrap_policy (a CustomPolicy override).sharding_strategy")
         unit_mp = overrides.get("mixed_precision", mixed_precision)
         unit_offload = overrides.get("cpu_offload", cpu_offload)
         fully_shard(unit, **_fsdp2_kwargs(mesh, unit_strategy, unit_mp, unit_offload, ignored, root=False))
+    if fsdp1.sync_module_states:
+        _sync_region(regions[id(module)], fsdp1, mesh)
     _keep_norms_in_fp32(module, mixed_precision, fsdp1.auto_wrap_policy, mesh, strategy, cpu_offload, ignored)
     fully_shard(module, **_fsdp2_kwargs(mesh, strategy, mixed_precision, cpu_offload, ignored, root=True))
     if isinstance(mixed_precision, MixedPrecision) and mixed_precision.buffer_dtype is not None:
@@ -312,6 +315,43 @@ def fsdp1_fully_shard(*args: Any, **kwargs: Any) -> nn.Module:
 def _has_meta(module: nn.Module) -> bool:
     return any(t.is_meta for t in [*module.parameters(), *module.buffers()])
 
+
+def _regions(root: nn.Module, units: list[nn.Module]) -> dict[int, list[nn.Module]]:
+    """Each unit's region, by the unit's id: the modules whose innermost enclosing unit it is
+    (`units` children first; the root's region is what no unit claims)."""
+    owner: dict[int, nn.Module] = {}
+    for unit in [*units, root]:
+        for sub in unit.modules():
+            owner.setdefault(id(sub), unit)
+    return {id(unit): [sub for sub in unit.modules() if owner[id(sub)] is unit] for unit in [*units, root]}
+
+
+def _own_tensors(region: list[nn.Module]) -> list[torch.Tensor]:
+    """The parameters and buffers the region's modules hold themselves (a tied one once)."""
+    seen: dict[int, torch.Tensor] = {}
+    for sub in region:
+        for tensor in [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]:
+            seen.setdefault(id(tensor), tensor)
+    return list(seen.values())
+
+
+def _sync_region(region: list[nn.Module], fsdp1: types.SimpleNamespace, mesh: DeviceMesh) -> None:
+    """`sync_module_states=True` for one unit, just before it is sharded, as FSDP1 does it: the
+    unit's meta tensors are materialised (a rank that built the model on meta, the low-CPU-memory
+    recipe, must join the same broadcasts as rank 0), moved to `device_id` (NCCL cannot broadcast
+    tensors of a model rank 0 built on the CPU) and broadcast from the first rank. One unit at a
+    time: no rank ever holds more than one unit unsharded, or the recipe for models larger than one
+    device runs out of memory."""
+    if any(t.is_meta for t in _own_tensors(region)):
+        named = [("", sub) for sub in region]
+        _, error = materialize_region(named, _init_device(mesh.device_type), fsdp1.param_init_fn)
+        if error is not None:
+            raise error
+        problem = region_problem(named, fsdp1.param_init_fn)
+        if problem is not None:
+            raise ValueError(f"sync_module_states=True: {problem}")
+    _move_to_device(region, fsdp1.device_id)
+    _broadcast_from_first_rank(region, mesh)
 
 # CustomPolicy overrides: applied per unit, or not needed by FSDP2 (it schedules prefetching itself).
 _APPLIED_OVERRIDES = {"sharding_strategy", "mixed_precision", "cpu_offload"}
@@ -342,14 +382,15 @@ def _keep_norms_in_fp32(module, mixed_precision, policy, mesh, strategy, cpu_off
             fully_shard(unit, **kwargs)
 
 
-def _broadcast_from_first_rank(module: nn.Module, mesh: DeviceMesh) -> None:
-    """`sync_module_states=True`: every rank starts from the first rank's parameters and buffers.
+def _broadcast_from_first_rank(region: list[nn.Module], mesh: DeviceMesh) -> None:
+    """`sync_module_states=True`: every rank starts from the first rank's parameters and buffers
+    (those the region's modules hold themselves).
 
     Broadcasting along each mesh dimension from its first member reaches every rank (FSDP2 has
     no such flag; its recipe is a full state dict broadcast, which needs rank 0's copy anyway).
     """
     with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
+        for tensor in _own_tensors(region):
             for dim in range(mesh.ndim):
                 group = mesh.get_group(dim)
                 dist.broadcast(tensor, src=dist.get_global_rank(group, 0), group=group)
@@ -367,12 +408,16 @@ def _cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:
                 setattr(sub, name, buffer.to(dtype))
 
 
+def _init_device(device_type: str) -> torch.device:
+    """Where meta tensors get their storage: the CPU, or the current accelerator."""
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, torch.accelerator.current_device_index())
+
+
 def _materialize(module: nn.Module, param_init_fn, device_type: str) -> None:
     """FSDP2's meta-device recipe: shard first, then allocate and initialize."""
-    if device_type == "cpu":
-        device = torch.device("cpu")
-    else:
-        device = torch.device(device_type, torch.accelerator.current_device_index())
+    device = _init_device(device_type)
     if param_init_fn is not None:  # FSDP1 calls it on each module that holds meta tensors
         for sub in module.modules():
             local = [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]
@@ -453,9 +498,31 @@ def fsdp1_optim_state_dict_to_load(model: nn.Module, optim, optim_state_dict: di
     FSDP1 returned a dict for `optim.load_state_dict(...)`; DCP loads directly. Returning the
     loaded optimizer's own state dict keeps that following `load_state_dict` call harmless.
     Without `options`, those of an active `fsdp1_state_dict_type` context apply (FULL otherwise).
+    torch 2.0 took the arguments as `(optim_state_dict, model, optim)`; code written for it passes
+    them so, which the types show (a dict first, then the module), so that order is accepted too.
     """
-    set_optimizer_state_dict(model, optim, optim_state_dict, options=options or _active_options(model, True))
+    if isinstance(model, dict) and isinstance(optim, nn.Module):
+        model, optim, optim_state_dict = optim, optim_state_dict, model
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"fsdp1_optim_state_dict_to_load: model={type(model).__name__} is not a module; pass "
+            "(model, optim, optim_state_dict) as torch 2.1+ does, or torch 2.0's (optim_state_dict, model, optim)."
+        )
+    options = _as_load_options(options or _active_options(model, True))
+    if options.broadcast_from_rank0 and optim_state_dict is None:
+        optim_state_dict = {}  # FSDP1's rank0_only load: the ranks after 0 pass None
+    set_optimizer_state_dict(model, optim, optim_state_dict, options=options)
     return optim.state_dict()
+
+
+def _as_load_options(options: StateDictOptions) -> StateDictOptions:
+    """Options for loading an optimizer state, from those that would take it under the same FSDP1
+    config. A full state dict offloaded to the CPU means FSDP1's rank0_only there (DCP's
+    cpu_offload is "rank 0 only, on the CPU"); loading under rank0_only, rank 0 passes the full
+    state and FSDP1 broadcasts it to the other ranks, which is DCP's broadcast_from_rank0."""
+    if options.full_state_dict and options.cpu_offload:
+        return dataclasses.replace(options, cpu_offload=False, broadcast_from_rank0=True)
+    return options
 
 
 # --------------------------------------------------------------------------------------------
@@ -484,11 +551,18 @@ def _holds_fsdp2(module: Any) -> bool:
     return isinstance(module, nn.Module) and any(isinstance(m, FSDPModule) for m in module.modules())
 
 
-def _active_options(model: nn.Module, for_optimizer: bool) -> StateDictOptions:
+def _active_setting(model: nn.Module) -> _Setting | None:
     for setting in reversed(_ACTIVE):
         if setting.module is model or any(sub is model for sub in setting.module.modules()):
-            return setting.optim if for_optimizer else setting.model
-    return StateDictOptions(full_state_dict=True)  # FSDP1's default state-dict type is FULL
+            return setting
+    return None
+
+
+def _active_options(model: nn.Module, for_optimizer: bool) -> StateDictOptions:
+    setting = _active_setting(model)
+    if setting is None:
+        return StateDictOptions(full_state_dict=True)  # FSDP1's default state-dict type is FULL
+    return setting.optim if for_optimizer else setting.model
 
 
 @contextlib.contextmanager
@@ -545,13 +619,37 @@ def fsdp1_optim_state_dict(model: nn.Module, optim, options: StateDictOptions | 
     FSDP1 returns copies; DCP hands back some of the optimizer's own state tensors (Adam's
     `step`, unsharded entries), which later steps would change under a state dict kept in memory.
     Those are copied.
+
+    With no options and no active setting, FSDP1's default optimizer config applies (a full state
+    dict on every rank, offloaded to the CPU): DCP offloads a full state dict only on rank 0, so
+    every rank gathers it and moves it to the CPU here, with a warning where that gather went
+    through device memory (FSDP1 offloads one parameter's state at a time).
     """
+    default = options is None and _active_setting(model) is None
     state = get_optimizer_state_dict(model, optim, options=options or _active_options(model, True))
+    if default:
+        state = _on_cpu(state)
     live = {id(value) for entry in optim.state.values() for value in entry.values() if torch.is_tensor(value)}
     for entry in state.get("state", {}).values():
         for key, value in entry.items():
             if id(value) in live:
                 entry[key] = value.detach().clone()
+    return state
+
+
+def _on_cpu(state: dict) -> dict:
+    """An optimizer state dict with its state tensors on the CPU (warned when any was not)."""
+    moved = False
+    for entry in state.get("state", {}).values():
+        for key, value in entry.items():
+            if torch.is_tensor(value) and value.device.type != "cpu":
+                entry[key], moved = value.cpu(), True
+    if moved:
+        warnings.warn(
+            "FSDP.optim_state_dict outside a state_dict_type context (FSDP1's default optimizer config: "
+            "full on every rank, offloaded to the CPU): every rank gathered the full optimizer state in "
+            "device memory before moving it to the CPU. Pass options=StateDictOptions(full_state_dict=True, "
+            "cpu_offload=True) if rank 0's copy is enough.", stacklevel=3)
     return state
 
 

@@ -133,3 +133,29 @@ def test_comment_inside_multiline_policy_argument():
         output, _ = transform_source(source, target)
         assert "# decoder layers only" in output
         assert transform_source(output, target)[0] == output
+
+
+def test_a_declared_latin_1_file_is_read_and_written_in_latin_1():
+    """PEP 263: `# coding: latin-1` is valid Python; the rewrite keeps its encoding and bytes."""
+    from fsdp_bridge.migrate.files import decode_python
+
+    data = ("# -*- coding: latin-1 -*-\n# Modèle réparti\n" + FSDP1).encode("latin-1")
+    source, encode = decode_python(data)
+    assert source.startswith("# -*- coding: latin-1 -*-\n# Modèle réparti\n")
+    output, _ = transform_source(source, "fsdp2")
+    written = encode(output)
+    assert written.decode("latin-1") == output and b"Mod\xe8le r\xe9parti" in written
+    assert b"fully_shard(model)" in written
+
+
+def test_decoding_keeps_a_bom_and_rejects_bytes_the_declaration_cannot_read():
+    import pytest
+
+    from fsdp_bridge.migrate.files import decode_python
+
+    source, encode = decode_python(codecs.BOM_UTF8 + FSDP1.encode())
+    assert source == FSDP1 and encode(source) == codecs.BOM_UTF8 + FSDP1.encode()
+    with pytest.raises((SyntaxError, UnicodeDecodeError)):
+        decode_python(b"x = 1\ny = 2\nz = '\xe9'\n")  # no declaration: UTF-8, and \xe9 alone is not UTF-8
+    with pytest.raises(SyntaxError):
+        decode_python(b"# coding: no-such-codec\nx = 1\n")

@@ -27,16 +27,36 @@ def _checks(rank, world_size):
     # cannot broadcast a model rank 0 built on the CPU).
     steps = []
     move, broadcast = runtime._move_to_device, runtime._broadcast_from_first_rank
-    runtime._move_to_device = lambda module, device_id: (steps.append(("move", str(device_id))),
-                                                         move(module, device_id))
-    runtime._broadcast_from_first_rank = lambda module, mesh: (
-        steps.append(("broadcast", next(module.parameters()).device.type)), broadcast(module, mesh))
+    runtime._move_to_device = lambda region, device_id: (steps.append(("move", str(device_id))),
+                                                         move(region, device_id))
+    runtime._broadcast_from_first_rank = lambda region, mesh: (
+        steps.append(("broadcast", next(region[0].parameters()).device.type)), broadcast(region, mesh))
     try:
         runtime.fsdp1_fully_shard(nn.Linear(4, 4), sync_module_states=True, device_id=torch.device("cpu"))
     finally:
         runtime._move_to_device, runtime._broadcast_from_first_rank = move, broadcast
     results["sync steps"] = steps
+    results["unsharded at each init"] = _unsharded_while_initialising(runtime)
     return results
+
+
+def _unsharded_while_initialising(runtime):
+    """A model built on meta, synced with sync_module_states and a param_init_fn, under a wrap
+    policy of three blocks: how many of its parameters are materialised and not yet sharded each
+    time param_init_fn runs. FSDP1 does one unit at a time, so never more than one block's."""
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)) for _ in range(3)])
+    counts = []
+
+    def init(module):
+        module.to_empty(device=torch.device("cpu"), recurse=False)
+        counts.append(sum(not p.is_meta and type(p) is nn.Parameter for p in model.parameters()))
+
+    runtime.fsdp1_fully_shard(model, auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}), sync_module_states=True,
+                              param_init_fn=init, device_id=torch.device("cpu"))
+    return counts
 
 
 def test_runtime_helpers_in_a_process_group():
@@ -45,3 +65,6 @@ def test_runtime_helpers_in_a_process_group():
     assert result["fsdp1 roots"] is True
     assert result["fsdp2 units"] == [True, True]
     assert result["sync steps"] == [("move", "cpu"), ("broadcast", "cpu")]
+    # Four parameters per block (two Linear layers): the second block is materialised after the
+    # first is sharded (its parameters are DTensors then), and so on.
+    assert result["unsharded at each init"] == [2, 4, 2, 4, 2, 4]

@@ -1,7 +1,8 @@
 """A runnable FSDP1 fixture in the low-CPU-memory style: rank 0 builds the real model, the other
 ranks build it on the meta device, and `sync_module_states=True` with a `param_init_fn` makes
 every rank start from rank 0's weights. `--to fsdp2` routes the constructor through the runtime
-helper, which must materialise the meta tensors before it broadcasts (or the ranks deadlock).
+helper, which must materialise the meta tensors before it broadcasts (or the ranks deadlock), one
+unit of the wrap policy at a time as FSDP1 does.
 
 Native FSDP1 refuses `sync_module_states=True` on CPU, so its run here is `low_memory=False`
 (every rank builds the same seeded model): the numbers the low-memory recipe must reproduce."""
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import ShardingStrategy
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
 
 def build():
@@ -32,6 +34,7 @@ def train(rank, steps=3, low_memory=True):
     model = FSDP(
         model,
         sharding_strategy=ShardingStrategy.FULL_SHARD,
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
         device_id=torch.device("cpu"),
         sync_module_states=low_memory,
         param_init_fn=init_on_cpu if low_memory else None,
