@@ -21,7 +21,6 @@ process goes away.
 
 from __future__ import annotations
 
-import codecs
 import ctypes
 import dataclasses
 import hashlib
@@ -35,7 +34,14 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, Iterable, Iterator
 
 from fsdp_bridge.codemods import rules
-from fsdp_bridge.migrate.files import NOTEBOOK_SUFFIXES, PREFILTER, YAML_FSDP, YAML_SUFFIXES, may_use_fsdp
+from fsdp_bridge.migrate.files import (
+    NOTEBOOK_SUFFIXES,
+    PREFILTER,
+    YAML_FSDP,
+    YAML_SUFFIXES,
+    decode_python,
+    may_use_fsdp,
+)
 from fsdp_bridge.outputs import atomic_path
 
 TARGETS = ("bridge", "fsdp2", "yafsdp")
@@ -145,20 +151,23 @@ def process(path: str, target: str, kept_elsewhere: tuple[str, ...] = ()) -> Fil
     if not may_use_fsdp(data, target):
         return result
     result.parsed = True
-    # A UTF-8 byte-order mark is kept as it was; the codemods see the text after it.
-    bom = codecs.BOM_UTF8 if data.startswith(codecs.BOM_UTF8) else b""
+    # Decoded as Python decodes it (UTF-8, a PEP 263 declaration such as latin-1, a kept
+    # byte-order mark), and written back in the same encoding.
     try:
-        source = data[len(bom):].decode("utf-8")
+        source, encode = decode_python(data)
+    except (SyntaxError, UnicodeDecodeError) as exc:
+        result.error = f"cannot decode as Python source: {exc}"
+        return result
+    try:
         new_source, result.sites, facts = transform_with_facts(source, target, path, kept_elsewhere)
         result.kept_fsdp1, result.narrowed = list(facts["kept"]), facts["narrowed"]
-    except UnicodeDecodeError as exc:
-        result.error = f"not UTF-8: {exc}"
+        if new_source != source:
+            result.new_source = encode(new_source)
+    except UnicodeEncodeError as exc:
+        result.error = f"the rewrite holds a character the file's encoding cannot write: {exc}"
     except Exception as exc:  # a parse error (libcst.ParserSyntaxError) or a codemod bug
         message = str(exc).strip().splitlines()
         result.error = f"{type(exc).__name__}: {message[0] if message else ''}"
-    else:
-        if new_source != source:
-            result.new_source = bom + new_source.encode("utf-8")
     return result
 
 

@@ -159,3 +159,15 @@ def test_decoding_keeps_a_bom_and_rejects_bytes_the_declaration_cannot_read():
         decode_python(b"x = 1\ny = 2\nz = '\xe9'\n")  # no declaration: UTF-8, and \xe9 alone is not UTF-8
     with pytest.raises(SyntaxError):
         decode_python(b"# coding: no-such-codec\nx = 1\n")
+
+
+def test_migrate_rewrites_a_declared_latin_1_file_in_latin_1(tmp_path, capsys):
+    """The command itself (not only the decoder) takes a PEP 263 latin-1 file: exit 0, the file
+    rewritten in latin-1 with its accented comment byte for byte (it was refused, exit 2)."""
+    path = tmp_path / "train.py"
+    path.write_bytes(("# -*- coding: latin-1 -*-\n# Modèle réparti\n" + FSDP1).encode("latin-1"))
+    assert main(["migrate", str(path), "--to", "fsdp2", "--write"]) == 0
+    written = path.read_bytes()
+    assert written.startswith(b"# -*- coding: latin-1 -*-\n# Mod\xe8le r\xe9parti\n")
+    assert b"fully_shard(model)" in written
+    assert written.decode("latin-1") != ("# -*- coding: latin-1 -*-\n# Modèle réparti\n" + FSDP1)
