@@ -3,6 +3,7 @@ ranks, and preparing module buffers (dtype, rank 0's values)."""
 
 from __future__ import annotations
 
+import collections
 import difflib
 import warnings
 from typing import Callable, Optional
@@ -52,38 +53,68 @@ def function_name(function: Callable) -> str:
 
 
 def unit_regions(module: nn.Module, unit_names) -> dict[str, list[tuple[str, nn.Module]]]:
-    """Each unit's region (see [Note: a unit at a time]), outermost module first."""
+    """Each unit's region (see [Note: a unit at a time]) in breadth-first order from the unit's
+    module, the order in which FSDP1 materialises (so the RNG draws of `reset_parameters` and
+    of `param_init_fn` land on the same tensors as natively)."""
+    names = {id(submodule): name for name, submodule in module.named_modules()}
     regions: dict[str, list[tuple[str, nn.Module]]] = {name: [] for name in unit_names}
-    for name, submodule in module.named_modules():
+    for submodule in _breadth_first(module):
+        name = names[id(submodule)]
         regions[innermost_common_unit([name], list(unit_names))].append((name, submodule))
     return regions
+
+
+def _breadth_first(module: nn.Module) -> list[nn.Module]:
+    order, queue, seen = [], collections.deque([module]), {id(module)}
+    while queue:
+        current = queue.popleft()
+        order.append(current)
+        for child in current.children():
+            if id(child) not in seen:
+                seen.add(id(child))
+                queue.append(child)
+    return order
 
 
 def materialize_region(
     region: list[tuple[str, nn.Module]], device: torch.device,
     param_init_fn: Optional[Callable[[nn.Module], None]],
 ) -> tuple[bool, Optional[Exception]]:
-    """Give storage to the meta modules of one region, outermost first: `param_init_fn` on each
-    module that still has meta parameters or buffers of its own (FSDP1/YaFSDP semantics), else
-    `to_empty(device, recurse=False)` and the module's own `reset_parameters()`. Returns whether
-    anything was materialised, and what the initialisation raised (not raised here: every rank
-    first learns whether the others failed too, see `agree_on_unit`)."""
-    materialised = False
+    """Give storage to one region whose modules hold meta parameters or buffers, as FSDP1
+    does: `param_init_fn` on every module of the region, containers included, breadth-first;
+    without one, `to_empty(device, recurse=False)` and `reset_parameters()` on every module that
+    has parameters or buffers of its own (one without `reset_parameters` is refused, as FSDP1
+    refuses it). Returns whether anything was materialised, and what the initialisation raised
+    (not raised here: every rank first learns whether the others failed too, see
+    `agree_on_unit`)."""
+    if not any(_has_meta_state(submodule) for _, submodule in region):
+        return False, None
     try:
-        for _, submodule in region:
-            if not _has_meta_state(submodule):
-                continue
-            materialised = True
-            if param_init_fn is not None:
+        if param_init_fn is not None:
+            for _, submodule in region:
                 param_init_fn(submodule)
-                continue
-            submodule.to_empty(device=device, recurse=False)
-            reset = getattr(submodule, "reset_parameters", None)
-            if callable(reset):
-                reset()
+            return True, None
+        with torch.no_grad():
+            for name, submodule in region:
+                if next(_named_states(submodule), None) is None:
+                    continue
+                submodule.to_empty(device=device, recurse=False)
+                _reset(name, submodule)
     except Exception as error:  # noqa: BLE001 - re-raised by agree_on_unit on every rank
-        return materialised, error
-    return materialised, None
+        return True, error
+    return True, None
+
+
+def _reset(name: str, module: nn.Module) -> None:
+    reset = getattr(module, "reset_parameters", None)
+    if not callable(reset):
+        raise AttributeError(
+            f"module {name or '<root>'!r} ({type(module).__name__}) has parameters or buffers "
+            "on the meta device and no reset_parameters() to initialise them (FSDP1 refuses it "
+            "too). Pass param_init_fn=... that materialises and initialises the module it is "
+            "given, e.g. `lambda m: m.to_empty(device=device, recurse=False)` followed by your "
+            "init, or build the model on a real device.")
+    reset()
 
 
 def region_problem(region: list[tuple[str, nn.Module]],
