@@ -72,3 +72,17 @@ def test_save_records_the_files_the_checkpoint_holds(tmp_path):
     torch.testing.assert_close(loaded["w"], state["w"], rtol=0, atol=0)
     torch.testing.assert_close(loaded["inner"]["b"], state["inner"]["b"], rtol=0, atol=0)
     assert loaded["step"] == 7
+
+
+def test_every_module_of_the_package_imports():
+    """On every supported torch (a name torch added later breaks an import at once)."""
+    import pkgutil
+
+    import fsdp_bridge
+
+    skipped = ("fsdp_bridge.__main__", "fsdp_bridge.harness._site")
+    names = [info.name for info in pkgutil.walk_packages(fsdp_bridge.__path__, "fsdp_bridge.")
+             if not info.name.startswith(skipped)]
+    assert "fsdp_bridge.fsdp.fully_sharded_data_parallel" in names
+    for name in names:
+        importlib.import_module(name)
