@@ -160,14 +160,11 @@ def write(state: dict, path: str, fmt: str) -> None:
                 os.fsync(handle.fileno())
             _replace_file(tmp, path)
         elif fmt == "dcp":
+            import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint import FileSystemWriter
-            from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
             os.makedirs(tmp)
-            # What dcp.save does, always local (offline, even inside a process group): the
-            # `no_dist` argument of dcp.save is not in every torch we support (2.6 lacks it).
-            _save_state_dict(state, storage_writer=FileSystemWriter(tmp, sync_files=True),
-                             no_dist=True)
+            dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True), no_dist=True)
             _publish_with_manifest(tmp, path, token, "dcp")
         elif fmt == "safetensors":
             from safetensors.torch import save_file

@@ -6,7 +6,7 @@ them with ours); `FullyShardedDataParallel`, `fully_shard`, `FSDPModule` (with `
 `register_fsdp_forward_method`) and `share_comm_ctx` are ours.
 Also reachable as `fsdp_bridge.fsdp.fully_sharded_data_parallel` and, for FSDP2's legacy path
 `torch.distributed._composable.fsdp`, this module itself.
-Names torch added after our oldest supported torch (`NEWER_TORCH`) are re-exported when the
+Names torch added after our oldest supported torch (`_NEWER_TORCH`) are re-exported where the
 installed torch has them.
 """
 
@@ -73,10 +73,6 @@ __all__ = [
 # Torch's names that only newer releases have (name -> the torch that has it).
 _NEWER_TORCH = {"DataParallelMeshDims": ">= 2.12"}
 __all__ += _newer_torch.reexport(globals(), _torch_fsdp, _NEWER_TORCH)
-# Our share_comm_ctx works on every torch; `__all__` lists it where torch's does (2.6 does not),
-# so that a star import brings what torch's would.
-if "share_comm_ctx" not in _torch_fsdp.__all__:
-    __all__.remove("share_comm_ctx")
 
 
 def __getattr__(name: str):

@@ -18,7 +18,6 @@ from typing import Callable, Iterable, Optional, Union
 
 import torch
 import torch.distributed as dist
-import torch.distributed.fsdp.fully_sharded_data_parallel as _torch_fsdp1
 from torch import nn
 
 # Everything else torch's `torch.distributed.fsdp.fully_sharded_data_parallel` exposes, as
@@ -54,26 +53,18 @@ from torch.distributed.fsdp.fully_sharded_data_parallel import (  # noqa: F401
     StateDictSettings,
     StateDictType,
     TrainingState,
+    copy_method_params,
+    copy_method_sig,
     traversal_utils,
 )
 
 from fsdp_bridge import devices, engine
-from fsdp_bridge.fsdp import _newer_torch
 from fsdp_bridge.fsdp._fsdp1_translate import FRONTEND, build_plan, parse_sharding_strategy
 from fsdp_bridge.topology import Topology, resolve_topology
 from fsdp_bridge.translation import bad_argument
 from fsdp_bridge.wrapper import ShardedWrapper, shard_flat
 
 __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]  # torch's, name for name
-
-# Torch's names that only newer releases have (name -> the torch that has it; the oldest
-# release known to have these is 2.11, 2.6 does not).
-_NEWER_TORCH = {"copy_method_params": "newer than 2.6", "copy_method_sig": "newer than 2.6"}
-_newer_torch.reexport(globals(), _torch_fsdp1, _NEWER_TORCH)
-
-
-def __getattr__(name: str):
-    raise _newer_torch.missing(__name__, _torch_fsdp1.__name__, _NEWER_TORCH, name)
 
 
 def resolve_device(device_id) -> Optional[torch.device]:
