@@ -247,7 +247,11 @@ def case_optimizers(rank, world):
 def case_bf16_vs_fsdp2(rank, world):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from tests.native_torch import fsdp2_unavailable
+
     ours = result(rank, world, yafsdp_llama(M.tiny_llama(), param_dtype=torch.bfloat16))
+    if fsdp2_unavailable():
+        return {"ours": ours, "unavailable": fsdp2_unavailable()}
     native = M.tiny_llama()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in native.model.layers:

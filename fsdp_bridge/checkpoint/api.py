@@ -101,6 +101,21 @@ def _checks_and_lock(state: dict, path: str, overwrite: bool, held: contextlib.E
     return None
 
 
+def _saved_files(tmp: str, path: str, discard) -> list:
+    """The files of the checkpoint just written to `tmp`, as its `.metadata` file lists them
+    (read by rank 0, shared with every rank). Read back from the directory, not taken from what
+    `dcp.save` returns: torch 2.9 to 2.11 return metadata whose `storage_data` is None (they
+    fill it on a copy), while the file on disk is complete."""
+    files, error = None, None
+    if world_rank() == 0:
+        try:
+            files = sorted({*validate.data_files(validate.read_metadata(tmp)), ".metadata"})
+        except BaseException as exc:  # noqa: BLE001 - reported on every rank
+            error = save_checks.explain(exc, path)
+    _fail_together(error, f"saving {path!r}", discard)
+    return _agree(files)
+
+
 def save(state_dict: dict, path: str, *, overwrite: bool = False) -> str:
     """`dcp.save(state_dict)` into `path`, atomically (see [Note: atomic checkpoints]): after
     a crash, `path` holds the previous checkpoint (or nothing), never a partial one. A
@@ -131,16 +146,13 @@ def save(state_dict: dict, path: str, *, overwrite: bool = False) -> str:
             except OSError as exc:
                 error = save_checks.explain(exc, path)
         _fail_together(error, f"saving {path!r}", discard)
-        metadata = None
-        try:
-            metadata = dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True),
-                                no_dist=not _distributed())
+        try:  # a collective when a process group exists, local otherwise (torch decides)
+            dcp.save(state, storage_writer=FileSystemWriter(tmp, sync_files=True))
         except BaseException as exc:  # noqa: BLE001 - reported after cleaning up on every rank
             error = save_checks.explain(exc, path)
         _fail_together(error, f"saving {path!r}", discard)
+        files = _saved_files(tmp, path, discard)
         try:
-            files = sorted({info.relative_path for info in metadata.storage_data.values()}
-                           | {".metadata"})
             sums = manifest.checksums(tmp, _share(files))
         except BaseException as exc:  # noqa: BLE001
             error, sums = save_checks.explain(exc, path), {}
@@ -161,7 +173,7 @@ def _verify_checksums(path: str, metadata) -> None:
     data = manifest.read(path)
     problems = []
     if data is not None:
-        stored = {info.relative_path for info in (metadata.storage_data or {}).values()}
+        stored = set(validate.data_files(metadata))
         listed = set(data.get("sha256", {}))
         problems += [f"{name!r} is not listed in the manifest"
                      for name in sorted(stored - listed)] if not data.get("damaged") else []
@@ -190,7 +202,7 @@ def load(state_dict: dict, path: str, *, strict: bool = True) -> str:
     statefuls = {k: v for k, v in state_dict.items() if isinstance(v, Stateful)}
     plain = {k: (v.state_dict() if k in statefuls else v) for k, v in state_dict.items()}
     validate.check_contents(path, metadata, plain, strict=strict)
-    dcp.load(plain, storage_reader=FileSystemReader(path), no_dist=not _distributed())
+    dcp.load(plain, storage_reader=FileSystemReader(path))  # a collective when distributed
     for key, obj in statefuls.items():
         obj.load_state_dict(plain[key])
     for key, value in plain.items():

@@ -29,6 +29,11 @@ def read_metadata(path: str):
             "truncated or corrupt.") from exc
 
 
+def data_files(metadata) -> list[str]:
+    """The data files `metadata` (read from a checkpoint's `.metadata`) places items in."""
+    return sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+
+
 def check_files(path: str, metadata) -> None:
     """Every data file is at least as long as the items stored in it."""
     needed: dict[str, int] = {}

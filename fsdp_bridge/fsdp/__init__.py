@@ -6,13 +6,15 @@ them with ours); `FullyShardedDataParallel`, `fully_shard`, `FSDPModule` (with `
 `register_fsdp_forward_method`) and `share_comm_ctx` are ours.
 Also reachable as `fsdp_bridge.fsdp.fully_sharded_data_parallel` and, for FSDP2's legacy path
 `torch.distributed._composable.fsdp`, this module itself.
+Names torch added after our oldest supported torch (`_NEWER_TORCH`) are re-exported where the
+installed torch has them.
 """
 
+import torch.distributed.fsdp as _torch_fsdp
 from torch.distributed.fsdp import (  # noqa: F401  (torch's own objects)
     BackwardPrefetch,
     CPUOffload,
     CPUOffloadPolicy,
-    DataParallelMeshDims,
     FlatParameter,
     FullOptimStateDictConfig,
     FullStateDictConfig,
@@ -31,7 +33,7 @@ from torch.distributed.fsdp import (  # noqa: F401  (torch's own objects)
     StateDictType,
 )
 
-from fsdp_bridge.fsdp import api, fully_sharded_data_parallel, wrap  # noqa: F401
+from fsdp_bridge.fsdp import _newer_torch, api, fully_sharded_data_parallel, wrap  # noqa: F401
 from fsdp_bridge.fsdp._comm_ctx import share_comm_ctx
 from fsdp_bridge.fsdp._fully_shard import (
     FSDPModule,
@@ -65,6 +67,13 @@ __all__ = [
     "OffloadPolicy",
     "register_fsdp_forward_method",
     "UnshardHandle",
-    "DataParallelMeshDims",
     "share_comm_ctx",
 ]
+
+# Torch's names that only newer releases have (name -> the torch that has it).
+_NEWER_TORCH = {"DataParallelMeshDims": ">= 2.12"}
+__all__ += _newer_torch.reexport(globals(), _torch_fsdp, _NEWER_TORCH)
+
+
+def __getattr__(name: str):
+    raise _newer_torch.missing(__name__, "torch.distributed.fsdp", _NEWER_TORCH, name)

@@ -427,6 +427,10 @@ def hf_interop(rank, world, directory, model_name):
 
 def native_fsdp2_interop(rank, world, directory, model_name="llama"):
     """native FSDP2 (dcp.save of torch's own state dicts) -> ours, and ours -> native FSDP2."""
+    from tests.native_torch import fsdp2_unavailable
+
+    if fsdp2_unavailable():
+        return {"unavailable": fsdp2_unavailable()}
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 

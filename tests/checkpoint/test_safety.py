@@ -94,7 +94,7 @@ def test_manager_keeps_its_newest_and_never_removes_what_it_did_not_write(tmp_pa
 
     before = user_files.make(tmp_path / "run")
     foreign = tmp_path / "run" / "step_00000000"  # a DCP checkpoint another tool wrote
-    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(foreign), no_dist=True)
+    dcp.save({"w": torch.ones(2)}, checkpoint_id=str(foreign))  # no process group: local
     foreign_digests = user_files.digests(foreign)
     model = torch.nn.Linear(3, 2)
     manager = checkpoint.CheckpointManager(str(tmp_path / "run"), keep=1)

@@ -21,6 +21,7 @@ from torch.nn.utils import clip_grad_norm_, clip_grads_with_norm_, get_total_nor
 
 from tests import models as M
 from tests.frontends.parity_cases import _model, dialect
+from tests.native_torch import fsdp2_case
 from tests.world import run_case_table
 
 WHICH = ("native", "ours")
@@ -629,6 +630,7 @@ def bad_inputs(rank, world):
 
 
 def _both(fn, *args, **kwargs):
+    @fsdp2_case
     def run(rank, world):
         out = {}
         for which in WHICH:

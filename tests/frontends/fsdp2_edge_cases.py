@@ -269,6 +269,12 @@ def list_call(which, rank, world):
     return out
 
 
+# The FSDPModule methods `surface` calls (not all in every torch's).
+SURFACE_METHODS = ("set_post_optim_event", "set_reduce_scatter_max_input_buffers",
+                   "set_separate_reduce_scatter_group",
+                   "set_allocate_memory_from_process_group_for_comm")
+
+
 def surface(which, rank, world):
     """What third-party code checks and calls on a fully_shard-ed module."""
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule

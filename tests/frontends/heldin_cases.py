@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests import models as M
+from tests.native_torch import fsdp2_case
 
 
 @dataclasses.dataclass(frozen=True)
@@ -585,6 +586,9 @@ def _limit_all_gathers_vs_native(rank, world):
 
 
 def _share_comm_ctx_vs_native(rank, world):
+    if not hasattr(_fsdp("native"), "share_comm_ctx"):
+        return {"unavailable": f"torch {torch.__version__} has no "
+                               "torch.distributed.fsdp.share_comm_ctx"}
     result = {}
     for which in ("native", "ours"):
         fsdp = _fsdp(which)
@@ -657,7 +661,8 @@ def _torchacc_lazy_buckets(rank, world):
 WORLD_CASES = {
     "fsdp1 nested inner clip_grad_norm_ / no_sync vs native": _nested_vs_native,
     "fsdp1 limit_all_gathers=False trains like native": _limit_all_gathers_vs_native,
-    "fsdp2 share_comm_ctx of fully_shard modules trains like native": _share_comm_ctx_vs_native,
+    "fsdp2 share_comm_ctx of fully_shard modules trains like native":
+        fsdp2_case(_share_comm_ctx_vs_native),
     "yafsdp accumulation of 2 stepping every 2 = reference": _yafsdp_declared_accumulation,
     "yafsdp stepping every micro-step refused on every rank": _yafsdp_step_every_micro_step,
     "zeta auto_wrap with the model's block trains like the reference": _zeta_blocks,

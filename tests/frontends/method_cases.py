@@ -23,6 +23,7 @@ from torch import nn
 
 from tests import models as M
 from tests.frontends.parity_cases import _layer_cls, _model, dialect, wrap_module
+from tests.native_torch import fsdp2_case
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -429,13 +430,13 @@ CASES = {
     "fsdp1_optim_ignored_module": _optim_ignored_module,
     "fsdp1_state_dicts": _both(fsdp1_state_dicts),
     "fsdp1_sharding_strategy": _both(fsdp1_sharding_strategy),
-    "fsdp2_forward_method": _both(fsdp2_forward_method),
-    "fsdp2_tied_list": _both(fsdp2_tied_list),
-    "fsdp2_unshard_reshard": _both(fsdp2_unshard_reshard),
-    "fsdp2_grad_sync": _both(fsdp2_grad_sync),
-    "fsdp2_divide_sum_all": _both(fsdp2_divide_factor, 1.0, "all"),
-    "fsdp2_divide_root_only": _both(fsdp2_divide_factor, 4.0, "root"),
-    "fsdp2_divide_world": _both(fsdp2_divide_factor, 2.0, "all"),
+    "fsdp2_forward_method": fsdp2_case(_both(fsdp2_forward_method)),
+    "fsdp2_tied_list": fsdp2_case(_both(fsdp2_tied_list)),
+    "fsdp2_unshard_reshard": fsdp2_case(_both(fsdp2_unshard_reshard)),
+    "fsdp2_grad_sync": fsdp2_case(_both(fsdp2_grad_sync)),
+    "fsdp2_divide_sum_all": fsdp2_case(_both(fsdp2_divide_factor, 1.0, "all")),
+    "fsdp2_divide_root_only": fsdp2_case(_both(fsdp2_divide_factor, 4.0, "root")),
+    "fsdp2_divide_world": fsdp2_case(_both(fsdp2_divide_factor, 2.0, "all")),
 }
 
 

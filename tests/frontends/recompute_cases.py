@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tests import models as M
 from tests.frontends.parity_cases import _layer_cls, _model, dialect
+from tests.native_torch import fsdp2_case
 from tests.world import run_case_table
 
 STEPS = 3
@@ -193,6 +194,7 @@ def compiled(which, rank, world):
 
 
 def _both(fn, *args):
+    @fsdp2_case
     def run(rank, world):
         out = {}
         for which in ("native", "ours"):

@@ -15,6 +15,7 @@ import torch
 from fsdp_bridge.translation import FsdpBridgeWarning
 from tests import models as M
 from tests.frontends import heldin_cases as H
+from tests.native_torch import skip_native
 from tests.world import run_world
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -74,6 +75,7 @@ def _result(world, name):
         value = results[name]
         if isinstance(value, dict) and "error" in value:
             pytest.fail(f"{name} failed on rank {rank}:\n{value['error']}")
+    skip_native(world[0][name])
     return world[0][name]
 
 

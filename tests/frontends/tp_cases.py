@@ -15,6 +15,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from tests import models as M
 from tests.frontends.parity_cases import dialect
+from tests.native_torch import fsdp2_case
 from tests.world import device_type, run_case_table
 
 STEPS = 3
@@ -84,6 +85,7 @@ def load_other(which, rank, world, directory):
 
 
 def _both(fn, directory):
+    @fsdp2_case
     def run(rank, world):
         out = {}
         for which in ("native", "ours"):
