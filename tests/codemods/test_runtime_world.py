@@ -66,5 +66,6 @@ def test_runtime_helpers_in_a_process_group():
     assert result["fsdp2 units"] == [True, True]
     assert result["sync steps"] == [("move", "cpu"), ("broadcast", "cpu")]
     # Four parameters per block (two Linear layers): the second block is materialised after the
-    # first is sharded (its parameters are DTensors then), and so on.
-    assert result["unsharded at each init"] == [2, 4, 2, 4, 2, 4]
+    # first is sharded (its parameters are DTensors then), and so on. param_init_fn is called on
+    # every module of a unit, the block's container first (as FSDP1 does).
+    assert result["unsharded at each init"] == [0, 2, 4, 0, 2, 4, 0, 2, 4]
