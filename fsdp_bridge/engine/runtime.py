@@ -677,10 +677,13 @@ class ShardedModel:
         is divided before the reduction by the largest power of two at most the square root of
         the divisor that divides it, and the reduced shard by the rest after it, in fp16, one
         reduction at a time. Other dtypes are summed and divided once, when the step's
-        gradient is complete (in fp32 and bf16 this is what an averaging reduction computes)."""
-        if group.reduce_dtype != torch.float16:
-            return 1.0, 1.0
+        gradient is complete (in fp32 and bf16 this is what an averaging reduction computes),
+        or after each reduction under an all-reduce hook (see [Note: all-reduce hook])."""
+        if not self._divides_each_reduce(group):
+            return 1.0, 1.0  # divided once, by finalize_grads
         factor = self._divisor_of(self.unit_of_group[id(group)])
+        if group.reduce_dtype != torch.float16:
+            return 1.0, factor
         pre = 1
         while factor % pre == 0 and factor / pre > pre:
             pre *= 2
