@@ -13,7 +13,7 @@ shard joins its gradient at once.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -27,15 +27,18 @@ class GradOffload:
     """Queues reduced shards' copies to the host and lands them at the end of backward."""
 
     def __init__(self, device: torch.device):
-        self.stream = torch.cuda.Stream(device) if has_streams(device) else None
+        self.device = device
+        self.stream: Optional[torch.cuda.Stream] = None  # made on first use: offload only
         self.in_flight: list[tuple["FlatGroup", torch.Tensor]] = []
 
     def accumulate(self, group: "FlatGroup", reduced: torch.Tensor) -> None:
         """Add `reduced` into `group`'s gradient: now, or once its copy to the host landed."""
-        if (self.stream is None or group.master.device.type != "cpu"
+        if (not has_streams(self.device) or group.master.device.type != "cpu"
                 or reduced.device.type != "cuda"):
             group.accumulate(reduced)
             return
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
         on_device = reduced.to(group.master.dtype)  # no copy when the dtypes agree
         host = torch.empty(reduced.shape, dtype=group.master.dtype, pin_memory=True)
         self.stream.wait_stream(torch.cuda.current_stream(reduced.device))

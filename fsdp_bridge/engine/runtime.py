@@ -343,10 +343,7 @@ class ShardedModel:
             if unit.reshard_after_forward:
                 self._remove_views(unit)
                 self._release_buffers_of(unit)
-            tensors = [t for t in tree_leaves(output)
-                       if isinstance(t, torch.Tensor) and t.requires_grad]
-            if torch.is_grad_enabled() and tensors:
-                register_multi_grad_hook(tensors, self._make_pre_backward(unit), mode="any")
+            self._hook_backward(unit, output)
             return None
 
         self.hook_handles.append(
@@ -393,12 +390,7 @@ class ShardedModel:
             # its weights for the backward that follows it.)
             if unit.reshard_after_forward and self.phase is StepPhase.FORWARD:
                 self._release_buffers_of(unit)
-            if torch.is_grad_enabled():
-                tensors = [
-                    t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
-                ]
-                if tensors:
-                    register_multi_grad_hook(tensors, self._make_pre_backward(unit), mode="any")
+            self._hook_backward(unit, output)
             if unit.is_root and self.forward_order:
                 # A prefetch for a unit this forward did not run must not hold its weights
                 # through the turn to backward.
@@ -408,6 +400,14 @@ class ShardedModel:
             return output
 
         return post_forward
+
+    def _hook_backward(self, unit: Unit, output) -> None:
+        """Gather `unit` again before the backward of `output` reaches it."""
+        if not torch.is_grad_enabled():
+            return
+        tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            register_multi_grad_hook(tensors, self._make_pre_backward(unit), mode="any")
 
     def _begin_forward(self) -> None:
         # The optimizer may have moved the masters since the last forward: every gathered
@@ -642,13 +642,13 @@ class ShardedModel:
                 work.wait()
         if not pending.landed:
             assert pending.output is not None
-            self._run_all_reduce_hook(pending.group, pending.output)
+            self._divide_and_run_hook(pending.group, pending.output)
             self.grad_offload.accumulate(pending.group, pending.output)
         # Drop the work handles, the reduced shard and its source now: gloo's work
         # keeps a full-size scratch copy of its input alive as long as the handle lives.
         pending.work = pending.replica_work = pending.output = pending.source = None
 
-    def _run_all_reduce_hook(self, group: FlatGroup, output: torch.Tensor) -> None:
+    def _divide_and_run_hook(self, group: FlatGroup, output: torch.Tensor) -> None:
         """[Note: all-reduce hook] FSDP2 calls the hook on each reduced shard, averaged over
         the data-parallel ranks (or divided by the module's divide factor), before it joins
         the gradient. A unit with a hook is divided here, micro-step by micro-step as FSDP2

@@ -776,7 +776,8 @@ def _retie(calls) -> None:
     weight come apart. As FSDP2, which sets a shared parameter on every module that held it
     whenever it unshards, every module of a tie is pointed back at the parameter its first
     module (in `named_modules()` order) holds now."""
-    for _, call in calls:
+    unique = {id(call): call for _, call in calls}  # a list call's modules share one call
+    for call in unique.values():
         for owner, attr, first, first_attr in call.ties:
             current = first._parameters.get(first_attr)
             if current is not None and owner._parameters.get(attr) is not current:
