@@ -785,7 +785,7 @@ class ShardedModel:
             return torch.ones(len(seen), dtype=torch.uint8, device=self.device)
         flags = torch.tensor(seen, dtype=torch.uint8)
         if self.device.type == "cuda":
-            flags = flags.pin_memory().to(self.device, non_blocking=True)
+            return flags.pin_memory().to(self.device, non_blocking=True)
         return flags.to(self.device)
 
     # -- public operations --------------------------------------------------------------------
