@@ -26,6 +26,7 @@ from fsdp_bridge.engine.optim_state import (
 )
 from fsdp_bridge.engine.ownership import ATTRIBUTE, owner_of, release, tag_parameters
 from fsdp_bridge.engine.rollback import restored_on_failure
+from fsdp_bridge.engine.row_group import register_sharded
 from fsdp_bridge.engine.runtime import ShardedModel
 from fsdp_bridge.engine.state_dict import (
     full_state_dict,
@@ -36,7 +37,9 @@ from fsdp_bridge.engine.state_dict import (
 from fsdp_bridge.engine.summon import summon_full_params
 from fsdp_bridge.engine.topology import topology_of_groups
 from fsdp_bridge.engine.unit_verbs import (
+    end_forward_method,
     expose_unit,
+    forwards_begun,
     hook_module_inside,
     reshard_unit,
     run_as_forward,
@@ -54,8 +57,11 @@ __all__ = [
     "CollectiveStats",
     "ShardedModel",
     "clip_grads_",
+    "end_forward_method",
     "expose_unit",
+    "forwards_begun",
     "hook_module_inside",
+    "register_sharded",
     "full_optim_state_dict",
     "full_state_dict",
     "get_sharded",

@@ -313,6 +313,18 @@ class FlatGroup:
         """The gathered views as modules compute with them (a row group may wrap some)."""
         return list(views)
 
+    def show_views(self, views) -> None:
+        """Let the owner modules compute with `views` of the gathered parameters: set in
+        each owner's `__dict__`, where they shadow the registered (sharded) parameters."""
+        for slot, view in zip(self.slots, self.compute_views(views)):
+            for owner, attr in slot.owners:
+                owner.__dict__[attr] = view
+
+    def hide_views(self) -> None:
+        for slot in self.slots:
+            for owner, attr in slot.owners:
+                owner.__dict__.pop(attr, None)
+
     # -- gradients ----------------------------------------------------------------------------
 
     def note_grads(self, grads: tuple) -> None:

@@ -14,11 +14,11 @@ buffer ordered rank after rank; a copy then lays each parameter out whole in the
 (parameter after parameter, as `split` reads it), and the compute views are taken there. The
 reduction goes the other way: each parameter's full gradient is cut into the same row chunks.
 
-In exchange for that copy, every parameter the user sees is a real `DTensor` whose local tensor
-is a view into this rank's master shard: `placements`, `to_local()`, `full_tensor()`,
-`state_dict()` (sharded, no communication), torch.distributed.checkpoint, optimizers and
-`torch.nn.utils.clip_grad_norm_` all work through torch's own code. Gradients are DTensors of
-the same layout, views into the gradient shard.
+In exchange for that copy, every parameter the user sees (outside a unit's compute: see [Note:
+unsharded parameters]) is a real `DTensor` whose local tensor is a view into this rank's master
+shard: `placements`, `to_local()`, `full_tensor()`, `state_dict()` (sharded, no communication),
+torch.distributed.checkpoint, optimizers and `torch.nn.utils.clip_grad_norm_` all work through
+torch's own code. Gradients are DTensors of the same layout, views into the gradient shard.
 
 The parameters arrive already as DTensors (the front-end converts them when the user shards a
 module, before any optimizer or initialisation code runs); building the group *adopts* them:
@@ -34,6 +34,9 @@ import torch
 
 from fsdp_bridge.engine.flat_group import FlatGroup
 from fsdp_bridge.engine.layout import gathered_form
+
+# On a gathered parameter registered in place of a sharded one: that sharded parameter.
+SHARDED_FORM = "_fsdp_bridge_sharded_form"
 
 
 def chunk_rows(rows: int, ranks: int, rank: int) -> tuple[int, int]:
@@ -75,7 +78,6 @@ class RowGroup(FlatGroup):
         # In a full (parameter after parameter) buffer, parameter i takes `ranks` chunks.
         self.offsets = [offset * ranks for offset in self.chunk_offsets]
         self._scratch: Optional[torch.Tensor] = None  # a gather in flight lands here
-        self.exposed = False  # the owner modules hold the gathered parameters (unshard())
 
     def _build_master(self, device: torch.device, sync_module_states: bool) -> torch.Tensor:
         assert not sync_module_states, "row groups take DTensors; there is nothing to broadcast"
@@ -170,26 +172,56 @@ class RowGroup(FlatGroup):
             out.append(view)
         return out
 
+    # [Note: unsharded parameters] While a unit is gathered for compute (inside its forward,
+    # kept gathered until its backward, or after an explicit unshard()), FSDP2 registers its
+    # unsharded parameters on the modules, as plain nn.Parameters (DTensors over a tensor-
+    # parallel mesh), and the sharded DTensors again when it reshards; code that checks a
+    # parameter's type between forward and backward sees them. So do we. A forward's are its
+    # differentiable views, marked as parameters but not detached (FSDP2's are leaves), so that
+    # every gradient through them, a loss term reading `module.weight` after the forward
+    # included, reaches the unit's reduction.
+
+    @property
+    def exposed(self) -> bool:
+        """Whether the owner modules hold gathered parameters (not the sharded DTensors)."""
+        module, attr = self.slots[0].owners[0]
+        return hasattr(module._parameters.get(attr), SHARDED_FORM)
+
     def expose_full(self) -> None:
         """FSDP2's `unshard()`: the owner modules hold the gathered parameters (compute dtype)
         as ordinary Parameters until the gathered copy goes (`invalidate`)."""
+        if self.exposed:
+            return  # already held for compute
         self.wait_gather()
-        for slot, view in zip(self.slots, self.compute_views(self.full_views())):
-            full = torch.nn.Parameter(view, requires_grad=self.requires_grad)
-            for module, attr in slot.owners:
-                module._parameters[attr] = full
-        self.exposed = True
+        views = self.compute_views(self.full_views())
+        self._register([torch.nn.Parameter(view, requires_grad=self.requires_grad)
+                        for view in views])
+
+    # Registering is bookkeeping on Python objects: torch.compile runs it as Python (a graph
+    # break), rather than tracing attribute writes on the tensors its graph produced.
+    @torch.compiler.disable
+    def show_views(self, views) -> None:
+        self._register([_as_parameter(view) for view in self.compute_views(views)])
+
+    def hide_views(self) -> None:
+        self.hide_full()
 
     def invalidate(self) -> None:
         self.hide_full()
         super().invalidate()
 
+    @torch.compiler.disable
     def hide_full(self) -> None:
         if self.exposed:  # back to the sharded DTensors
             for slot in self.slots:
                 for module, attr in slot.owners:
                     module._parameters[attr] = slot.param
-            self.exposed = False
+
+    def _register(self, gathered: list) -> None:
+        for slot, param in zip(self.slots, gathered):
+            setattr(param, SHARDED_FORM, slot.param)
+            for module, attr in slot.owners:
+                module._parameters[attr] = param
 
     def detach_params(self) -> None:
         """Give every parameter a local tensor of its own (the group is being dropped)."""
@@ -294,3 +326,22 @@ class RowGroup(FlatGroup):
             f"fsdp_bridge: {self.slots[index].fqn!r} is a row-sharded DTensor parameter "
             "(fully_shard); this operation handles FSDP1-style flat shards only. Use the "
             "DTensor API (full_tensor(), torch.distributed.checkpoint) instead.")
+
+
+def _as_parameter(view: torch.Tensor) -> torch.Tensor:
+    """`view` seen as a parameter, still attached to its autograd graph: a plain tensor as an
+    `nn.Parameter`, a DTensor marked as `nn.Parameter(dtensor)` marks its result."""
+    if type(view) is torch.Tensor:
+        return view.as_subclass(torch.nn.Parameter)
+    view._is_param = True
+    return view
+
+
+def register_sharded(module: torch.nn.Module) -> None:
+    """Register the sharded parameters again where `module` holds gathered ones: a state dict
+    taken or loaded while a unit is gathered is one of sharded DTensors, as under FSDP2 (the
+    unit's next use registers its gathered parameters again)."""
+    for attr, param in module._parameters.items():
+        sharded = getattr(param, SHARDED_FORM, None)
+        if sharded is not None:
+            module._parameters[attr] = sharded

@@ -106,6 +106,7 @@ class Unit:
         # The root is never resharded after forward: backward starts with it.
         self.reshard_after_forward = spec.reshard_after_forward and not is_root
         self.in_use = False
+        self.forwards = 0  # forwards begun (see [Note: the end of a forward method])
         self.backward_groups_left = 0
         # FSDP2's per-module `set_gradient_divide_factor`; None: the model's divisor.
         self.gradient_divide_factor: Optional[float] = None
@@ -369,6 +370,7 @@ class ShardedModel:
                 self._ensure_gathered(group)
             self._install_views(unit)
             if not recomputing:
+                unit.forwards += 1
                 self.forward_order.append(unit)
                 self._prefetch(self._next_in_forward(unit))
             return self._cast_inputs(unit, args, kwargs)
@@ -449,15 +451,11 @@ class ShardedModel:
                 unit.backward_groups_left += counted
             else:
                 views = group.full_views()
-            for slot, view in zip(group.slots, group.compute_views(views)):
-                for owner, attr in slot.owners:
-                    owner.__dict__[attr] = view
+            group.show_views(views)
 
     def _remove_views(self, unit: Unit) -> None:
         for group in unit.groups:
-            for slot in group.slots:
-                for owner, attr in slot.owners:
-                    owner.__dict__.pop(attr, None)
+            group.hide_views()
 
     def _cast_inputs(self, unit: Unit, args, kwargs):
         dtype = unit.mp.param_dtype

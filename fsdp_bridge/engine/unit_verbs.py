@@ -96,8 +96,28 @@ def run_as_forward(sharded: ShardedModel, name: str, method, args, kwargs):
     if unit.in_use:
         return method(*args, **kwargs)
     args, kwargs = sharded._make_pre_forward(unit)(unit.module, args, kwargs)
+    forwards = forwards_begun(sharded, name)
     output = method(*args, **kwargs)
-    return sharded._make_post_forward(unit)(unit.module, args, output)
+    output = sharded._make_post_forward(unit)(unit.module, args, output)
+    end_forward_method(sharded, name, forwards)
+    return output
+
+
+def forwards_begun(sharded: ShardedModel, name: str) -> int:
+    """How many forwards unit `name` has begun (see `end_forward_method`)."""
+    return _unit(sharded, name).forwards
+
+
+def end_forward_method(sharded: ShardedModel, name: str, forwards_before: int) -> None:
+    """[Note: the end of a forward method] FSDP2 ends a registered forward method (`generate`)
+    that ran the unit's own forward inside it with the unit's sharded parameters registered
+    again, whatever its reshard_after_forward (that inner forward leaves the unit idle, and an
+    idle unit reshards), so an optimizer built on `model.parameters()` after `generate` gets
+    the sharded ones. As there: the gathered copy stays for the next use."""
+    unit = _unit(sharded, name)
+    if unit.forwards > forwards_before:
+        for group in unit.groups:
+            group.hide_views()
 
 
 def hook_module_inside(sharded: ShardedModel, name: str, module) -> None:

@@ -267,6 +267,7 @@ class ForwardHooks:
     def __init__(self, module: nn.Module):
         self._module = module
         self._began = False
+        self._forwards = 0
 
     def _pre_forward(self, module: nn.Module, args, kwargs):
         sharded = module._fsdp_root_state()
@@ -274,14 +275,19 @@ class ForwardHooks:
         self._began = not engine.unit_in_use(sharded, path)
         if not self._began:
             return args, kwargs
-        return engine.run_pre_forward(sharded, path, args, kwargs)
+        args, kwargs = engine.run_pre_forward(sharded, path, args, kwargs)
+        self._forwards = engine.forwards_begun(sharded, path)
+        return args, kwargs
 
     def _post_forward(self, module: nn.Module, args, output):
         if not self._began:
             return output
         self._began = False
         sharded = module._fsdp_root_state()
-        return engine.run_post_forward(sharded, _path_in_root(module, sharded), args, output)
+        path = _path_in_root(module, sharded)
+        output = engine.run_post_forward(sharded, path, args, output)
+        engine.end_forward_method(sharded, path, self._forwards)
+        return output
 
     def __getattr__(self, name: str):
         raise AttributeError(
@@ -787,13 +793,19 @@ def _retie(calls) -> None:
 def _convert_loads_of(owner: nn.Module) -> None:
     if hasattr(owner, FORMS):
         return
+    owner.register_state_dict_pre_hook(_sharded_before_state_dict)
     owner.register_load_state_dict_pre_hook(_to_param_layouts)
     owner.register_load_state_dict_post_hook(_mark_assigned)
     object.__setattr__(owner, FORMS, {})
 
 
+def _sharded_before_state_dict(module, prefix, keep_vars) -> None:
+    engine.register_sharded(module)
+
+
 def _to_param_layouts(module, state_dict, prefix, *args) -> None:
     """Load pre-hook: give each value for a DTensor parameter the parameter's layout."""
+    engine.register_sharded(module)
     for attr, param in module._parameters.items():
         key = prefix + attr
         if key in state_dict and isinstance(param, DTensor):

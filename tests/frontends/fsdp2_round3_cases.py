@@ -328,6 +328,121 @@ def fp16_reduction(which, mesh_shape):
     return {"full": {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}}
 
 
+# -- parameters a gathered unit exposes ------------------------------------------------------------
+
+
+class _ScaledMLP(nn.Module):
+    """A root with a parameter of its own around three layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.layers = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4))
+
+    def forward(self, x):
+        return self.layers(x) * self.scale
+
+
+def _describe(tensor) -> str:
+    """A tensor's class, whether it counts as a Parameter, and its shape as seen by the user."""
+    from torch.distributed.tensor import DTensor
+
+    kind = "DTensor" if isinstance(tensor, DTensor) else type(tensor).__name__
+    marked = "+Parameter" if isinstance(tensor, nn.Parameter) else ""
+    return f"{kind}{marked}{tuple(tensor.shape)}"
+
+
+def _exposed(model) -> dict:
+    """What attribute access and named_parameters() give for every parameter, right now."""
+    seen = {name: _describe(p) for name, p in model.named_parameters()}
+    seen["attr:layers.0.weight"] = _describe(model.layers[0].weight)
+    seen["attr:layers.2.weight"] = _describe(model.layers[2].weight)
+    seen["attr:scale"] = _describe(model.scale)
+    return seen
+
+
+def unsharded_parameters_exposed(which):
+    """layers[0] stays gathered after its forward (reshard_after_forward=False), layers[2]
+    reshards, the root stays gathered: the parameters seen inside the forward, between forward
+    and backward (also after an explicit unshard and in a state_dict taken there), and after
+    backward; a loss term reading a gathered weight between forward and backward trains it."""
+    fully_shard = _fully_shard(which)
+    model = _ScaledMLP().to(device_type())
+    fully_shard(model.layers[0], reshard_after_forward=False)
+    fully_shard(model.layers[2])
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    inside = []
+    model.layers[1].register_forward_hook(lambda *args: inside.append(_exposed(model)))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {"losses": []}
+    for step in range(STEPS):
+        output = model(_inputs(step, rank, world))
+        loss = output.pow(2).mean() + 1e-2 * model.layers[0].weight.pow(2).sum()
+        if step == 0:
+            out["after_forward"] = _exposed(model)
+            model.layers[2].unshard()
+            out["after_unshard"] = _exposed(model)
+        loss.backward()
+        if step == 0:
+            out["after_backward"] = _exposed(model)
+        optim.step()
+        optim.zero_grad()
+        out["losses"].append(loss.item())
+    out["inside_forward"] = inside[0]
+    out["full"] = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
+    return out
+
+
+def state_dict_after_eval_forward(which):
+    """A forward without gradients leaves the root and layers[0] gathered; a state dict taken
+    then is one of sharded DTensors, loads back, and training goes on as natively."""
+    fully_shard = _fully_shard(which)
+    model = _ScaledMLP().to(device_type())
+    fully_shard(model.layers[0], reshard_after_forward=False)
+    fully_shard(model.layers[2])
+    fully_shard(model)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with torch.no_grad():
+        model(_inputs(0, rank, world))
+    out = {"after_eval": _exposed(model)}
+    state = model.state_dict()
+    out["state_dict"] = {k: _describe(v) for k, v in state.items()}
+    out["after_state_dict"] = _exposed(model)
+    model.load_state_dict(state)
+    out["losses"] = _train_mse(model)
+    out["full"] = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
+    return out
+
+
+def after_forward_methods(which):
+    """A registered forward method that runs the forward inside it (as `generate` does) ends
+    with the root's sharded parameters registered, as natively (registered with torch's
+    function, and with ours for ours); a plain forward without gradients leaves them gathered."""
+    from torch.distributed.fsdp import register_fsdp_forward_method as torchs
+
+    registers = {"torch": torchs}
+    if which == "ours":
+        from fsdp_bridge.fsdp import register_fsdp_forward_method as ours
+
+        registers["ours"] = ours
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for label, register in registers.items():
+        model = _ScaledMLP().to(device_type())
+        fully_shard = _fully_shard(which)
+        fully_shard(model.layers[0])
+        fully_shard(model)
+        model.twice = lambda x, model=model: model(x) + model(x)
+        register(model, "twice")
+        with torch.no_grad():
+            model.twice(_inputs(0, rank, world))
+            out[f"{label}: after method"] = _exposed(model)
+            model(_inputs(0, rank, world))
+            out[f"{label}: after forward"] = _exposed(model)
+    return out
+
+
 def _both(fn, *args):
     def run(rank, world):
         out = {}
@@ -352,6 +467,9 @@ def cases() -> dict:
         "inside_replicate": _both(inside_replicate),
         "fp16_reduction_1d": _both(fp16_reduction, (4,)),
         "fp16_reduction_2d": _both(fp16_reduction, (2, 2)),
+        "unsharded_parameters_exposed": _both(unsharded_parameters_exposed),
+        "state_dict_after_eval_forward": _both(state_dict_after_eval_forward),
+        "after_forward_methods": _both(after_forward_methods),
     }
 
 

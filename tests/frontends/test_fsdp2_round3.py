@@ -19,7 +19,13 @@
   skips the modules fully_shard manages: ours are marked as FSDP2 marks its own);
 - fp16 gradients are divided before and after their reduction as natively (a power of two
   before, the rest after, in fp16), so ten fp16 steps end on native's weights bit for bit, on a
-  1-D mesh (each pair of ranks swaps halves on gloo) and on a 2-D HSDP mesh.
+  1-D mesh (each pair of ranks swaps halves on gloo) and on a 2-D HSDP mesh;
+- a unit gathered for compute (inside its forward, kept gathered until its backward with
+  `reshard_after_forward=False` or as the root, after `unshard()`) holds plain `nn.Parameter`s
+  as natively, and its sharded DTensors again after backward; a loss term reading such a weight
+  between forward and backward trains it as natively; a state dict taken after a forward
+  without gradients is one of sharded DTensors and loads back; a registered forward method
+  that runs the forward (as `generate` does) ends with the sharded parameters registered.
 """
 
 from __future__ import annotations
@@ -130,3 +136,44 @@ def test_fp16_reduction_divides_as_native_bit_for_bit(world, mesh):
     result = case(world, mesh, 0)
     for name, value in result["native"]["full"].items():
         assert torch.equal(result["ours"]["full"][name], value), name
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_gathered_units_expose_plain_parameters_as_native(world, rank):
+    result = case(world, "unsharded_parameters_exposed", rank)
+    native, ours = result["native"], result["ours"]
+    for moment in ("inside_forward", "after_forward", "after_unshard", "after_backward"):
+        assert ours[moment] == native[moment], moment
+    # What native shows, so that the comparison above means something: layers[0] (kept
+    # gathered) and the root hold plain Parameters between forward and backward.
+    assert native["after_forward"]["attr:layers.0.weight"] == "Parameter+Parameter(8, 6)"
+    assert native["after_forward"]["layers.2.weight"].startswith("DTensor")
+    # The loss term reading layers[0].weight after the forward trains it as natively.
+    assert ours["losses"] == native["losses"]
+    for name, value in native["full"].items():
+        assert torch.equal(ours["full"][name], value), name
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_a_state_dict_taken_while_gathered_is_sharded_as_native(world, rank):
+    result = case(world, "state_dict_after_eval_forward", rank)
+    native, ours = result["native"], result["ours"]
+    for moment in ("after_eval", "state_dict", "after_state_dict"):
+        assert ours[moment] == native[moment], moment
+    assert all(kind.startswith("DTensor") for kind in ours["state_dict"].values())
+    assert ours["losses"] == native["losses"]
+    for name, value in native["full"].items():
+        assert torch.equal(ours["full"][name], value), name
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_a_forward_method_ends_with_sharded_parameters_as_native(world, rank):
+    result = case(world, "after_forward_methods", rank)
+    native, ours = result["native"], result["ours"]
+    for moment, seen in native.items():
+        assert ours[moment] == seen, moment
+    # Registered with ours, the same as with torch's.
+    assert ours["ours: after method"] == native["torch: after method"]
+    assert ours["ours: after forward"] == native["torch: after forward"]
+    assert native["torch: after method"]["scale"].startswith("DTensor")
+    assert native["torch: after forward"]["scale"] == "Parameter+Parameter(4,)"
