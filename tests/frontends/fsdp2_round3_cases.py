@@ -307,18 +307,21 @@ def inside_replicate(which):
 # -- fp16 gradient reduction -------------------------------------------------------------------------
 
 
-def fp16_reduction(which, mesh_shape):
-    """fp16 parameters and reduction over 10 SGD steps on a 1-D or a 2-D (HSDP) mesh: the
+def fp16_reduction(which, mesh_shape, dtype=torch.float16, hook=False):
+    """fp16 (or `dtype`) parameters and reduction over 10 SGD steps on a 1-D or a 2-D (HSDP)
+    mesh, with an all-reduce hook on model[0] that halves its reduced shards if `hook`: the
     fp32 weights after them."""
     names = ("replicate", "shard")[-len(mesh_shape):]
     mesh = init_device_mesh(device_type(), mesh_shape, mesh_dim_names=names)
     module = importlib.import_module("torch.distributed.fsdp" if which == "native"
                                      else "fsdp_bridge.fsdp")
-    policy = module.MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
+    policy = module.MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 8)).to(device_type())
     module.fully_shard(model[0], mesh=mesh, mp_policy=policy)
     module.fully_shard(model, mesh=mesh, mp_policy=policy)
+    if hook:
+        model[0].set_all_reduce_hook(lambda reduced: reduced.mul_(0.5))
     optim = torch.optim.SGD(model.parameters(), lr=0.05)
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in range(10):
@@ -467,6 +470,8 @@ def cases() -> dict:
         "inside_replicate": _both(inside_replicate),
         "fp16_reduction_1d": _both(fp16_reduction, (4,)),
         "fp16_reduction_2d": _both(fp16_reduction, (2, 2)),
+        "fp16_reduction_hook": _both(fp16_reduction, (4,), torch.float16, True),
+        "fp32_reduction_hook": _both(fp16_reduction, (4,), torch.float32, True),
         "unsharded_parameters_exposed": _both(unsharded_parameters_exposed),
         "state_dict_after_eval_forward": _both(state_dict_after_eval_forward),
         "after_forward_methods": _both(after_forward_methods),

@@ -19,7 +19,8 @@
   skips the modules fully_shard manages: ours are marked as FSDP2 marks its own);
 - fp16 gradients are divided before and after their reduction as natively (a power of two
   before, the rest after, in fp16), so ten fp16 steps end on native's weights bit for bit, on a
-  1-D mesh (each pair of ranks swaps halves on gloo) and on a 2-D HSDP mesh;
+  1-D mesh (each pair of ranks swaps halves on gloo) and on a 2-D HSDP mesh, and with an
+  all-reduce hook on a unit in fp16 and in fp32;
 - a unit gathered for compute (inside its forward, kept gathered until its backward with
   `reshard_after_forward=False` or as the root, after `unshard()`) holds plain `nn.Parameter`s
   as natively, and its sharded DTensors again after backward; a loss term reading such a weight
@@ -136,6 +137,16 @@ def test_fp16_reduction_divides_as_native_bit_for_bit(world, mesh):
     result = case(world, mesh, 0)
     for name, value in result["native"]["full"].items():
         assert torch.equal(result["ours"]["full"][name], value), name
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
+def test_an_all_reduce_hook_with_a_reduce_dtype_trains_as_native_bit_for_bit(world, dtype):
+    result = case(world, f"{dtype}_reduction_hook", 0)
+    for name, value in result["native"]["full"].items():
+        assert torch.equal(result["ours"]["full"][name], value), name
+    if dtype == "fp16":  # the hook (halving model[0]'s reduced gradient) changed the numbers
+        unhooked = case(world, "fp16_reduction_1d", 0)["native"]["full"]["0.weight"]
+        assert not torch.equal(result["native"]["full"]["0.weight"], unhooked)
 
 
 @pytest.mark.parametrize("rank", [0, 3])
