@@ -32,6 +32,7 @@ answers `check_is_root()` with False and refuses the methods that need engine st
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -40,6 +41,8 @@ from torch import nn
 from torch.distributed.fsdp import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
     StateDictSettings,
@@ -83,7 +86,51 @@ def placed(result: dict, destination: Optional[dict], prefix: str) -> dict:
 def _default_config(state_dict_type: StateDictType):
     if state_dict_type is StateDictType.SHARDED_STATE_DICT:
         return ShardedStateDictConfig(), ShardedOptimStateDictConfig()
+    if state_dict_type is StateDictType.LOCAL_STATE_DICT:
+        return LocalStateDictConfig(), LocalOptimStateDictConfig()
     return FullStateDictConfig(), FullOptimStateDictConfig()
+
+
+def _warn_legacy(name: str, replacement: str) -> None:
+    """torch's FSDP1 warns for its legacy optimizer state-dict methods: so do we, by name."""
+    warnings.warn(f"FullyShardedDataParallel.{name} is deprecated in torch; use "
+                  f"FullyShardedDataParallel.{replacement} instead.", FutureWarning, stacklevel=3)
+
+
+def _from_rank0(value, group=None):
+    """Rank 0's `value` (of `group`, else of the world) on every rank: FSDP1's rank-0-only
+    optimizer loads, where the other ranks pass None or {}. Pickled as one object."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return value
+    holder: list[Any] = [value if dist.get_rank(group) == 0 else None]
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast_object_list(holder, src=src, group=group)
+    return holder[0]
+
+
+def _by_model_order(model: nn.Module, root, full_osd: dict) -> dict:
+    """FSDP1's sharded form of a full optimizer state dict when no optimizer is given: keyed
+    by position in `model.parameters()` (the order an optimizer built on them numbers them),
+    one param group per saved one."""
+    position = {id(p): i for i, p in enumerate(model.parameters())}
+    by_name = dict(nn.Module.named_parameters(root._sharded.module))
+    groups = []
+    for saved in full_osd["param_groups"]:
+        unknown = [fqn for fqn in saved["params"] if by_name.get(fqn) is None
+                   or id(by_name[fqn]) not in position]
+        if unknown:
+            raise bad_argument(root._frontend, "full_optim_state_dict", f"<param group with "
+                               f"{unknown[:4]}>", "the full optimizer state dict of this model",
+                               "Load the state saved from this model (parameter names differ).")
+        params = sorted((by_name[fqn] for fqn in saved["params"]), key=lambda p: position[id(p)])
+        groups.append({"params": params})
+    standin = type("ModelOrder", (), {"param_groups": groups})()
+    local = engine.optim_state_dict_to_load(root._sharded, standin, full_osd)
+    order = [position[id(p)] for group in groups for p in group["params"]]
+    local["state"] = {order[i]: value for i, value in local["state"].items()}
+    for group in local["param_groups"]:
+        group["params"] = [order[i] for i in group["params"]]
+    return local
 
 
 def _frontend_of(module) -> str:
@@ -205,6 +252,9 @@ class ShardedWrapper(nn.Module):
             result = model_state.get_model_state_dict(self)
         elif settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             result = self._sharded_state_dict(settings)
+        elif settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+            result = engine.local_state_dict(self._sharded, cpu_offload=getattr(
+                settings.state_dict_config, "offload_to_cpu", False))
         else:
             config = settings.state_dict_config
             result = engine.full_state_dict(
@@ -220,6 +270,9 @@ class ShardedWrapper(nn.Module):
             return self._load_rows_state_dict(state_dict, strict)
         if self._state_dict_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             return self._load_sharded_state_dict(state_dict, strict)
+        if self._state_dict_settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+            missing, unexpected = engine.load_local_state_dict(self._sharded, state_dict, strict)
+            return nn.modules.module._IncompatibleKeys(missing, unexpected)
         engine.load_full_state_dict(self._sharded, state_dict, strict=strict)
         return nn.modules.module._IncompatibleKeys([], [])
 
@@ -248,13 +301,11 @@ class ShardedWrapper(nn.Module):
         module: nn.Module, state_dict_type: StateDictType, state_dict_config=None,
         optim_state_dict_config=None,
     ) -> StateDictSettings:
-        if state_dict_type not in (StateDictType.FULL_STATE_DICT,
-                                   StateDictType.SHARDED_STATE_DICT):
+        if not isinstance(state_dict_type, StateDictType):
             raise bad_argument(
                 _frontend_of(module), "state_dict_type", state_dict_type,
-                "StateDictType.FULL_STATE_DICT or StateDictType.SHARDED_STATE_DICT",
-                "LOCAL_STATE_DICT exposes FSDP1's flat parameters, which fsdp_bridge does not "
-                "have; use SHARDED_STATE_DICT for per-rank checkpoints.")
+                "a StateDictType (FULL_STATE_DICT, SHARDED_STATE_DICT or LOCAL_STATE_DICT)",
+                "Pass a member of torch.distributed.fsdp.StateDictType.")
         default_config, default_optim = _default_config(state_dict_type)
         settings = StateDictSettings(state_dict_type, state_dict_config or default_config,
                                      optim_state_dict_config or default_optim)
@@ -354,7 +405,7 @@ class ShardedWrapper(nn.Module):
                          optim_state_dict: Optional[dict] = None, group=None) -> dict:
         root = ShardedWrapper._root(model)
         settings = root._state_dict_settings
-        if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
+        if settings.state_dict_type is not StateDictType.FULL_STATE_DICT:  # as native's
             return optim_state.get_optimizer_state_dict(
                 root, [optim],
                 cpu_offload=getattr(settings.optim_state_dict_config, "offload_to_cpu", False))
@@ -366,12 +417,13 @@ class ShardedWrapper(nn.Module):
                                  optim_state_dict: dict, is_named_optimizer: bool = False,
                                  load_directly: bool = False, group=None) -> dict:
         root = ShardedWrapper._root(model)
-        if root._state_dict_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
-            # Name-keyed DTensors of any world size: load them, and return the optimizer's own
-            # state dict, which is what `optim.load_state_dict` then expects.
-            optim_state.set_optimizer_state_dict(root, [optim], optim_state_dict)
-            result = optim.state_dict()
+        settings = root._state_dict_settings
+        if settings.state_dict_type is not StateDictType.FULL_STATE_DICT:  # as native's
+            # Name-keyed DTensors (or native FSDP1's ShardedTensors) of any world size.
+            result = optim_state.optimizer_states_to_load(root, [optim], optim_state_dict)[0]
         else:
+            if getattr(settings.optim_state_dict_config, "rank0_only", False):
+                optim_state_dict = _from_rank0(optim_state_dict, group)
             result = engine.optim_state_dict_to_load(root._sharded, optim, optim_state_dict)
         if load_directly:
             optim.load_state_dict(result)
@@ -384,18 +436,42 @@ class ShardedWrapper(nn.Module):
                                             rank0_only=rank0_only)
 
     @staticmethod
+    def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
+                                 group=None) -> dict:
+        """FSDP1's legacy sharded optimizer state dict: keyed by parameter name, each
+        per-parameter state a `Shard(0)` DTensor of the full shape (native FSDP1 gives
+        ShardedTensors, or DTensors with a device mesh); loads back through
+        `flatten_sharded_optim_state_dict` at any world size."""
+        _warn_legacy("sharded_optim_state_dict", "optim_state_dict")
+        return optim_state.get_optimizer_state_dict(ShardedWrapper._root(model), [optim])
+
+    @staticmethod
+    def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict, model: nn.Module,
+                                         optim: torch.optim.Optimizer) -> dict:
+        """What `optim.load_state_dict` takes, from `sharded_optim_state_dict`'s form (ours or
+        native FSDP1's ShardedTensors). A collective; the optimizer is not loaded."""
+        _warn_legacy("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
+        root = ShardedWrapper._root(model)
+        return optim_state.optimizer_states_to_load(root, [optim], sharded_optim_state_dict)[0]
+
+    @staticmethod
     def shard_full_optim_state_dict(full_optim_state_dict: dict, model: nn.Module,
                                     optim_input=None, optim=None) -> dict:
-        if optim is None:
-            raise bad_argument(_frontend_of(model), "optim", optim, "the optimizer",
+        """This rank's part of a full optimizer state dict, keyed as `optim` numbers its
+        parameters; without `optim`, as FSDP1 does, by position in `model.parameters()`
+        (for an optimizer then built on `model.parameters()`)."""
+        if optim_input is not None:
+            raise bad_argument(_frontend_of(model), "optim_input", optim_input, "None",
                                "Pass optim=optimizer (optim_input is deprecated in torch too).")
-        return engine.optim_state_dict_to_load(ShardedWrapper._root(model)._sharded, optim,
-                                               full_optim_state_dict)
+        root = ShardedWrapper._root(model)
+        if optim is None:
+            return _by_model_order(model, root, full_optim_state_dict)
+        return engine.optim_state_dict_to_load(root._sharded, optim, full_optim_state_dict)
 
     @staticmethod
     def scatter_full_optim_state_dict(full_optim_state_dict: Optional[dict], model: nn.Module,
                                       optim_input=None, optim=None, group=None) -> dict:
-        holder: list[Any] = [full_optim_state_dict]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(holder, src=0)
-        return ShardedWrapper.shard_full_optim_state_dict(holder[0], model, optim=optim)
+        """`shard_full_optim_state_dict` of rank 0's full dict (the other ranks' argument is
+        ignored, as FSDP1's; they may pass None)."""
+        full = _from_rank0(full_optim_state_dict, group)
+        return ShardedWrapper.shard_full_optim_state_dict(full, model, optim_input, optim=optim)

@@ -188,5 +188,25 @@ class FullyShardedDataParallel(ShardedWrapper):
             return ShardingStrategy.NO_SHARD
         return self._fsdp_kwargs["sharding_strategy"]
 
+    @property
+    def process_group(self) -> Optional[dist.ProcessGroup]:
+        """The group parameters are sharded over, as FSDP1's attribute: the given group (the
+        world's by default), the shard group of a hybrid strategy, the whole group with
+        NO_SHARD. None only in a process without torch.distributed (native FSDP1 needs one)."""
+        comm = self._sharded.comm
+        return comm.shard_group if comm.shard_group is not None else comm.replicate_group
+
+    @property
+    def rank(self) -> int:
+        """This rank within `process_group` (FSDP1's attribute)."""
+        group = self.process_group
+        return group.rank() if group is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        """The size of `process_group` (FSDP1's attribute)."""
+        group = self.process_group
+        return group.size() if group is not None else 1
+
 
 FullyShardedDataParallel.__module__ = "fsdp_bridge.fsdp"
