@@ -22,7 +22,12 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, init_f
 from torch.distributed.fsdp.fully_sharded_data_parallel import FLAT_PARAM
 
 from fsdp_bridge.engine.runtime import ShardedModel
-from fsdp_bridge.engine.state_dict import _check_shape, _managed_names, _unwrapped_entries
+from fsdp_bridge.engine.state_dict import (
+    _check_shape,
+    _managed_names,
+    _unwrapped_entries,
+    load_unmanaged,
+)
 
 LOCAL_KEY = "_bridge_flat_param"
 
@@ -105,6 +110,13 @@ def _local_piece(key: str, value, group) -> torch.Tensor:
     return shards[0].tensor if shards else torch.empty(0)
 
 
+def _mismatch(missing: list, unexpected: list) -> ValueError:
+    return ValueError(
+        "load_state_dict under LOCAL_STATE_DICT: the state dict does not match the model: "
+        f"missing keys {missing[:10]}, unexpected keys {unexpected[:10]}. Load the local "
+        "state dict of this model (or pass strict=False to load the overlap).")
+
+
 def load_local_state_dict(sharded: ShardedModel, state_dict: dict, strict: bool = True):
     """Load what `local_state_dict` gave (same model, layout and world size). Returns the
     (missing, unexpected) keys; with `strict`, any of them is an error."""
@@ -116,10 +128,7 @@ def load_local_state_dict(sharded: ShardedModel, state_dict: dict, strict: bool 
     missing = [key for key in expected if key not in state_dict]
     unexpected = [key for key in state_dict if key not in expected]
     if strict and (missing or unexpected):
-        raise ValueError(
-            "load_state_dict under LOCAL_STATE_DICT: the state dict does not match the model: "
-            f"missing keys {missing[:10]}, unexpected keys {unexpected[:10]}. Load the local "
-            "state dict of this model (or pass strict=False to load the overlap).")
+        raise _mismatch(missing, unexpected)
     pieces = {key: _local_piece(key, state_dict[key], group)
               for key, group in groups.items() if key in state_dict}
     with torch.no_grad():
@@ -127,8 +136,5 @@ def load_local_state_dict(sharded: ShardedModel, state_dict: dict, strict: bool 
             group = groups[key]
             group.master[: piece.numel()].copy_(piece)
             group.invalidate()
-        for key, current in entries.items():
-            if key in state_dict and key not in managed:
-                _check_shape(key, state_dict[key], current.shape)
-                current.copy_(state_dict[key])
+        load_unmanaged(sharded, entries, state_dict)
     return missing, unexpected
