@@ -4,7 +4,8 @@ spawned CPU/gloo world of two ranks (fsdp1_more_apis_cases.py):
 - LOCAL_STATE_DICT: `state_dict_type` / `set_state_dict_type` with it, one ShardedTensor per
   flat group (under our own keys: see [Note: LOCAL_STATE_DICT keys are ours, not native
   FSDP1's] in fsdp_bridge/engine/local_state.py), a torch.save / torch.load round trip of the
-  model and its optimizer that resumes bit for bit; a native LOCAL dict is refused by name;
+  model and its optimizer that resumes bit for bit (an ignored module kept whole, as native);
+  a native LOCAL dict, or a plain tensor for a flat piece, is refused by name;
 - `sharded_optim_state_dict` / `flatten_sharded_optim_state_dict` (deprecated in torch, with
   its FutureWarning): resume bit for bit, from our dict and from native's, and native resumes
   from ours;
@@ -86,7 +87,17 @@ def test_local_state_dict_holds_one_sharded_flat_piece_per_group_like_native(wor
     ours_units = [k[: k.index("_bridge_flat_param")].rstrip(".") for k in ours["flat_keys"]]
     native_units = [k[: -len("_flat_param")].rstrip(".") for k in native["flat_keys"]]
     assert ours_units == native_units
-    assert list(ours["buffers"]) == list(native["buffers"])
+    assert list(ours["whole"]) == list(native["whole"])
+
+
+@pytest.mark.parametrize("rank", RANKS)
+def test_local_state_dict_keeps_an_ignored_module_whole_and_resumes_bit_for_bit(world, rank):
+    out = case(world, "local_state_dict_ignored_head", rank)
+    resumes_exactly(out, cross=False)
+    ours, native = out["describe_ours"], out["describe_native"]
+    assert list(ours["whole"]) == list(native["whole"]) == ["lm_head.weight"]
+    assert torch.equal(ours["whole"]["lm_head.weight"], native["whole"]["lm_head.weight"])
+    assert ours["flat_numel"] == native["flat_numel"]
 
 
 @pytest.mark.parametrize("rank", RANKS)
