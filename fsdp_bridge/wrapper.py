@@ -253,8 +253,11 @@ class ShardedWrapper(nn.Module):
         elif settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             result = self._sharded_state_dict(settings)
         elif settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
-            result = engine.local_state_dict(self._sharded, cpu_offload=getattr(
-                settings.state_dict_config, "offload_to_cpu", False))
+            offload = getattr(settings.state_dict_config, "offload_to_cpu", False)
+            if self._local_is_full():
+                result = engine.full_state_dict(self._sharded, cpu_offload=offload)
+            else:
+                result = engine.local_state_dict(self._sharded, cpu_offload=offload)
         else:
             config = settings.state_dict_config
             result = engine.full_state_dict(
@@ -271,10 +274,23 @@ class ShardedWrapper(nn.Module):
         if self._state_dict_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             return self._load_sharded_state_dict(state_dict, strict)
         if self._state_dict_settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+            if self._local_is_full():
+                engine.load_full_state_dict(self._sharded, state_dict, strict=strict)
+                return nn.modules.module._IncompatibleKeys([], [])
             missing, unexpected = engine.load_local_state_dict(self._sharded, state_dict, strict)
             return nn.modules.module._IncompatibleKeys(missing, unexpected)
         engine.load_full_state_dict(self._sharded, state_dict, strict=strict)
         return nn.modules.module._IncompatibleKeys([], [])
+
+    def _local_is_full(self) -> bool:
+        """With one rank per shard (NO_SHARD) native FSDP1 gives and takes the full state dict
+        under LOCAL_STATE_DICT, and warns: so do we (the same keys and values as native's)."""
+        if self._sharded.comm.shard_size > 1:
+            return False
+        warnings.warn(f"{self._frontend}: with NO_SHARD (one rank per shard), "
+                      "LOCAL_STATE_DICT gives and loads the full state dict, as torch's FSDP1.",
+                      UserWarning, stacklevel=3)
+        return True
 
     def _fqn_modifiers(self) -> dict:
         return hidden_child_names(self._modules[WRAPPED], WRAPPED)

@@ -9,10 +9,11 @@ one as the other would be silently wrong, so our keys differ by name (`<unit pat
 `LOCAL_KEY` + `.<group index>`) and a native `_flat_param` key is refused by name.
 Values are ShardedTensors over the shard group, as native's: the group's parameters, flat,
 without padding, of which this rank holds the piece at its shard offset (no piece at all when
-its shard is only padding). With a one-rank shard group (NO_SHARD) the value is the plain
-flat tensor. Buffers and parameters the engine does not shard are kept whole under their names.
-Such a dict loads back only into the same model, wrapped the same way, at the same world size
-(the offsets are checked); FULL_STATE_DICT or SHARDED_STATE_DICT move between layouts.
+its shard is only padding). With a one-rank shard group the value is the plain flat tensor
+(FSDP1's front-end gives the full state dict there instead, as native FSDP1 does). Buffers
+and parameters the engine does not shard are kept whole under their names. Such a dict
+loads back only into the same model, wrapped the same way, at the same world size (the
+offsets are checked); FULL_STATE_DICT or SHARDED_STATE_DICT move between layouts.
 """
 
 from __future__ import annotations

@@ -170,6 +170,24 @@ def local_state_dict_ignored_head(rank, world):
     return out
 
 
+def local_state_dict_no_shard(rank, world):
+    """NO_SHARD: native FSDP1 gives (and takes) the full state dict under LOCAL_STATE_DICT,
+    with a warning; the format is shared, so each dialect resumes from the other's too."""
+    out = _resume_table(rank, world, _local_save, _local_load, use_orig_params=False,
+                        sharding_strategy=ShardingStrategy.NO_SHARD)
+    for which in WHICH:
+        fsdp, FSDP, w = _wrap(which, use_orig_params=False,
+                              sharding_strategy=ShardingStrategy.NO_SHARD)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with FSDP.state_dict_type(w, fsdp.StateDictType.LOCAL_STATE_DICT):
+                sd = w.state_dict()
+        out[f"values_{which}"] = {k: v.detach().clone() for k, v in sd.items()}
+        out[f"warned_{which}"] = any("NO_SHARD" in str(c.message) for c in caught)
+        dist.barrier()
+    return out
+
+
 # -- sharded_optim_state_dict / flatten_sharded_optim_state_dict ---------------------------------
 
 
@@ -316,6 +334,7 @@ def process_group(rank, world):
 CASES = {
     "local_state_dict": local_state_dict,
     "local_state_dict_ignored_head": local_state_dict_ignored_head,
+    "local_state_dict_no_shard": local_state_dict_no_shard,
     "sharded_optim": sharded_optim,
     "scatter_without_optim": scatter_without_optim,
     "rank0_only_load": rank0_only_load,

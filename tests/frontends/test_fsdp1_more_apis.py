@@ -101,6 +101,17 @@ def test_local_state_dict_keeps_an_ignored_module_whole_and_resumes_bit_for_bit(
 
 
 @pytest.mark.parametrize("rank", RANKS)
+def test_local_state_dict_under_no_shard_is_the_full_one_as_native(world, rank):
+    out = case(world, "local_state_dict_no_shard", rank)
+    resumes_exactly(out)
+    ours, native = out["values_ours"], out["values_native"]
+    assert list(ours) == list(native)
+    for key, value in native.items():
+        assert type(ours[key]) is torch.Tensor and torch.equal(ours[key], value), key
+    assert out["warned_ours"] and out["warned_native"]
+
+
+@pytest.mark.parametrize("rank", RANKS)
 def test_a_native_local_state_dict_is_refused_by_name_and_nothing_loads(world, rank):
     out = case(world, "local_state_dict", rank)
     message = out["native_into_ours"]
