@@ -3,7 +3,7 @@
 
 It holds the user's module as `_fsdp_wrapped_module` (as FSDP1 does), delegates `forward`,
 attributes and indexing to it, and exposes FSDP1's behaviour on top of the engine: `no_sync`,
-`clip_grad_norm_`, state dicts by `state_dict_type` (FULL / SHARDED), `summon_full_params`,
+`clip_grad_norm_`, state dicts by `state_dict_type` (FULL / SHARDED / LOCAL), `summon_full_params`,
 optimizer state dicts. Front-ends subclass it and add their constructor (the translation).
 
 [Note: SHARDED_STATE_DICT is what DCP can save]
@@ -33,10 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Optional
+from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import (
     FullOptimStateDictConfig,
@@ -50,7 +49,7 @@ from torch.distributed.fsdp import (
 )
 
 from fsdp_bridge import engine
-from fsdp_bridge.state_dicts import model_state, optim_state, torch_helpers
+from fsdp_bridge.state_dicts import fsdp1_optim, model_state, optim_state, torch_helpers
 from fsdp_bridge.state_dicts.torch_helpers import called_by_torch_helpers
 from fsdp_bridge.translation import bad_argument, check_bool
 
@@ -95,42 +94,6 @@ def _warn_legacy(name: str, replacement: str) -> None:
     """torch's FSDP1 warns for its legacy optimizer state-dict methods: so do we, by name."""
     warnings.warn(f"FullyShardedDataParallel.{name} is deprecated in torch; use "
                   f"FullyShardedDataParallel.{replacement} instead.", FutureWarning, stacklevel=3)
-
-
-def _from_rank0(value, group=None):
-    """Rank 0's `value` (of `group`, else of the world) on every rank: FSDP1's rank-0-only
-    optimizer loads, where the other ranks pass None or {}. Pickled as one object."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return value
-    holder: list[Any] = [value if dist.get_rank(group) == 0 else None]
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    dist.broadcast_object_list(holder, src=src, group=group)
-    return holder[0]
-
-
-def _by_model_order(model: nn.Module, root, full_osd: dict) -> dict:
-    """FSDP1's sharded form of a full optimizer state dict when no optimizer is given: keyed
-    by position in `model.parameters()` (the order an optimizer built on them numbers them),
-    one param group per saved one."""
-    position = {id(p): i for i, p in enumerate(model.parameters())}
-    by_name = dict(nn.Module.named_parameters(root._sharded.module))
-    groups = []
-    for saved in full_osd["param_groups"]:
-        unknown = [fqn for fqn in saved["params"] if by_name.get(fqn) is None
-                   or id(by_name[fqn]) not in position]
-        if unknown:
-            raise bad_argument(root._frontend, "full_optim_state_dict", f"<param group with "
-                               f"{unknown[:4]}>", "the full optimizer state dict of this model",
-                               "Load the state saved from this model (parameter names differ).")
-        params = sorted((by_name[fqn] for fqn in saved["params"]), key=lambda p: position[id(p)])
-        groups.append({"params": params})
-    standin = type("ModelOrder", (), {"param_groups": groups})()
-    local = engine.optim_state_dict_to_load(root._sharded, standin, full_osd)
-    order = [position[id(p)] for group in groups for p in group["params"]]
-    local["state"] = {order[i]: value for i, value in local["state"].items()}
-    for group in local["param_groups"]:
-        group["params"] = [order[i] for i in group["params"]]
-    return local
 
 
 def _frontend_of(module) -> str:
@@ -439,7 +402,7 @@ class ShardedWrapper(nn.Module):
             result = optim_state.optimizer_states_to_load(root, [optim], optim_state_dict)[0]
         else:
             if getattr(settings.optim_state_dict_config, "rank0_only", False):
-                optim_state_dict = _from_rank0(optim_state_dict, group)
+                optim_state_dict = fsdp1_optim.from_rank0(optim_state_dict, group)
             result = engine.optim_state_dict_to_load(root._sharded, optim, optim_state_dict)
         if load_directly:
             optim.load_state_dict(result)
@@ -481,7 +444,8 @@ class ShardedWrapper(nn.Module):
                                "Pass optim=optimizer (optim_input is deprecated in torch too).")
         root = ShardedWrapper._root(model)
         if optim is None:
-            return _by_model_order(model, root, full_optim_state_dict)
+            return fsdp1_optim.by_model_order(model, root._sharded, root._frontend,
+                                              full_optim_state_dict)
         return engine.optim_state_dict_to_load(root._sharded, optim, full_optim_state_dict)
 
     @staticmethod
@@ -489,5 +453,5 @@ class ShardedWrapper(nn.Module):
                                       optim_input=None, optim=None, group=None) -> dict:
         """`shard_full_optim_state_dict` of rank 0's full dict (the other ranks' argument is
         ignored, as FSDP1's; they may pass None)."""
-        full = _from_rank0(full_optim_state_dict, group)
+        full = fsdp1_optim.from_rank0(full_optim_state_dict, group)
         return ShardedWrapper.shard_full_optim_state_dict(full, model, optim_input, optim=optim)
