@@ -8,6 +8,10 @@ Differences users can see (all documented in the argument table):
   `use_orig_params=True`), whatever `use_orig_params` says: an optimizer built before wrapping
   trains.
 - A hand-nested wrapper over other ranks than the root's is refused (see check_nested_groups).
+- LOCAL_STATE_DICT holds our flat groups under `<unit>._bridge_flat_param.<i>`, not native's
+  `<wrapper>._flat_param`, whose packing is torch's: a native LOCAL dict is refused by name
+  (see fsdp_bridge/engine/local_state.py). The legacy `sharded_optim_state_dict` gives
+  DTensors where native gives ShardedTensors; `flatten_sharded_optim_state_dict` reads both.
 - It runs on CPU without `device_id`, with `sync_module_states`, CPU offload and full state
   dicts offloaded to CPU (all of which native FSDP1 refuses on a CPU-only build).
 """
