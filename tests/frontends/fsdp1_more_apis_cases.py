@@ -316,12 +316,16 @@ def rank0_only_load(rank, world):
 
 def process_group(rank, world):
     group = dist.new_group([0, 1])
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    hybrid = {"sharding_strategy": ShardingStrategy.HYBRID_SHARD,
+              "process_group": (singles[rank], group)}
     out = {}
     for which in WHICH:
         for setting, extra in (("default", {}), ("given", {"process_group": group}),
-                               ("no_shard", {"sharding_strategy": ShardingStrategy.NO_SHARD})):
+                               ("no_shard", {"sharding_strategy": ShardingStrategy.NO_SHARD}),
+                               ("hybrid", hybrid)):
             fsdp, FSDP, w = _wrap(which, **extra)
-            expected = group if setting == "given" else dist.group.WORLD
+            expected = {"given": group, "hybrid": singles[rank]}.get(setting, dist.group.WORLD)
             out[f"{which}_{setting}"] = {
                 "is_expected_group": w.process_group is expected,
                 "rank": w.rank, "world_size": w.world_size,

@@ -13,7 +13,7 @@ spawned CPU/gloo world of two ranks (fsdp1_more_apis_cases.py):
   position in `model.parameters()`), other ranks passing None or {};
 - `optim_state_dict_to_load` under `FullOptimStateDictConfig(rank0_only=True)`, where rank 0
   alone holds the dict;
-- the wrapper's `process_group`, `rank` and `world_size`.
+- the wrapper's `process_group`, `rank` and `world_size` (default, given, NO_SHARD, hybrid).
 
 "Bit for bit": a resumed run's losses and final full state equal the uninterrupted run's of the
 same dialect exactly; ours and native's uninterrupted runs agree to fp32 tolerance.
@@ -181,10 +181,13 @@ def test_rank0_only_optimizer_load_resumes_bit_for_bit(world, rank):
 
 
 @pytest.mark.parametrize("rank", RANKS)
-@pytest.mark.parametrize("setting", ["default", "given", "no_shard"])
+@pytest.mark.parametrize("setting", ["default", "given", "no_shard", "hybrid"])
 def test_process_group_rank_and_world_size_match_native(world, rank, setting):
+    """The group parameters are sharded over: the world's, the one given, the world's under
+    NO_SHARD, and a hybrid strategy's shard group (here one rank each)."""
     out = case(world, "process_group", rank)
     ours, native = out[f"ours_{setting}"], out[f"native_{setting}"]
     assert native["is_expected_group"] and ours["is_expected_group"]
     assert ours == native
-    assert (ours["rank"], ours["world_size"]) == (rank, 2)
+    expected = (0, 1) if setting == "hybrid" else (rank, 2)
+    assert (ours["rank"], ours["world_size"]) == expected
