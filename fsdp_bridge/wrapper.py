@@ -3,7 +3,7 @@
 
 It holds the user's module as `_fsdp_wrapped_module` (as FSDP1 does), delegates `forward`,
 attributes and indexing to it, and exposes FSDP1's behaviour on top of the engine: `no_sync`,
-`clip_grad_norm_`, state dicts by `state_dict_type` (FULL / SHARDED), `summon_full_params`,
+`clip_grad_norm_`, state dicts by `state_dict_type` (FULL / SHARDED / LOCAL), `summon_full_params`,
 optimizer state dicts. Front-ends subclass it and add their constructor (the translation).
 
 [Note: SHARDED_STATE_DICT is what DCP can save]
@@ -32,14 +32,16 @@ answers `check_is_root()` with False and refuses the methods that need engine st
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Optional
+import warnings
+from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import (
     FullOptimStateDictConfig,
     FullStateDictConfig,
+    LocalOptimStateDictConfig,
+    LocalStateDictConfig,
     ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
     StateDictSettings,
@@ -47,7 +49,7 @@ from torch.distributed.fsdp import (
 )
 
 from fsdp_bridge import engine
-from fsdp_bridge.state_dicts import model_state, optim_state, torch_helpers
+from fsdp_bridge.state_dicts import fsdp1_optim, model_state, optim_state, torch_helpers
 from fsdp_bridge.state_dicts.torch_helpers import called_by_torch_helpers
 from fsdp_bridge.translation import bad_argument, check_bool
 
@@ -83,7 +85,15 @@ def placed(result: dict, destination: Optional[dict], prefix: str) -> dict:
 def _default_config(state_dict_type: StateDictType):
     if state_dict_type is StateDictType.SHARDED_STATE_DICT:
         return ShardedStateDictConfig(), ShardedOptimStateDictConfig()
+    if state_dict_type is StateDictType.LOCAL_STATE_DICT:
+        return LocalStateDictConfig(), LocalOptimStateDictConfig()
     return FullStateDictConfig(), FullOptimStateDictConfig()
+
+
+def _warn_legacy(name: str, replacement: str) -> None:
+    """torch's FSDP1 warns for its legacy optimizer state-dict methods: so do we, by name."""
+    warnings.warn(f"FullyShardedDataParallel.{name} is deprecated in torch; use "
+                  f"FullyShardedDataParallel.{replacement} instead.", FutureWarning, stacklevel=3)
 
 
 def _frontend_of(module) -> str:
@@ -205,6 +215,12 @@ class ShardedWrapper(nn.Module):
             result = model_state.get_model_state_dict(self)
         elif settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             result = self._sharded_state_dict(settings)
+        elif settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+            offload = getattr(settings.state_dict_config, "offload_to_cpu", False)
+            if self._local_is_full():
+                result = engine.full_state_dict(self._sharded, cpu_offload=offload)
+            else:
+                result = engine.local_state_dict(self._sharded, cpu_offload=offload)
         else:
             config = settings.state_dict_config
             result = engine.full_state_dict(
@@ -220,8 +236,24 @@ class ShardedWrapper(nn.Module):
             return self._load_rows_state_dict(state_dict, strict)
         if self._state_dict_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             return self._load_sharded_state_dict(state_dict, strict)
+        if self._state_dict_settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+            if self._local_is_full():
+                engine.load_full_state_dict(self._sharded, state_dict, strict=strict)
+                return nn.modules.module._IncompatibleKeys([], [])
+            missing, unexpected = engine.load_local_state_dict(self._sharded, state_dict, strict)
+            return nn.modules.module._IncompatibleKeys(missing, unexpected)
         engine.load_full_state_dict(self._sharded, state_dict, strict=strict)
         return nn.modules.module._IncompatibleKeys([], [])
+
+    def _local_is_full(self) -> bool:
+        """With one rank per shard (NO_SHARD) native FSDP1 gives and takes the full state dict
+        under LOCAL_STATE_DICT, and warns: so do we (the same keys and values as native's)."""
+        if self._sharded.comm.shard_size > 1:
+            return False
+        warnings.warn(f"{self._frontend}: with NO_SHARD (one rank per shard), "
+                      "LOCAL_STATE_DICT gives and loads the full state dict, as torch's FSDP1.",
+                      UserWarning, stacklevel=3)
+        return True
 
     def _fqn_modifiers(self) -> dict:
         return hidden_child_names(self._modules[WRAPPED], WRAPPED)
@@ -248,13 +280,11 @@ class ShardedWrapper(nn.Module):
         module: nn.Module, state_dict_type: StateDictType, state_dict_config=None,
         optim_state_dict_config=None,
     ) -> StateDictSettings:
-        if state_dict_type not in (StateDictType.FULL_STATE_DICT,
-                                   StateDictType.SHARDED_STATE_DICT):
+        if not isinstance(state_dict_type, StateDictType):
             raise bad_argument(
                 _frontend_of(module), "state_dict_type", state_dict_type,
-                "StateDictType.FULL_STATE_DICT or StateDictType.SHARDED_STATE_DICT",
-                "LOCAL_STATE_DICT exposes FSDP1's flat parameters, which fsdp_bridge does not "
-                "have; use SHARDED_STATE_DICT for per-rank checkpoints.")
+                "a StateDictType (FULL_STATE_DICT, SHARDED_STATE_DICT or LOCAL_STATE_DICT)",
+                "Pass a member of torch.distributed.fsdp.StateDictType.")
         default_config, default_optim = _default_config(state_dict_type)
         settings = StateDictSettings(state_dict_type, state_dict_config or default_config,
                                      optim_state_dict_config or default_optim)
@@ -354,7 +384,7 @@ class ShardedWrapper(nn.Module):
                          optim_state_dict: Optional[dict] = None, group=None) -> dict:
         root = ShardedWrapper._root(model)
         settings = root._state_dict_settings
-        if settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
+        if settings.state_dict_type is not StateDictType.FULL_STATE_DICT:  # as native's
             return optim_state.get_optimizer_state_dict(
                 root, [optim],
                 cpu_offload=getattr(settings.optim_state_dict_config, "offload_to_cpu", False))
@@ -366,12 +396,13 @@ class ShardedWrapper(nn.Module):
                                  optim_state_dict: dict, is_named_optimizer: bool = False,
                                  load_directly: bool = False, group=None) -> dict:
         root = ShardedWrapper._root(model)
-        if root._state_dict_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
-            # Name-keyed DTensors of any world size: load them, and return the optimizer's own
-            # state dict, which is what `optim.load_state_dict` then expects.
-            optim_state.set_optimizer_state_dict(root, [optim], optim_state_dict)
-            result = optim.state_dict()
+        settings = root._state_dict_settings
+        if settings.state_dict_type is not StateDictType.FULL_STATE_DICT:  # as native's
+            # Name-keyed DTensors (or native FSDP1's ShardedTensors) of any world size.
+            result = optim_state.optimizer_states_to_load(root, [optim], optim_state_dict)[0]
         else:
+            if getattr(settings.optim_state_dict_config, "rank0_only", False):
+                optim_state_dict = fsdp1_optim.from_rank0(optim_state_dict, group)
             result = engine.optim_state_dict_to_load(root._sharded, optim, optim_state_dict)
         if load_directly:
             optim.load_state_dict(result)
@@ -384,18 +415,43 @@ class ShardedWrapper(nn.Module):
                                             rank0_only=rank0_only)
 
     @staticmethod
+    def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
+                                 group=None) -> dict:
+        """FSDP1's legacy sharded optimizer state dict: keyed by parameter name, each
+        per-parameter state a `Shard(0)` DTensor of the full shape (native FSDP1 gives
+        ShardedTensors, or DTensors with a device mesh); loads back through
+        `flatten_sharded_optim_state_dict` at any world size."""
+        _warn_legacy("sharded_optim_state_dict", "optim_state_dict")
+        return optim_state.get_optimizer_state_dict(ShardedWrapper._root(model), [optim])
+
+    @staticmethod
+    def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict, model: nn.Module,
+                                         optim: torch.optim.Optimizer) -> dict:
+        """What `optim.load_state_dict` takes, from `sharded_optim_state_dict`'s form (ours or
+        native FSDP1's ShardedTensors). A collective; the optimizer is not loaded."""
+        _warn_legacy("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
+        root = ShardedWrapper._root(model)
+        return optim_state.optimizer_states_to_load(root, [optim], sharded_optim_state_dict)[0]
+
+    @staticmethod
     def shard_full_optim_state_dict(full_optim_state_dict: dict, model: nn.Module,
                                     optim_input=None, optim=None) -> dict:
-        if optim is None:
-            raise bad_argument(_frontend_of(model), "optim", optim, "the optimizer",
+        """This rank's part of a full optimizer state dict, keyed as `optim` numbers its
+        parameters; without `optim`, as FSDP1 does, by position in `model.parameters()`
+        (for an optimizer then built on `model.parameters()`)."""
+        if optim_input is not None:
+            raise bad_argument(_frontend_of(model), "optim_input", optim_input, "None",
                                "Pass optim=optimizer (optim_input is deprecated in torch too).")
-        return engine.optim_state_dict_to_load(ShardedWrapper._root(model)._sharded, optim,
-                                               full_optim_state_dict)
+        root = ShardedWrapper._root(model)
+        if optim is None:
+            return fsdp1_optim.by_model_order(model, root._sharded, root._frontend,
+                                              full_optim_state_dict)
+        return engine.optim_state_dict_to_load(root._sharded, optim, full_optim_state_dict)
 
     @staticmethod
     def scatter_full_optim_state_dict(full_optim_state_dict: Optional[dict], model: nn.Module,
                                       optim_input=None, optim=None, group=None) -> dict:
-        holder: list[Any] = [full_optim_state_dict]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(holder, src=0)
-        return ShardedWrapper.shard_full_optim_state_dict(holder[0], model, optim=optim)
+        """`shard_full_optim_state_dict` of rank 0's full dict (the other ranks' argument is
+        ignored, as FSDP1's; they may pass None)."""
+        full = fsdp1_optim.from_rank0(full_optim_state_dict, group)
+        return ShardedWrapper.shard_full_optim_state_dict(full, model, optim_input, optim=optim)

@@ -2,7 +2,8 @@
 
 Its public verbs, one module each, are re-exported here: `shard_model` / `get_sharded`,
 `ownership` (owner_of, release), `summon` (summon_full_params), `grad_norm` (grad_norm,
-clip_grads_), `state_dict` (full and per-rank state dicts), `optim_state` (FSDP1's full
+clip_grads_), `state_dict` (full and per-rank state dicts), `local_state` (FSDP1's
+LOCAL_STATE_DICT: the flat shards), `optim_state` (FSDP1's full
 optimizer state dicts), `unit_verbs` (FSDP2's per-unit unshard / reshard / divide factor).
 
 It applies a `fsdp_bridge.plan.Plan` and knows nothing of FSDP dialects; front-ends build the
@@ -20,6 +21,7 @@ from torch import nn
 from fsdp_bridge.engine.comm import CollectiveStats, Comm
 from fsdp_bridge.engine.device import backends_of, device_for_backends
 from fsdp_bridge.engine.grad_norm import clip_grads_, grad_norm
+from fsdp_bridge.engine.local_state import load_local_state_dict, local_state_dict
 from fsdp_bridge.engine.optim_state import (
     full_optim_state_dict,
     optim_state_dict_to_load,
@@ -67,6 +69,8 @@ __all__ = [
     "get_sharded",
     "grad_norm",
     "load_full_state_dict",
+    "load_local_state_dict",
+    "local_state_dict",
     "load_sharded_state_dict",
     "optim_state_dict_to_load",
     "owner_of",

@@ -57,11 +57,17 @@ def load_full_state_dict(
     with torch.no_grad():
         for group in sharded.flat_groups():
             _load_group(group, state_dict, strict)
-        managed = _managed_names(sharded)
-        for key, current in entries.items():
-            if key in state_dict and key not in managed:
-                _check_shape(key, state_dict[key], current.shape)
-                current.copy_(state_dict[key])
+        load_unmanaged(sharded, entries, state_dict)
+
+
+def load_unmanaged(sharded: ShardedModel, entries: dict, state_dict: dict) -> None:
+    """Copy the values of `state_dict` the engine does not shard (buffers, ignored parameters:
+    whole on every rank) into the model's `entries`, checking their shapes."""
+    managed = _managed_names(sharded)
+    for key, current in entries.items():
+        if key in state_dict and key not in managed:
+            _check_shape(key, state_dict[key], current.shape)
+            current.copy_(state_dict[key])
 
 
 def _managed_names(sharded: ShardedModel) -> set[str]:

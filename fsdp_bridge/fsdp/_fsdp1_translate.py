@@ -88,8 +88,10 @@ TABLE = register_table(
             rejected("sharding_strategy per unit", "a CustomPolicy override or nested wrapper "
                      "may change FULL_SHARD <-> SHARD_GRAD_OP only (resharding), not the mode "
                      "(shard / replicate / hybrid)"),
-            rejected("state_dict_type=LOCAL_STATE_DICT", "flat-parameter state dicts are "
-                     "FSDP1 internals; use FULL_STATE_DICT or SHARDED_STATE_DICT"),
+            translated("state_dict_type=LOCAL_STATE_DICT", "one ShardedTensor per flat group "
+                       "under our own keys (`<unit>._bridge_flat_param.<i>`, not native's "
+                       "`_flat_param`, whose packing differs: a native LOCAL dict is refused); "
+                       "loads back into the same model at the same world size"),
         ),
     )
 )

@@ -8,6 +8,10 @@ Differences users can see (all documented in the argument table):
   `use_orig_params=True`), whatever `use_orig_params` says: an optimizer built before wrapping
   trains.
 - A hand-nested wrapper over other ranks than the root's is refused (see check_nested_groups).
+- LOCAL_STATE_DICT holds our flat groups under `<unit>._bridge_flat_param.<i>`, not native's
+  `<wrapper>._flat_param`, whose packing is torch's: a native LOCAL dict is refused by name
+  (see fsdp_bridge/engine/local_state.py). The legacy `sharded_optim_state_dict` gives
+  DTensors where native gives ShardedTensors; `flatten_sharded_optim_state_dict` reads both.
 - It runs on CPU without `device_id`, with `sync_module_states`, CPU offload and full state
   dicts offloaded to CPU (all of which native FSDP1 refuses on a CPU-only build).
 """
@@ -187,6 +191,26 @@ class FullyShardedDataParallel(ShardedWrapper):
         if self._sharded.comm.shard_size == 1:
             return ShardingStrategy.NO_SHARD
         return self._fsdp_kwargs["sharding_strategy"]
+
+    @property
+    def process_group(self) -> Optional[dist.ProcessGroup]:
+        """The group parameters are sharded over, as FSDP1's attribute: the given group (the
+        world's by default), the shard group of a hybrid strategy, the whole group with
+        NO_SHARD. None only in a process without torch.distributed (native FSDP1 needs one)."""
+        comm = self._sharded.comm
+        return comm.shard_group if comm.shard_group is not None else comm.replicate_group
+
+    @property
+    def rank(self) -> int:
+        """This rank within `process_group` (FSDP1's attribute)."""
+        group = self.process_group
+        return group.rank() if group is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        """The size of `process_group` (FSDP1's attribute)."""
+        group = self.process_group
+        return group.size() if group is not None else 1
 
 
 FullyShardedDataParallel.__module__ = "fsdp_bridge.fsdp"

@@ -145,6 +145,18 @@ def set_optimizer_state_dict(model: nn.Module, optimizers: Iterable, state_dict:
                              strict: bool = True, broadcast_from_rank0: bool = False) -> None:
     """Load a name-keyed optimizer state dict (full tensors, DTensors of any world size, or
     FSDP1's FULL form) into optimizers over the sharded model. A collective."""
+    optimizers = list(optimizers)
+    to_load = optimizer_states_to_load(model, optimizers, state_dict, strict=strict,
+                                       broadcast_from_rank0=broadcast_from_rank0)
+    for optim, local in zip(optimizers, to_load):
+        optim.load_state_dict(local)
+
+
+def optimizer_states_to_load(model: nn.Module, optimizers: Iterable, state_dict: dict, *,
+                             strict: bool = True, broadcast_from_rank0: bool = False) -> list:
+    """What `set_optimizer_state_dict` loads, one dict per optimizer (keyed by position, this
+    rank's pieces), without loading it: an optimizer that had no state yet is left without
+    (as native FSDP1's `optim_state_dict_to_load` leaves it). A collective."""
     if broadcast_from_rank0:
         state_dict = broadcast_object_tree(state_dict if world_rank() == 0 else None)
     if STATE not in state_dict or GROUPS not in state_dict:
@@ -163,16 +175,22 @@ def set_optimizer_state_dict(model: nn.Module, optimizers: Iterable, state_dict:
             f"optimizer state dict: state for {len(unknown)} parameter(s) the model does not "
             f"have: {unknown[:8]}. Load the optimizer state of this model.")
     optimizers = list(optimizers)
+    fresh = [not optim.state for optim in optimizers]
     plans = []
     for optim in optimizers:  # check everything before loading anything
         _init_optim_state(optim)
         plans.append(_plan_load(optim, named, saved_state, saved_groups))
-    for optim, (groups, order) in zip(optimizers, plans):
+    for optim, was_fresh in zip(optimizers, fresh):
+        if was_fresh:  # the zero-lr step of `_init_optim_state` made state: drop it
+            optim.state.clear()
+    to_load = []
+    for groups, order in plans:
         state = {}
         with torch.no_grad():
             for position, param, saved in order:
                 state[position] = _local_state(param, named[id(param)], saved)
-        optim.load_state_dict({STATE: state, GROUPS: groups})
+        to_load.append({STATE: state, GROUPS: groups})
+    return to_load
 
 
 def _plan_load(optim, named, saved_state, saved_groups):

@@ -17,7 +17,6 @@ from torch.distributed.fsdp import (
     MixedPrecision,
     MixedPrecisionPolicy,
     ShardingStrategy,
-    StateDictType,
 )
 from torch.distributed.fsdp.wrap import CustomPolicy, ModuleWrapPolicy, transformer_auto_wrap_policy
 
@@ -135,8 +134,8 @@ CASES = [
      "'mesh'", "only one of process_group and device_mesh"),
     (lambda: resolve_groups(ShardingStrategy.FULL_SHARD, None, "mesh", None), "device_mesh",
      "'mesh'", "a DeviceMesh"),
-    (lambda: ShardedWrapper.set_state_dict_type(LLAMA, StateDictType.LOCAL_STATE_DICT),
-     "state_dict_type", "LOCAL_STATE_DICT", "FULL_STATE_DICT"),
+    (lambda: ShardedWrapper.set_state_dict_type(LLAMA, "LOCAL_STATE_DICT"),
+     "state_dict_type", "'LOCAL_STATE_DICT'", "a StateDictType"),
     (_summon_rank0_writeback, "writeback", "True", "False when rank0_only=True"),
     # -- FSDP2 ------------------------------------------------------------------------------
     (_fsdp2(module="x"), "module", "'x'", "an nn.Module"),
