@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_bridge.engine import default_device
+from fsdp_bridge.engine.device import backends_of, collective_device
 from fsdp_bridge.state_dicts.model_state import global_shape, to_dtensor, to_full
 from fsdp_bridge.state_dicts.parts import (
     entries,
@@ -286,14 +288,21 @@ def broadcast_object_tree(tree):
         header = [None]
     dist.broadcast_object_list(header, src=0)
     spec, meta = header[0]
+    # NCCL sends CUDA tensors only: each goes over the wire on the device the default group
+    # talks on, and arrives on the CPU (rank 0 keeps its own copy where it was).
+    wire = collective_device(backends_of(None), default_device())
     out = []
     for index, item in enumerate(meta):
         if item[0] == "v":
             out.append(item[1])
             continue
-        tensor = (to_full(leaves[index]).detach().clone() if world_rank() == 0
-                  else torch.empty(item[1], dtype=item[2]))
-        dist.broadcast(tensor, src=0)
+        if world_rank() == 0:
+            tensor = to_full(leaves[index]).detach().clone()
+            dist.broadcast(tensor.to(wire), src=0)
+        else:
+            tensor = torch.empty(item[1], dtype=item[2], device=wire)
+            dist.broadcast(tensor, src=0)
+            tensor = tensor.cpu()
         out.append(tensor)
     return tree_unflatten(out, spec)
 
