@@ -9,6 +9,6 @@ BACKENDS = ("reference", "torch-fsdp1", "torch-fsdp2", "bridge-fsdp1", "bridge-f
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
 OPTIMIZERS = ("adamw", "sgd")
 DTYPES = ("fp32", "bf16", "fp16")
-TOLERANCE_GROWTH = ("linear", "none")  # compare.GROWTH
+TOLERANCE_GROWTH = ("window", "linear", "none")  # compare.GROWTH
 # A built-in recipe's size (`recipes.Size`) unless `--layers`, `--hidden`, ... say otherwise.
 SIZE_DEFAULTS = {"layers": 2, "hidden": 64, "vocab": 128, "seq": 16, "batch": 8, "heads": 4}
