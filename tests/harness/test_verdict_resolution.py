@@ -137,3 +137,14 @@ def test_window_growth_is_the_default_and_strict_for_the_first_steps():
     assert tol.at_step(STRICT_STEPS) == tol
     assert tol.at_step(STRICT_STEPS + 10).rtol == pytest.approx(11 * tol.rtol)
     assert f"at steps 1-{STRICT_STEPS}" in tol.describe()
+
+
+def test_final_weights_alone_differing_are_inconclusive_only_without_resolution():
+    from fsdp_bridge.harness.compare import ParamDiff
+
+    falling = _losses(4.0, 2.0, scatter=0.05)
+    for dtype, expected in (("bf16", INCONCLUSIVE), ("fp32", DIFFERENT)):
+        comparison = _judge(_records(falling), _records(list(falling)), dtype=dtype)
+        comparison.params.append(ParamDiff("layer.weight", max_abs=0.04, ratio=12.0))
+        assert not comparison.ok and comparison.outcome == expected, dtype
+        assert ("final weights differ" in comparison.summary()) == (expected == INCONCLUSIVE)
