@@ -19,6 +19,7 @@ from fsdp_bridge.harness.names import (
     SIZE_DEFAULTS,
     STRATEGIES,
     TOLERANCE_GROWTH,
+    TOLERANCE_GROWTH_HELP,
 )
 
 # The single-process reference first (the baseline), then each native torch FSDP beside our
@@ -59,11 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rtol", type=float, help="override the dtype's rtol")
     parser.add_argument("--atol", type=float, help="override the dtype's atol")
     parser.add_argument("--tolerance-growth", default="window", choices=TOLERANCE_GROWTH,
-                        help="window: the one-step tolerance for the first 50 steps (where a "
-                             "changed setting shows), then growing linearly, since rounding "
-                             "differences between correct implementations compound; linear: "
-                             "step k allows k times the one-step tolerance (misses a steady "
-                             "drift); none: the one-step tolerance at every step (default window)")
+                        help=TOLERANCE_GROWTH_HELP)
     parser.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     parser.add_argument("--plot", metavar="FILE.png", help="write loss and deviation curves")
     parser.add_argument("-q", "--quiet", action="store_true",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fsdp_bridge.harness.names import DTYPES, TOLERANCE_GROWTH
+from fsdp_bridge.harness.names import DTYPES, TOLERANCE_GROWTH, TOLERANCE_GROWTH_HELP
 
 
 class _SplitAtDoubleDash(argparse.ArgumentParser):
@@ -47,11 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rtol", type=float, help="override the dtype's rtol")
     parser.add_argument("--atol", type=float, help="override the dtype's atol")
     parser.add_argument("--tolerance-growth", default="window", choices=TOLERANCE_GROWTH,
-                        help="window: the one-step tolerance for the first 50 steps (where a "
-                             "changed setting shows), then growing linearly, since rounding "
-                             "differences between correct implementations compound; linear: "
-                             "step k allows k times the one-step tolerance (misses a steady "
-                             "drift); none: the one-step tolerance at every step (default window)")
+                        help=TOLERANCE_GROWTH_HELP)
     parser.add_argument("--allow-no-fsdp", action="store_true",
                         help="compare runs even when one engaged no FSDP module (by default "
                              "that is an error: its agreement would prove nothing about FSDP)")

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 from fsdp_bridge.harness.digest import Digest
+from fsdp_bridge.harness.names import STRICT_STEPS
 from fsdp_bridge.harness.resolution import digests_identical, sensitivity
 
 EXIT_AGREE, EXIT_DISAGREE, EXIT_ERROR, EXIT_INCONCLUSIVE = 0, 1, 2, 3
@@ -71,7 +72,6 @@ class Verdict:
 #   tolerance. Catches a bug that is off from step 1, but not a slow, steady drift.
 # - "none": every step gets the one-step tolerance (short runs; the pytest fixture).
 GROWTH = ("window", "linear", "none")
-STRICT_STEPS = 50
 
 
 @dataclasses.dataclass(frozen=True)
