@@ -239,6 +239,29 @@ def margins(runs: dict) -> list[str]:
     return lines
 
 
+def predictions(runs: dict) -> list[str]:
+    """The resolution's prediction (what a 1 % learning-rate change would reach, from the
+    baseline alone) beside what lr +1 % and -1 % actually reached: the prediction must not be
+    larger, or "equivalent" would be said where a 1 % change could pass unseen."""
+    lines = ["", "predicted reach of a 1 % learning-rate change vs reached (worst step, "
+                 "deviation / allowance):"]
+    for compute in sorted({key[0] for key in runs}, reverse=True):
+        for path in ("scripts", "loss only"):
+            cells = []
+            for seed in sorted({key[1] for key in runs if key[0] == compute}):
+                base = runs[(compute, seed, "baseline")]
+                reached = []
+                for name in ("lr +1%", "lr -1%"):
+                    comparison = Comparison("baseline", name)
+                    compare_steps(records(base, path != "loss only"),
+                                  records(runs[(compute, seed, name)], path != "loss only"),
+                                  tolerance_for(compute), comparison)
+                    reached.append(max(check.ratio for check in comparison.steps))
+                cells.append(f"{comparison.sensitivity:.2g} vs {min(reached):.2g}")
+            lines.append(f"{compute} {path}: " + "; ".join(cells))
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=3)
@@ -249,7 +272,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     runs = collect(args.compute.split(","), args.seeds, args.steps, args.cache)
-    print("\n".join(table(runs) + margins(runs)))
+    print("\n".join(table(runs) + margins(runs) + predictions(runs)))
 
 
 if __name__ == "__main__":
