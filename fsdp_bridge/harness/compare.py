@@ -101,10 +101,12 @@ class Tolerance:
     def allowance(self, reference: float) -> float:
         return self.atol + self.rtol * abs(reference)
 
-    def ratio(self, value: Optional[float], reference: Optional[float]) -> float:
+    def ratio(self, value: Optional[float], reference: Optional[float],
+              printed: float = 0.0) -> float:
+        """|value - reference| / allowance; `printed`: the values' printed resolution, added."""
         if value is None or reference is None:
             return 0.0 if value is None and reference is None else math.inf
-        return _deviation(value, reference, self.allowance(reference))
+        return _deviation(value, reference, self.allowance(reference) + printed)
 
     def digest_allowances(self, reference: Digest) -> tuple[float, float]:
         """The allowances of the digest's sum and sum of squares; see [Note: tolerances]."""
@@ -326,9 +328,10 @@ def compare_steps(baseline_steps: Sequence, candidate_steps: Sequence, tol: Tole
     comparison.identical_digests = bool(digests_identical(baseline_steps, candidate_steps))
     for base, cand in zip(baseline_steps, candidate_steps):
         at = tol.at_step(base.step)
+        printed = max(getattr(base, "loss_quantum", 0.0), getattr(cand, "loss_quantum", 0.0))
         comparison.steps.append(StepCheck(
             step=base.step, loss=cand.loss, baseline_loss=base.loss,
-            loss_ratio=at.ratio(cand.loss, base.loss),
+            loss_ratio=at.ratio(cand.loss, base.loss, printed),
             grad_norm_ratio=at.ratio(cand.grad_norm, base.grad_norm),
             digest_ratio=at.digest_ratio(cand.digest, base.digest)))
 

@@ -58,7 +58,8 @@ def sensitivity(baseline: Sequence, tolerance) -> float:
     if all(loss is not None for loss in losses):
         for index, row in enumerate(rows):
             effect = LR_CHANGE * loss_progress(losses, index)
-            best = max(best, _ratio(effect, tolerance.at_step(row.step).allowance(row.loss)))
+            allowance = tolerance.at_step(row.step).allowance(row.loss)
+            best = max(best, _ratio(effect, allowance + getattr(row, "loss_quantum", 0.0)))
     start = next((row.digest for row in baseline if row.digest is not None), None)
     if start is None:
         return best

@@ -148,3 +148,26 @@ def test_final_weights_alone_differing_are_inconclusive_only_without_resolution(
         comparison.params.append(ParamDiff("layer.weight", max_abs=0.04, ratio=12.0))
         assert not comparison.ok and comparison.outcome == expected, dtype
         assert ("final weights differ" in comparison.summary()) == (expected == INCONCLUSIVE)
+
+
+def test_printed_losses_are_compared_to_their_last_digit():
+    from fsdp_bridge.harness.scripts import printed_quantum
+
+    assert printed_quantum([4.8123, 4.81, 4.8124]) == pytest.approx(1e-4)
+    assert printed_quantum([1.2345e-05, 3e-05]) == pytest.approx(1e-9)
+    assert printed_quantum([float("nan")]) == 0.0
+    # Two equivalent runs printing 4 decimals: one rounding lands on the other side at step 3.
+    printed = [round(x, 4) for x in _losses(4.0, 2.0, scatter=0.05)]
+    flipped = list(printed)
+    flipped[2] = round(flipped[2] + 1e-4, 4)
+
+    def rows(losses):
+        return [StepRecord(k, x, None, None, printed_quantum(losses))
+                for k, x in enumerate(losses, start=1)]
+
+    assert _judge(rows(printed), rows(flipped)).outcome == EQUIVALENT
+    assert _judge(_records(printed), _records(flipped)).first_diverging_step == 3
+    # Fewer printed digits, less resolution: 1 % of a 2-nat fall is 0.02 < 0.1.
+    coarse = [round(x, 1) for x in printed]
+    assert sensitivity(rows(coarse), tolerance_for("fp32")) < 1.0
+    assert sensitivity(rows(printed), tolerance_for("fp32")) > 1.0
