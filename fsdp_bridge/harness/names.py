@@ -9,6 +9,13 @@ BACKENDS = ("reference", "torch-fsdp1", "torch-fsdp2", "bridge-fsdp1", "bridge-f
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard")
 OPTIMIZERS = ("adamw", "sgd")
 DTYPES = ("fp32", "bf16", "fp16")
-TOLERANCE_GROWTH = ("linear", "none")  # compare.GROWTH
+TOLERANCE_GROWTH = ("window", "linear", "none")  # compare.GROWTH
+STRICT_STEPS = 50  # growth "window": see [Note: tolerance growth] in compare.py
+TOLERANCE_GROWTH_HELP = (
+    f"window: the one-step tolerance for the first {STRICT_STEPS} steps (where a changed "
+    "setting shows), "
+    "then growing linearly, since rounding differences between correct implementations "
+    "compound; linear: step k allows k times the one-step tolerance (misses a steady drift); "
+    "none: the one-step tolerance at every step (default window)")
 # A built-in recipe's size (`recipes.Size`) unless `--layers`, `--hidden`, ... say otherwise.
 SIZE_DEFAULTS = {"layers": 2, "hidden": 64, "vocab": 128, "seq": 16, "batch": 8, "heads": 4}

@@ -47,7 +47,8 @@ def comparison_table(comparison: Comparison) -> list[str]:
             lines.append(f"    {diff.name:<48} max|diff| {diff.max_abs:.3g}  "
                          f"tol {_ratio(diff.ratio)}{'  DIFFERS' if diff.ratio > 1 else ''}")
     lines += [f"  ! {problem}" for problem in comparison.problems]
-    lines.append(("AGREE  " if comparison.ok else "DIFFER ") + comparison.summary())
+    label = {"equivalent": "AGREE  ", "different": "DIFFER ", "inconclusive": "CANNOT TELL "}
+    lines.append(label[comparison.outcome] + comparison.summary())
     return lines
 
 
@@ -60,8 +61,8 @@ def render_table(report) -> str:
         lines.append("")
         lines += comparison_table(comparison)
     lines.append("")
-    lines.append({0: "RESULT: equivalent", 1: "RESULT: NOT equivalent",
-                  2: "RESULT: error"}[report.exit_code])
+    lines.append({0: "RESULT: equivalent", 1: "RESULT: NOT equivalent", 2: "RESULT: error",
+                  3: "RESULT: inconclusive (cannot tell)"}[report.exit_code])
     return "\n".join(lines)
 
 
@@ -70,6 +71,8 @@ def _comparison_json(comparison: Comparison) -> dict:
         "baseline": comparison.baseline,
         "candidate": comparison.candidate,
         "ok": comparison.ok,
+        "outcome": comparison.outcome,
+        "sensitivity": comparison.sensitivity,
         "first_diverging_step": comparison.first_diverging_step,
         "steps": [{"step": c.step, "loss": c.loss, "baseline_loss": c.baseline_loss,
                    "loss_ratio": c.loss_ratio, "grad_norm_ratio": c.grad_norm_ratio,

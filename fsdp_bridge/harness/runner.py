@@ -28,6 +28,9 @@ class StepRecord:
     loss: Optional[float]  # None at step 0
     grad_norm: Optional[float]
     digest: Digest
+    # One unit of the last digit the loss was printed with (compare-scripts reads printed
+    # losses; two roundings to it differ by up to one unit); 0.0: the exact value.
+    loss_quantum: float = 0.0
 
 
 @dataclasses.dataclass

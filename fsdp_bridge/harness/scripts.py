@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -89,12 +90,26 @@ class ScriptRun:
     def records(self) -> list[StepRecord]:
         """Rows keyed by step: loss printed as step k, digest after optimizer step k."""
         keys = sorted(set(self.losses) | set(range(1, len(self.digests) + 1)))
+        quantum = printed_quantum(self.losses.values())
         rows = []
         for key in keys:
             digest = self.digests[key - 1] if 1 <= key <= len(self.digests) else None
             rows.append(StepRecord(key, self.losses.get(key),
-                                   digest.grad_norm if digest else None, digest))
+                                   digest.grad_norm if digest else None, digest, quantum))
         return rows
+
+
+def printed_quantum(values) -> float:
+    """One unit of the last digit the values were printed with: the finest over all of them
+    (a value printed as 4.8100 reads back as 4.81, but the others show the 4 decimals)."""
+    quanta = [_last_digit(value) for value in values if math.isfinite(value)]
+    return min(quanta, default=0.0)
+
+
+def _last_digit(value: float) -> float:
+    mantissa, _, exponent = repr(value).partition("e")
+    decimals = len(mantissa.partition(".")[2].rstrip("0"))
+    return 10.0 ** (int(exponent or 0) - decimals)
 
 
 def parse_losses(output: str, pattern: str) -> dict[int, float]:
