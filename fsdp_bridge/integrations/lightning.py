@@ -9,8 +9,7 @@ activation_checkpointing_policy, ...). The model is wrapped by fsdp_bridge's
 `FullyShardedDataParallel` (the FSDP1 front-end) with those arguments; checkpoints are full
 state dicts (`state_dict_type="full"`, Lightning's default) saved and loaded through our
 wrapper. A checkpoint of Lightning's own FSDPStrategy (optimizer states keyed by parameter
-index) is rekeyed by name on load; that path is not tested yet (torch's FSDP1 cannot write such
-a checkpoint on a CPU-only build).
+index) is rekeyed by name on load.
 
 For Fabric: `Fabric(strategy="fsdp_bridge")` (or `FabricFSDPStrategy(...)` with the arguments of
 Fabric's `FSDPStrategy`) wraps `setup_module` with our `FullyShardedDataParallel`, and
