@@ -200,7 +200,8 @@ class ToBridgeCommand(FsdpCodemod):
                 args[index] = arg.with_changes(value=frameworks.our_strategy(arg.value))
                 self.need(frameworks.LIGHTNING_ROUTE)
                 self.site(rules.FRAMEWORK_ENTRY_POINT, IN_PLACE, call, f'strategy="{frameworks.LIGHTNING_FSDP}"',
-                          f'now strategy="{frameworks.OUR_STRATEGY}" (registered by import {frameworks.LIGHTNING_ROUTE})')
+                          f'now strategy="{frameworks.OUR_STRATEGY}" '
+                          f'(registered by import {frameworks.LIGHTNING_ROUTE})')
         return call.with_changes(args=args)
 
     def _class_names(self, node: cst.BaseExpression) -> set[str]:
