@@ -155,6 +155,9 @@ def _read_strategy_argument(call: cst.Call, module: cst.Module, owner: Owner) ->
             owner.routes.add(FSDP1_ROUTE)
         elif value == LIGHTNING_FSDP and _imports_lightning(module):
             owner.routes.add(FSDP1_ROUTE)
+        elif value == LIGHTNING_FSDP:
+            owner.blockers.append(f"strategy={value!r} outside the lightning package (pytorch_lightning?): "
+                                  "fsdp_bridge's strategy is one of lightning.pytorch")
         elif isinstance(value, str) and "fsdp" in value:
             owner.blockers.append(f"strategy={value!r} has no fsdp_bridge counterpart (use strategy="
                                   f"{OUR_STRATEGY!r} with its arguments instead)")

@@ -37,6 +37,8 @@ def test_model_classes_of_transformers_are_no_framework_wrapping(imports):
     ("from accelerate import Accelerator", ["FB006", "FB001", "FB001", "FB005"]),
     ("import transformers\ntrainer = transformers.Trainer(model=model)", ["FB005"]),
     ("import lightning as L", ["FB005"]),
+    ("import lightning as L\ntrainer = L.Trainer(strategy='fsdp')", ["FB006", "FB001", "FB001"]),
+    ("import pytorch_lightning as pl\ntrainer = pl.Trainer(strategy='fsdp')", ["FB005"]),
     ("from transformers import *", ["FB005"]),
 ])
 def test_framework_files_that_do_not_build_the_wrapper(imports, rules):
