@@ -132,6 +132,8 @@ def _read_fsdp_version(call: cst.Call, names: set, owner: Owner) -> None:
     """Our Trainer and Accelerator run accelerate's FSDP2 path only: a config that says FSDP1
     (accelerate's plugin defaults to it; transformers' fsdp_config to FSDP2) stays torch's."""
     kwargs = {arg.keyword.value: arg.value for arg in call.args if arg.keyword is not None}
+    if any(arg.star == "**" for arg in call.args):
+        return  # the version may be in the splatted dict: not read from the file
     if names & ACCELERATE_PLUGIN:
         version = _literal_version(kwargs.get("fsdp_version"))
         if version != 2 and not (version is None and "fsdp_version" in kwargs):

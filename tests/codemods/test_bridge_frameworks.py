@@ -63,3 +63,18 @@ def test_the_shipped_fsdp1_example_migrates_to_bridge_without_a_todo():
     new_source, sites = transform_source(source, "bridge")
     assert "TODO" not in new_source
     assert all(site["status"] != "todo" for site in sites), sites
+
+
+@pytest.mark.parametrize("plugin, kept", [
+    ("FullyShardedDataParallelPlugin()", True),  # accelerate's default: FSDP1
+    ("FullyShardedDataParallelPlugin(fsdp_version=1)", True),
+    ("FullyShardedDataParallelPlugin(fsdp_version=2)", False),
+    ("FullyShardedDataParallelPlugin(**settings)", False),  # not readable from the file
+])
+def test_accelerate_fsdp_version_decides_the_route(plugin, kept):
+    source = STATIC_CALL.replace("model = FSDP(model)\n", "").format(
+        imports=f"from accelerate import Accelerator, FullyShardedDataParallelPlugin\n"
+                f"accelerator = Accelerator(fsdp_plugin={plugin})")
+    output, _ = transform_source(source, "bridge")
+    assert ("from torch.distributed.fsdp import" in output) == kept
+    assert ("from fsdp_bridge.integrations.accelerate import Accelerator" in output) == (not kept)
