@@ -104,6 +104,13 @@ def _optimizer_keyed_by_name(state: dict, model: torch.nn.Module) -> dict:
             "param_groups": groups}
 
 
+def _check_full(frontend: str, state_dict_type: str) -> None:
+    if state_dict_type != "full":
+        raise bad_argument(frontend, "state_dict_type", state_dict_type, "'full' (one file; "
+                           "sharded checkpoints are not supported by this strategy yet)",
+                           "Pass state_dict_type='full'.")
+
+
 def _check_root(module, what: str) -> None:
     if not isinstance(module, FullyShardedDataParallel):
         raise bad_argument(FABRIC_FRONTEND, "module", module, "the module Fabric's setup "
@@ -118,10 +125,7 @@ class FSDPStrategy(LightningFSDPStrategy):
     _registered_strategies: list = []  # its own list: Lightning's names its FSDP (GPU only)
 
     def __init__(self, *args, state_dict_type: str = "full", **kwargs):
-        if state_dict_type != "full":
-            raise bad_argument(FRONTEND, "state_dict_type", state_dict_type, "'full' (one "
-                               "file; sharded checkpoints are not supported by this strategy "
-                               "yet)", "Pass state_dict_type='full'.")
+        _check_full(FRONTEND, state_dict_type)
         super().__init__(*args, state_dict_type=state_dict_type, **kwargs)
 
     @property
@@ -204,10 +208,7 @@ class FabricFSDPStrategy(FabricLightningFSDPStrategy):
     checkpoints are full (Fabric's defaults to "sharded", which this strategy refuses)."""
 
     def __init__(self, *args, state_dict_type: str = "full", **kwargs):
-        if state_dict_type != "full":
-            raise bad_argument(FABRIC_FRONTEND, "state_dict_type", state_dict_type, "'full' (one "
-                               "file; sharded checkpoints are not supported by this strategy "
-                               "yet)", "Pass state_dict_type='full'.")
+        _check_full(FABRIC_FRONTEND, state_dict_type)
         super().__init__(*args, state_dict_type=state_dict_type, **kwargs)
         self._backward_sync_control = _NoSyncOfOurs()
 
