@@ -55,10 +55,20 @@ NOT_MIRRORED = _rule("FB004", "name the mirror does not have", (BRIDGE,), """
     import is left pointing at the original, under a TODO naming what is missing.""")
 FRAMEWORK_MODEL = _rule("FB005", "model built by a framework", (BRIDGE,), """
     In a file that uses the Hugging Face Trainer (or TrainingArguments), accelerate or Lightning
-    (importing transformers' model classes alone does not count), an FSDP1 static
-    method call or `isinstance(x, FullyShardedDataParallel)`: the framework wraps the model in
-    torch's own FullyShardedDataParallel, which fsdp_bridge's class does not accept (the call
-    raises, the check is never true), so the site is flagged.""")
+    (importing transformers' model classes alone does not count) and does not build the FSDP
+    wrapper itself: where the framework's entry point stays the framework's (it is set up in
+    another file, or cannot be rewritten: the `pytorch_lightning` package, trl's trainers, a
+    dotted `transformers.Trainer(...)`), the file's torch FSDP imports are kept, each under a
+    TODO saying why; where the entry point is rewritten to a `fully_shard` route (Trainer,
+    Accelerator), FSDP1 static calls and `isinstance(x, FullyShardedDataParallel)` on the
+    framework's model are flagged: that model holds no FSDP1 wrapper.""")
+FRAMEWORK_ENTRY_POINT = _rule("FB006", "framework entry point", (BRIDGE,), """
+    In a file whose model a framework builds: `from transformers import Trainer`,
+    `from accelerate import Accelerator` and Lightning's `FSDPStrategy` (Trainer's or Fabric's)
+    now import fsdp_bridge's route (`fsdp_bridge.integrations`), and Lightning's
+    `strategy="fsdp"` becomes `strategy="fsdp_bridge"` with `import
+    fsdp_bridge.integrations.lightning`; the file's torch FSDP imports are then swapped, since
+    the wrappers it handles are ours.""")
 
 # -- FB1xx: translated for native torch FSDP2 ------------------------------------------------
 

@@ -22,7 +22,7 @@ import libcst.matchers as m
 from libcst.codemod.visitors import AddImportsVisitor
 from libcst.helpers import get_full_name_for_node
 
-from fsdp_bridge.codemods import rules
+from fsdp_bridge.codemods import frameworks, rules
 from fsdp_bridge.codemods.base import IN_PLACE, FsdpCodemod
 from fsdp_bridge.codemods.helpers import code, parse_expr
 from fsdp_bridge.codemods.names import FSDP1, PRIVATE_ATTRIBUTES, TYPE_CHECKS, fsdp_name, is_private_fsdp1
@@ -127,7 +127,10 @@ class ToBridgeCommand(FsdpCodemod):
                 name = get_full_name_for_node(alias.name) or ""
                 bound = get_full_name_for_node(alias.asname.name) if alias.asname else name
                 imported[name] |= self._attributes_of.get(bound or "", set())
-        self._framework = _uses_framework_wrapper(imported)
+        self._framework = _uses_framework_wrapper(imported) or any(
+            name.startswith(frameworks.INTEGRATIONS + ".") for name in imported)
+        # Who builds the wrappers of a framework file (None: no framework, the file's own).
+        self._owner = frameworks.read_owner(node, self.qualified) if self._framework else None
         self._imports_fsdp1 = any(
             (get_full_name_for_node(imp.module) or "").startswith("torch.distributed.fsdp")
             for imp in m.findall(node, m.ImportFrom(module=m.DoNotCare()))
@@ -147,8 +150,30 @@ class ToBridgeCommand(FsdpCodemod):
 
     # -- models built by a framework ---------------------------------------------------------
 
+    def _rewrites_entry_points(self) -> bool:
+        return self._owner is not None and not self._owner.builds_itself and not self._owner.keeps_torch
+
+    def _keeps_torch(self, module: str) -> bool:
+        """Whether this torch FSDP module's import stays torch's (see frameworks.Owner)."""
+        return (self._owner is not None and self._owner.keeps_torch
+                and module.split(".")[:2] == ["torch", "distributed"])
+
+    @staticmethod
+    def _names_fsdp_package(module: str, imp: cst.ImportFrom) -> bool:
+        """`from torch.distributed import fsdp`."""
+        return not isinstance(imp.names, cst.ImportStar) and any(
+            (module, get_full_name_for_node(alias.name)) in PARENT_MAP for alias in imp.names)
+
+    def _keep_torch_import(self, node: cst.CSTNode, what: str) -> None:
+        """One TODO, on the file's first kept import, says why all of them are kept."""
+        if not self._owner.noted:
+            self._owner.noted = True
+            self.todo(rules.FRAMEWORK_MODEL, node, what, self._owner.why_torch())
+
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.Call:
-        if not self._framework:
+        if self._rewrites_entry_points():
+            updated = self._our_strategy_name(updated)
+        if not (self._rewrites_entry_points() and frameworks.FSDP2_ROUTE in self._owner.routes):
             return updated
         names = {fsdp_name(q) or "" for q in self.qualified(original.func)}
         if any(name.startswith(FSDP1 + ".") for name in names):
@@ -160,10 +185,24 @@ class ToBridgeCommand(FsdpCodemod):
                       self._FRAMEWORK_REASON)
         return updated
 
-    _FRAMEWORK_REASON = ("this file uses a framework (transformers, accelerate or Lightning) that wraps the model "
-                         "in torch's own FullyShardedDataParallel, which fsdp_bridge's class does not accept "
-                         "(the call raises, an isinstance check is never true): keep torch's import for code "
-                         "that handles the framework's model, or let fsdp_bridge build the model")
+    _FRAMEWORK_REASON = ("the framework's entry point in this file now shards with fsdp_bridge's fully_shard "
+                         "(accelerate's FSDP2 path; an FSDP1 config is refused when it starts), so its model "
+                         "holds no FullyShardedDataParallel wrapper: this FSDP1 call finds none and raises (an "
+                         "isinstance check is never true); use torch.distributed.checkpoint's "
+                         "get_model_state_dict / set_model_state_dict or the framework's own save")
+
+    def _our_strategy_name(self, call: cst.Call) -> cst.Call:
+        """Lightning's `strategy="fsdp"` -> `strategy="fsdp_bridge"` (see frameworks)."""
+        args = list(call.args)
+        for index, arg in enumerate(args):
+            if (arg.keyword is not None and arg.keyword.value == "strategy" and isinstance(arg.value, cst.SimpleString)
+                    and arg.value.evaluated_value == frameworks.LIGHTNING_FSDP):
+                args[index] = arg.with_changes(value=frameworks.our_strategy(arg.value))
+                self.need(frameworks.LIGHTNING_ROUTE)
+                self.site(rules.FRAMEWORK_ENTRY_POINT, IN_PLACE, call, f'strategy="{frameworks.LIGHTNING_FSDP}"',
+                          f'now strategy="{frameworks.OUR_STRATEGY}" '
+                          f'(registered by import {frameworks.LIGHTNING_ROUTE})')
+        return call.with_changes(args=args)
 
     def _class_names(self, node: cst.BaseExpression) -> set[str]:
         elements = [e.value for e in node.elements] if isinstance(node, cst.Tuple) else [node]
@@ -180,6 +219,10 @@ class ToBridgeCommand(FsdpCodemod):
         for alias in updated.names:
             old = get_full_name_for_node(alias.name)
             new = mirrored(old or "")
+            if new is not None and self._keeps_torch(old or ""):
+                self._keep_torch_import(original, f"import {old}")
+                names.append(alias)
+                continue
             if new is None:
                 if is_private_fsdp1(old or ""):
                     self._private(original, f"import {old}")
@@ -217,6 +260,16 @@ class ToBridgeCommand(FsdpCodemod):
             return updated
         old = get_full_name_for_node(updated.module) or ""
         new = mirrored(old)
+        if self._rewrites_entry_points():
+            updated, added, rewritten = frameworks.entry_point_import(updated)
+            if rewritten:
+                self.insert_before(*added)
+                self.site(rules.FRAMEWORK_ENTRY_POINT, IN_PLACE, original, f"from {old} import ...",
+                          f"now fsdp_bridge's route: {'; '.join(rewritten)}")
+                return updated
+        if (new is not None or self._names_fsdp_package(old, updated)) and self._keeps_torch(old):
+            self._keep_torch_import(original, f"from {old} import ...")
+            return updated
         if is_private_fsdp1(old):
             self._private(original, f"from {old} import ...")
             return updated
@@ -260,6 +313,7 @@ class ToBridgeCommand(FsdpCodemod):
 
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
         if (self._imports_fsdp1 and not self._in_import and original.attr.value in PRIVATE_ATTRIBUTES
+                and not self._keeps_torch("torch.distributed.fsdp")
                 and not (get_full_name_for_node(original.value) or "").startswith(("torch.", "fsdp_bridge."))):
             self.todo(rules.PRIVATE_WRAPPER_ATTRIBUTE, original, f".{original.attr.value}",
                       "a private attribute of torch's FSDP1 wrapper: fsdp_bridge's FullyShardedDataParallel "

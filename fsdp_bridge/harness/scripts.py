@@ -50,10 +50,11 @@ from fsdp_bridge.harness.torchrun import run_torchrun
 
 _NUMBER = r"(?P<loss>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"
 DEFAULT_LOSS_PATTERN = r"step\s*[:=#]?\s*(?P<step>\d+).*?loss\s*[:=]?\s*" + _NUMBER
-# The Hugging Face Trainer's log lines, `{'loss': 2.31, 'grad_norm': ..., 'epoch': 0.1}`: no step
-# in them, so the k-th such line is taken as step k (right for `logging_steps=1`, said in the
-# report). Tried when the default pattern matches no line.
-HF_TRAINER_LOSS_PATTERN = r"""^\s*\{['"]loss['"]:\s*""" + _NUMBER
+# The Hugging Face Trainer's log lines, `{'loss': 2.31, 'grad_norm': ..., 'epoch': 0.1}` (recent
+# transformers quote the values: `{'loss': '2.31', ...}`): no step in them, so the k-th such line
+# is taken as step k (right for `logging_steps=1`, said in the report). Tried when the default
+# pattern matches no line.
+HF_TRAINER_LOSS_PATTERN = r"""^\s*\{['"]loss['"]:\s*['"]?""" + _NUMBER
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OUTPUT_TAIL = 3000

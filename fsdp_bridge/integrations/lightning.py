@@ -9,13 +9,14 @@ activation_checkpointing_policy, ...). The model is wrapped by fsdp_bridge's
 `FullyShardedDataParallel` (the FSDP1 front-end) with those arguments; checkpoints are full
 state dicts (`state_dict_type="full"`, Lightning's default) saved and loaded through our
 wrapper. A checkpoint of Lightning's own FSDPStrategy (optimizer states keyed by parameter
-index) is rekeyed by name on load; that path is not tested yet (torch's FSDP1 cannot write such
-a checkpoint on a CPU-only build).
+index) is rekeyed by name on load.
 
 For Fabric: `Fabric(strategy="fsdp_bridge")` (or `FabricFSDPStrategy(...)` with the arguments of
 Fabric's `FSDPStrategy`) wraps `setup_module` with our `FullyShardedDataParallel`, and
-`clip_gradients` / `no_backward_sync` reach our wrapper; `fabric.save` / `fabric.load` are not
-supported yet and say so.
+`clip_gradients` / `no_backward_sync` reach our wrapper; `fabric.save` / `fabric.load` write and
+read one full checkpoint file laid out as Fabric's own FSDPStrategy writes it with
+`state_dict_type="full"` (model and optimizer states by key, the rest as given); sharded
+checkpoints are refused by name.
 
 Lightning's `ModelParallelStrategy` needs nothing of this module: shard with
 `fsdp_bridge.fsdp.fully_shard` in `LightningModule.configure_model`.
@@ -34,7 +35,13 @@ import torch  # noqa: E402
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGIES  # noqa: E402
 from lightning.fabric.strategies import FSDPStrategy as FabricLightningFSDPStrategy  # noqa: E402
 from lightning.fabric.strategies.fsdp import _setup_activation_checkpointing  # noqa: E402
-from lightning.fabric.strategies.strategy import _BackwardSyncControl  # noqa: E402
+from lightning.fabric.strategies.strategy import (  # noqa: E402
+    _apply_filter,
+    _BackwardSyncControl,
+    _validate_keys_for_strict_loading,
+)
+from lightning.fabric.utilities.load import _move_state_into  # noqa: E402
+from lightning.fabric.utilities.types import _Stateful  # noqa: E402
 from lightning.pytorch.core.optimizer import LightningOptimizer  # noqa: E402
 from lightning.pytorch.plugins.precision import FSDPPrecision  # noqa: E402
 from lightning.pytorch.strategies import FSDPStrategy as LightningFSDPStrategy  # noqa: E402
@@ -78,6 +85,32 @@ def _wrap_context(strategy, kwargs: dict):
                        device_id=strategy.root_device.index, **kwargs)
 
 
+def _full_state_dicts(model, rank0_only: bool = True):
+    return FullyShardedDataParallel.state_dict_type(
+        model, StateDictType.FULL_STATE_DICT,
+        FullStateDictConfig(offload_to_cpu=True, rank0_only=rank0_only),
+        FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=rank0_only))
+
+
+def _optimizer_keyed_by_name(state: dict, model: torch.nn.Module) -> dict:
+    """Lightning's own FSDP strategies may save optimizer states keyed by parameter index (the
+    order of the model's parameters); ours are keyed by name."""
+    if not state["state"] or not isinstance(next(iter(state["state"])), int):
+        return state
+    names = [_clean(name) for name, _ in model.named_parameters()]
+    groups = [dict(group, params=[names[i] for i in group["params"]])
+              for group in state["param_groups"]]
+    return {"state": {names[i]: value for i, value in state["state"].items()},
+            "param_groups": groups}
+
+
+def _check_full(frontend: str, state_dict_type: str) -> None:
+    if state_dict_type != "full":
+        raise bad_argument(frontend, "state_dict_type", state_dict_type, "'full' (one file; "
+                           "sharded checkpoints are not supported by this strategy yet)",
+                           "Pass state_dict_type='full'.")
+
+
 def _check_root(module, what: str) -> None:
     if not isinstance(module, FullyShardedDataParallel):
         raise bad_argument(FABRIC_FRONTEND, "module", module, "the module Fabric's setup "
@@ -92,10 +125,7 @@ class FSDPStrategy(LightningFSDPStrategy):
     _registered_strategies: list = []  # its own list: Lightning's names its FSDP (GPU only)
 
     def __init__(self, *args, state_dict_type: str = "full", **kwargs):
-        if state_dict_type != "full":
-            raise bad_argument(FRONTEND, "state_dict_type", state_dict_type, "'full' (one "
-                               "file; sharded checkpoints are not supported by this strategy "
-                               "yet)", "Pass state_dict_type='full'.")
+        _check_full(FRONTEND, state_dict_type)
         super().__init__(*args, state_dict_type=state_dict_type, **kwargs)
 
     @property
@@ -117,10 +147,7 @@ class FSDPStrategy(LightningFSDPStrategy):
             yield
 
     def _full_state_dicts(self, rank0_only: bool = True):
-        return FullyShardedDataParallel.state_dict_type(
-            self.model, StateDictType.FULL_STATE_DICT,
-            FullStateDictConfig(offload_to_cpu=True, rank0_only=rank0_only),
-            FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=rank0_only))
+        return _full_state_dicts(self.model, rank0_only)
 
     def lightning_module_state_dict(self) -> dict:
         with self._full_state_dicts():
@@ -152,20 +179,9 @@ class FSDPStrategy(LightningFSDPStrategy):
         with self._full_state_dicts(rank0_only=False):
             for optimizer, state in zip(self.optimizers, states):
                 state = FullyShardedDataParallel.optim_state_dict_to_load(
-                    self.model, optimizer, self._keyed_by_name(state))
+                    self.model, optimizer, _optimizer_keyed_by_name(state, self.lightning_module))
                 optimizer.load_state_dict(state)
         return checkpoint
-
-    def _keyed_by_name(self, state: dict) -> dict:
-        """Lightning's own FSDPStrategy saves optimizer states keyed by parameter index (the
-        order of the model's parameters); ours are keyed by name."""
-        if not state["state"] or not isinstance(next(iter(state["state"])), int):
-            return state
-        names = [_clean(name) for name, _ in self.lightning_module.named_parameters()]
-        groups = [dict(group, params=[names[i] for i in group["params"]])
-                  for group in state["param_groups"]]
-        return {"state": {names[i]: value for i, value in state["state"].items()},
-                "param_groups": groups}
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
@@ -188,10 +204,12 @@ class _NormClippingPrecision(FSDPPrecision):
 
 
 class FabricFSDPStrategy(FabricLightningFSDPStrategy):
-    """Fabric's FSDPStrategy, wrapping with fsdp_bridge's FullyShardedDataParallel."""
+    """Fabric's FSDPStrategy, wrapping with fsdp_bridge's FullyShardedDataParallel. Its
+    checkpoints are full (Fabric's defaults to "sharded", which this strategy refuses)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, state_dict_type: str = "full", **kwargs):
+        _check_full(FABRIC_FRONTEND, state_dict_type)
+        super().__init__(*args, state_dict_type=state_dict_type, **kwargs)
         self._backward_sync_control = _NoSyncOfOurs()
 
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -206,23 +224,75 @@ class FabricFSDPStrategy(FabricLightningFSDPStrategy):
         self.precision.unscale_gradients(optimizer)
         return module.clip_grad_norm_(max_norm=max_norm, norm_type=norm_type)
 
-    def save_checkpoint(self, *args, **kwargs):
-        raise NotImplementedError(f"{FABRIC_FRONTEND} does not save checkpoints yet (fabric.save)."
-                                  " Save the state dicts yourself inside fsdp_bridge.fsdp."
-                                  "FullyShardedDataParallel.state_dict_type(model, "
-                                  "StateDictType.FULL_STATE_DICT), or train through the Lightning "
-                                  "Trainer's strategy='fsdp_bridge'.")
+    def save_checkpoint(self, path, state: dict, storage_options=None, filter=None) -> None:
+        """`fabric.save`: one full checkpoint file, written by rank 0."""
+        if storage_options is not None:
+            raise bad_argument(FABRIC_FRONTEND, "storage_options", storage_options, "None (the "
+                               "file is written with torch.save)", "Drop storage_options.",
+                               exc=TypeError)
+        path = Path(self.broadcast(path))
+        if path.is_dir():
+            raise bad_argument(FABRIC_FRONTEND, "path", str(path), "a file path (checkpoints are "
+                               "full state dicts in one file)", "Pass a file name.")
+        _, model = _the_model(state, "fabric.save")
+        full: dict = {}
+        with _full_state_dicts(model):
+            for key, obj in state.items():
+                if isinstance(obj, torch.nn.Module):
+                    converted = obj.state_dict()
+                elif isinstance(obj, torch.optim.Optimizer):
+                    converted = FullyShardedDataParallel.optim_state_dict(model, obj)
+                else:
+                    converted = obj.state_dict() if isinstance(obj, _Stateful) else obj
+                _apply_filter(key, filter or {}, converted, full)
+        if self.global_rank == 0:
+            torch.save(full, path)
+        self.barrier()
 
-    def load_checkpoint(self, *args, **kwargs):
-        raise NotImplementedError(f"{FABRIC_FRONTEND} does not load checkpoints yet (fabric.load)."
-                                  " Load the state dicts yourself inside fsdp_bridge.fsdp."
-                                  "FullyShardedDataParallel.state_dict_type(model, "
-                                  "StateDictType.FULL_STATE_DICT).")
+    def load_checkpoint(self, path, state=None, strict: bool = True, weights_only=None) -> dict:
+        """`fabric.load`: a full checkpoint file (ours, or Fabric's FSDPStrategy's with
+        state_dict_type="full") into the set-up model, its optimizers and the rest of `state`."""
+        path = Path(self.broadcast(path))
+        if not path.is_file():
+            raise bad_argument(FABRIC_FRONTEND, "path", str(path), "a file holding a full "
+                               "checkpoint (state_dict_type='full')", "Pass the checkpoint file.")
+        checkpoint = torch.load(path, map_location="cpu", weights_only=bool(weights_only))
+        if isinstance(state, torch.nn.Module):  # the file is the model's raw state dict
+            _, model = _the_model({"model": state}, "fabric.load")
+            with _full_state_dicts(model, rank0_only=False):
+                model.load_state_dict(checkpoint, strict=strict)
+            return {}
+        key, model = _the_model(state or {}, "fabric.load")
+        with _full_state_dicts(model, rank0_only=False):
+            model.load_state_dict(checkpoint.pop(key), strict=strict)
+        optimizers = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
+        for optim_key, optimizer in optimizers.items():
+            with _full_state_dicts(model, rank0_only=False):
+                loaded = _optimizer_keyed_by_name(checkpoint.pop(optim_key), model)
+                optimizer.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(
+                    model, optimizer, loaded))
+        requested = state.keys() - {key} - optimizers.keys()
+        _validate_keys_for_strict_loading(requested, checkpoint.keys(), strict=strict)
+        _move_state_into(source=checkpoint, destination=state, keys=requested)
+        return checkpoint
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         strategy_registry.register("fsdp_bridge", cls, description="Fully Sharded Data "
                                    "Parallel on fsdp_bridge's engine", override=True)
+
+
+def _the_model(state: dict, what: str):
+    """(key, module) of the one model our wrapper set up in a Fabric checkpoint's state."""
+    models = [(key, obj) for key, obj in state.items()
+              if isinstance(obj, torch.nn.Module)
+              and any(isinstance(sub, FullyShardedDataParallel) for sub in obj.modules())]
+    if len(models) != 1:
+        raise bad_argument(FABRIC_FRONTEND, "state", sorted(state), "a dict holding exactly one "
+                           "model set up by this strategy, e.g. {'model': model, 'optimizer': "
+                           f"optimizer}}; found {len(models)}", f"Pass one set-up model to {what} "
+                           "(save several models to separate files).")
+    return models[0]
 
 
 class _NoSyncOfOurs(_BackwardSyncControl):

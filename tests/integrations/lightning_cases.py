@@ -225,11 +225,9 @@ def fabric_training(rank, world, folder):
             losses.append(M.global_mean(loss.item()))
         state, engine = _full_state_of(which, model)
         out[which] = {"losses": losses, "norms": norms, "state": state, "engine": engine}
-        if which == "ours":
-            try:
-                fabric.save(os.path.join(folder, "fabric.ckpt"), {"model": model})
-            except NotImplementedError as error:
-                out["ours"]["save_refused"] = str(error)
+        if which == "ours":  # resuming from it: test_fabric_checkpoint.py
+            fabric.save(os.path.join(folder, "fabric.ckpt"), {"model": model})
+            out["ours"]["saved"] = os.path.isfile(os.path.join(folder, "fabric.ckpt"))
     return out
 
 
