@@ -36,7 +36,7 @@ EXPECTED_FSDP2 = {
     "fairscale_fallback.py": {("FB210", TODO): 1},
     "fsdp2_native.py": {},
     "hf_trainer_callback.py": {("FB400", INFO): 1, ("FB209", TODO): 1},
-    "hybrid_shard.py": {("FB101", RUNTIME): 1},
+    "hybrid_shard.py": {("FB100", IN_PLACE): 1},
     "lightning_strategy.py": {("FB100", IN_PLACE): 1, ("FB102", IN_PLACE): 1, ("FB103", IN_PLACE): 1,
                               ("FB104", IN_PLACE): 1},
     "literal_wrap_script.py": {("FB101", RUNTIME): 1, ("FB102", IN_PLACE): 1, ("FB103", IN_PLACE): 1},
