@@ -50,6 +50,15 @@ ZERO_STAGE = {"FULL_SHARD": "3", "SHARD_GRAD_OP": "2"}
 # take a YaFSDP model as they take an FSDP2 one, so they translate as under --to fsdp2.
 OPTIMIZER_STATICS = ("optim_state_dict", "full_optim_state_dict", "optim_state_dict_to_load",
                      "scatter_full_optim_state_dict")
+# Statics left under a TODO, with what YaFSDP offers instead.
+UNTRANSLATED_STATICS = {
+    "fsdp_modules": "YaFSDP wraps the model once: its units (modules_to_wrap_with_names) stay plain modules, so "
+                    "the model itself is the only YaFSDP module; walk the units by name instead",
+    "summon_full_params": "YaFSDP has no context that gathers full parameters in place; read them from "
+                          "model.state_dict() (a full state dict) instead, or migrate with --to fsdp2",
+    "set_state_dict_type": "YaFSDP keeps no state-dict mode: its state_dict() is full; pass StateDictOptions to "
+                           "get_/set_model_state_dict where another kind is taken",
+}
 
 
 class _Rank0Only(cst.CSTTransformer):
@@ -264,7 +273,7 @@ class ToYafsdpCommand(StateDictRules, Fsdp1Codemod):
         if method in OPTIMIZER_STATICS:
             return StateDictRules.translate_static_method(self, original, updated, method)
         self.todo(rules.OTHER_FSDP1_USE, original, f"FullyShardedDataParallel.{method}(...)",
-                  "no YaFSDP equivalent is known to the codemod")
+                  UNTRANSLATED_STATICS.get(method, "no YaFSDP equivalent is known to the codemod"))
         return updated
 
     def translate_method(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
