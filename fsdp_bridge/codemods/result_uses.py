@@ -51,11 +51,13 @@ def _loads(statement: cst.BaseStatement, name: str) -> str | None:
     if any(line.comment for line in statement.leading_lines) or statement.trailing_whitespace.comment:
         return None
     call = statement.body[0].value if isinstance(statement.body[0], cst.Expr) else None
-    if (isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute) and call.func.attr.value == "load_state_dict"
-            and len(call.args) == 1 and not call.args[0].keyword and not call.args[0].star
-            and isinstance(call.args[0].value, cst.Name) and call.args[0].value.value == name):
-        return dotted(call.func.value)
-    return None
+    if not (isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute)
+            and call.func.attr.value == "load_state_dict" and len(call.args) == 1):
+        return None
+    arg = call.args[0]
+    if arg.keyword or arg.star or not (isinstance(arg.value, cst.Name) and arg.value.value == name):
+        return None
+    return dotted(call.func.value)
 
 
 def result_uses(module: cst.Module) -> dict[int, ResultUse]:

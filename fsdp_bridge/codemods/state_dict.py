@@ -251,8 +251,9 @@ class StateDictRules:
             (model, optim, state), options = args, self._load_options_here(args[0].value)
         else:
             return None
-        if (use.kind != LOAD or not (options or "").startswith("StateDictOptions(") or dotted(optim.value) != use.optimizer
-                or [id(node) for node in references] != [id(use.follower.body[0].value.args[0].value)]):
+        loaded = use.follower.body[0].value.args[0].value if use.kind == LOAD else None
+        if (use.kind != LOAD or not (options or "").startswith("StateDictOptions(")
+                or dotted(optim.value) != use.optimizer or [id(node) for node in references] != [id(loaded)]):
             return None
         if "broadcast_from_rank0=True" in options:  # FSDP1's other ranks pass None; DCP takes a dict
             state = state.with_changes(value=parse_expr(f"{_operand(state.value)} or {{}}"))

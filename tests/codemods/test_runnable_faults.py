@@ -18,22 +18,15 @@ before and after `migrate --to fsdp2` inside one 2-rank gloo world:
   2.1+'s spellings.
 """
 
-import importlib.util
 import pathlib
 
 from fsdp_bridge.migrate.driver import transform_source
+from tests.codemods.runnable_loader import load_fixture as _load
 from tests.world import run_world
 
 RUNNABLE = pathlib.Path(__file__).parent / "runnable"
 FIXTURES = ("fsdp1_meta_sync", "fsdp1_checkpoint_styles", "fsdp1_torch20_forms", "fsdp1_optimizer_options",
             "fsdp1_wrapper_reads", "fsdp1_checkpoint_check_fn")
-
-
-def _load(path: str):
-    spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem + "_loaded", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _run_all(rank, world_size, pairs):

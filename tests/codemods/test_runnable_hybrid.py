@@ -4,20 +4,13 @@ mesh=mesh)` under `--to fsdp2` (no runtime helper). Run in a 2-rank gloo world: 
 shard), where native FSDP1 switches itself to NO_SHARD inside each replica, they equal the
 runtime helper's, which the rewrite used to call."""
 
-import importlib.util
 import pathlib
 
 from fsdp_bridge.migrate.driver import transform_source
+from tests.codemods.runnable_loader import load_fixture as _load
 from tests.world import run_world
 
 FIXTURE = pathlib.Path(__file__).parent / "runnable" / "fsdp1_hybrid_mesh.py"
-
-
-def _load(path: str):
-    spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem + "_loaded", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _run(rank, world_size, paths):
@@ -32,8 +25,8 @@ def test_hybrid_over_a_given_mesh_is_fully_shard_on_that_mesh(tmp_path):
     helper = source.replace("from torch.distributed.fsdp import fully_shard",
                             "from fsdp_bridge.migrate.runtime import fsdp1_fully_shard\n"
                             "from torch.distributed.fsdp import ShardingStrategy")
-    helper = helper.replace("fully_shard(model, mesh=mesh)",
-                            "fsdp1_fully_shard(model, sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=mesh)")
+    helper = helper.replace("fully_shard(model, mesh=mesh)", "fsdp1_fully_shard(model, device_mesh=mesh, "
+                            "sharding_strategy=ShardingStrategy.HYBRID_SHARD)")
     paths = {"fsdp1": str(FIXTURE)}
     for name, text in (("fsdp2", source), ("helper", helper)):
         (tmp_path / f"{name}.py").write_text(text)

@@ -4,21 +4,14 @@ the rewrite, in a 2-rank gloo world. The same file without its framework import 
 FSDPModule, and the branch is then skipped for an FSDP1 wrapper: that is what the widening
 prevents, and it shows the comparison can fail."""
 
-import importlib.util
 import pathlib
 
 from fsdp_bridge.migrate.driver import transform_source
+from tests.codemods.runnable_loader import load_fixture as _load
 from tests.world import run_world
 
 FIXTURE = pathlib.Path(__file__).parent / "runnable" / "fsdp1_framework_branch.py"
 FRAMEWORK_IMPORT = "import accelerate  # noqa: F401  (the framework that wraps the model)\n"
-
-
-def _load(path: str):
-    spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem + "_loaded", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _framework_prepare(module):

@@ -9,21 +9,14 @@ rewrite inside one 2-rank gloo world, and must give the same states and losses:
   CPU), a rank-0-only save, and the rank0_only load where the other ranks pass None.
 """
 
-import importlib.util
 import pathlib
 
 from fsdp_bridge.migrate.driver import transform_source
+from tests.codemods.runnable_loader import load_fixture as _load
 from tests.world import run_world
 
 RUNNABLE = pathlib.Path(__file__).parent / "runnable"
 FIXTURES = ("fsdp1_sharded_checkpoint", "fsdp1_optimizer_options")
-
-
-def _load(path: str):
-    spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem + "_loaded", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _run_all(rank, world_size, pairs):
