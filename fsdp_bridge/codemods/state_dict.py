@@ -511,7 +511,7 @@ class StateDictRules:
             if model_cfg is not None and optim_cfg is not None:
                 (model_options, model_problem), (optim_options, optim_problem) = (
                     _options(full, *model_cfg), _options(full, *optim_cfg))
-                if model_problem and _takes_model_state(self._with_node, model):
+                if model_problem and _takes_model_state(self._with_node, model) and self.model_state_by_dcp():
                     self.todo(rules.INEXACT_STATE_DICT_OPTIONS, call, "state_dict_config", model_problem)
                 if optim_problem and optim_cfg == (True, False):
                     optim_options = None  # FSDP1's default optimizer config: the helper's own default
@@ -523,6 +523,11 @@ class StateDictRules:
                            for a in call.args if a is not args["module"])
         optim = f"fsdp1_state_dict_options({passed}, for_optimizer=True)"
         return Block(model, f"fsdp1_state_dict_options({passed})", optim, optim)  # the load helper adapts it
+
+    def model_state_by_dcp(self) -> bool:
+        """True if the model's own state-dict calls in the block being entered become DCP calls
+        (a command whose model answers some blocks itself says which)."""
+        return True
 
     def _config_value(self, arg: cst.Arg | None) -> cst.BaseExpression | None:
         """A config argument as written, or the literal call a variable passed there holds

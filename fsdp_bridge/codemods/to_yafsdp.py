@@ -292,6 +292,9 @@ class ToYafsdpCommand(StateDictRules, Fsdp1Codemod):
         translated = isinstance(self.state_dict_blocks[-1], Block)
         self.own_full_blocks.append(self._own_full_block(node) if translated else None)
 
+    def model_state_by_dcp(self) -> bool:
+        return self._own_full_block(self._with_node) is None  # YaFSDP's state_dict() answers the others
+
     def _own_full_block(self, node: cst.With) -> bool | None:
         """rank0_only of a single `with FSDP.state_dict_type(model, FULL_STATE_DICT, <literal config>)`
         item, which YaFSDP's own state_dict() answers; None for any other block."""
