@@ -37,6 +37,9 @@ DROPPED = {
     "device_id": "FSDP2 takes the device from the mesh; call torch.cuda.set_device(local_rank) first on GPUs",
 }
 
+# FSDP1's hybrid strategies: over a 2-D device_mesh, fully_shard on that mesh does the same (HSDP).
+HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
 
 class FullyShardRules:
     """The FSDP2 translation of the FSDP1 constructor; mixed into `Fsdp1Codemod`."""
@@ -62,9 +65,11 @@ class FullyShardRules:
                 reasons.append(f"{name} needs run-time translation")
         if "sync_module_states" in values and not is_literal(values["sync_module_states"], "False"):
             reasons.append("sync_module_states needs a broadcast at run time")
-        if fsdp1.strategy(values.get("sharding_strategy"), resolve) not in ("FULL_SHARD", "SHARD_GRAD_OP"):
-            reasons.append("sharding_strategy is not a literal FULL_SHARD/SHARD_GRAD_OP "
-                           "(hybrid and NO_SHARD need a 2-D mesh built at run time)")
+        strategy = fsdp1.strategy(values.get("sharding_strategy"), resolve)
+        mesh_given = "device_mesh" in values and not is_literal(values["device_mesh"], "None")
+        if strategy not in ("FULL_SHARD", "SHARD_GRAD_OP") and not (strategy in HYBRID and mesh_given):
+            reasons.append("sharding_strategy is not a literal FULL_SHARD/SHARD_GRAD_OP, nor a hybrid one over a "
+                           "given device_mesh (hybrid without a mesh and NO_SHARD need a 2-D mesh built at run time)")
         if "cpu_offload" in values and fsdp1.cpu_offload(values["cpu_offload"], resolve) is None:
             reasons.append("cpu_offload is not a literal CPUOffload(...)")
         if "mixed_precision" in values and not is_literal(values["mixed_precision"], "None"):
@@ -101,6 +106,9 @@ class FullyShardRules:
             elif translated is None:
                 if name in DROPPED and not is_literal(old.value, "None"):
                     reasons.append(f"dropped {name}: {DROPPED[name]}")
+                elif name == "sharding_strategy" and fsdp1.strategy(old.value, resolve) in HYBRID:
+                    reasons.append("HYBRID_SHARD over the 2-D device_mesh is fully_shard's HSDP on that mesh "
+                                   "(replicated over its first dimension, sharded over its second, as FSDP1)")
                 elif name == "sharding_strategy":
                     reasons.append("FULL_SHARD is FSDP2's default (the root stays unsharded after forward)")
                 comments = comments_in(code(old))
@@ -140,7 +148,7 @@ class FullyShardRules:
     def _translate_arg(self, name, old, new, resolve):
         """(FSDP2 keyword, code for the root, code for other units), or None to drop."""
         if name == "sharding_strategy":
-            zero2 = fsdp1.strategy(old, resolve) == "SHARD_GRAD_OP"
+            zero2 = fsdp1.strategy(old, resolve) in ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")
             return ("reshard_after_forward", "False", "False") if zero2 else None
         if name == "device_mesh":
             return ("mesh", code(new), code(new))

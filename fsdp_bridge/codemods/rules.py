@@ -87,10 +87,12 @@ CLIP_GRAD_NORM = _rule("FB103", "clip_grad_norm_()", (FSDP2,), """
     `model.clip_grad_norm_(...)` becomes `torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`
     where the receiver is proven to be the wrapped model, `fsdp1_clip_grad_norm_` where it may be
     one; any other receiver is flagged as FB215.""")
-STATE_DICT = _rule("FB104", "state dicts", (FSDP2,), """
+STATE_DICT = _rule("FB104", "state dicts", (FSDP2, YAFSDP), """
     `with FSDP.state_dict_type(...)` blocks, `model.state_dict()` / `load_state_dict()` and
     `FSDP.optim_state_dict*` become `torch.distributed.checkpoint.state_dict` calls with
-    `StateDictOptions` (through runtime helpers where the options are known only at run time).""")
+    `StateDictOptions` (through runtime helpers where the options are known only at run time).
+    Under `--to yafsdp` the same, for all but a FULL_STATE_DICT block with a literal config (see
+    FB304): torch's helpers take a YaFSDP model as they take an FSDP2 one.""")
 FSDP2_TYPE_CHECK = _rule("FB105", "isinstance and annotations, FSDP2", (FSDP2,), """
     `isinstance(x, FSDP)` becomes `isinstance(x, FSDPModule)`, or `isinstance(x, (FSDPModule,
     FSDP))` while the migrated tree keeps FSDP1 constructors or the file imports a framework that
@@ -99,7 +101,7 @@ FSDP2_TYPE_CHECK = _rule("FB105", "isinstance and annotations, FSDP2", (FSDP2,),
 MODULE_ATTRIBUTE = _rule("FB106", "model.module", (FSDP2, YAFSDP), """
     `model.module` becomes `model` where `model` is proven to hold the wrapper (neither fully_shard
     nor YaFSDP leaves a `.module`), `fsdp1_unwrap(model)` where it may.""")
-RUNTIME_HELPER = _rule("FB107", "FSDP1 API with no one-call FSDP2 form", (FSDP2,), """
+RUNTIME_HELPER = _rule("FB107", "FSDP1 API with no one-call FSDP2 form", (FSDP2, YAFSDP), """
     `FSDP.fsdp_modules(model)` becomes a list of the `FSDPModule`s in `model.modules()` where the
     migrated tree keeps no FSDP1 constructor, `fsdp1_fsdp_modules` (which finds FSDP1 wrappers
     too) where it does or cannot be known; `FSDP.scatter_full_optim_state_dict` and
@@ -150,7 +152,7 @@ EXACT_CLASS_TEST = _rule("FB212", "type(x) is FSDP", (FSDP2, YAFSDP), """
 STRATEGY_READ = _rule("FB213", "read of .sharding_strategy", (FSDP2, YAFSDP), """
     Outside the constructor, a read of an FSDP1 sharding strategy may no longer describe how the
     migrated model is sharded (the attribute is gone, or names something else).""")
-INEXACT_STATE_DICT_OPTIONS = _rule("FB214", "state-dict config DCP cannot express", (FSDP2,), """
+INEXACT_STATE_DICT_OPTIONS = _rule("FB214", "state-dict config DCP cannot express", (FSDP2, YAFSDP), """
     A `FullStateDictConfig` / `FullOptimStateDictConfig` whose `offload_to_cpu` and `rank0_only`
     differ: DCP's `cpu_offload` means both at once, so the block is translated with the closer
     option and a TODO says where the state dict now lives.""")
@@ -181,8 +183,9 @@ YAFSDP_TYPE_CHECK = _rule("FB303", "isinstance and annotations, YaFSDP", (YAFSDP
 YAFSDP_STATE_DICT_TYPE = _rule("FB304", "state_dict_type under YaFSDP", (YAFSDP,), """
     YaFSDP's `state_dict()` is full, so a `with FSDP.state_dict_type(model, FULL_STATE_DICT)`
     block keeps its body and loses the `with` (a `rank0_only=True` config goes to the model's
-    `state_dict(rank0_only=True)`); other types, a config that is not a literal, or the context
-    used as a value, get a TODO.""")
+    `state_dict(rank0_only=True)`); sharded types and configs known at run time go through
+    torch's checkpoint helpers (FB104); a local state dict, a context held under a name, or used
+    as a value, gets a TODO.""")
 YAFSDP_PRECISION = _rule("FB305", "mixed precision YaFSDP cannot express", (YAFSDP,), """
     YaFSDP reduces gradients in fp32, or in `param_dtype` with `bit16_reduce_scatter=True` (what
     FSDP1 does when `reduce_dtype` is unset or equal to `param_dtype`); another `reduce_dtype` or

@@ -13,7 +13,7 @@ import dataclasses
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import QualifiedNameProvider
+from libcst.metadata import GlobalScope, QualifiedNameProvider, ScopeProvider
 
 from fsdp_bridge.codemods import rules
 from fsdp_bridge.codemods.base import IN_PLACE, RUNTIME
@@ -30,6 +30,7 @@ from fsdp_bridge.codemods.helpers import (
     unwrap_with,
 )
 from fsdp_bridge.codemods.names import DCP, FSDP1, RUNTIME_MODULE, STATE_DICT_METHODS, STATE_DICT_TYPE
+from fsdp_bridge.codemods.result_uses import LOAD, SAVE, ResultUse, result_uses
 
 # Static methods of the FSDP1 class we leave alone, with the reason.
 UNTRANSLATED_STATICS = {
@@ -49,6 +50,8 @@ OPTIM_SIGNATURES = {
 }
 
 KEPT = "kept"  # a state_dict_type block left as it was (FB204/FB209)
+BROADCAST_LOAD = "StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)"
+FULL_ON_RANK0 = "StateDictOptions(full_state_dict=True, cpu_offload=True)"
 ANY_MODULE = "*"  # see StateDictRules.foreign_contexts
 
 
@@ -94,6 +97,12 @@ def _options(full: bool, offload_to_cpu: bool, rank0_only: bool) -> tuple[str, s
     return "StateDictOptions(full_state_dict=True, cpu_offload=True)", (
         "rank0_only=True without offload_to_cpu: DCP gives rank 0 its full state dict on the CPU, "
         "not in device memory")
+
+
+def _operand(node: cst.BaseExpression) -> str:
+    """`node`'s code, parenthesised where `x or {}` would otherwise bind into it."""
+    text = code(node)
+    return text if isinstance(node, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)) else f"({text})"
 
 
 def _takes_optimizer_state(resolve: Resolve, node: cst.With) -> bool:
@@ -148,6 +157,22 @@ class StateDictRules:
         # (`with checkpoint_context(model):`), which may set a state-dict type for them; ANY_MODULE
         # for a context held in a variable in a file that builds state_dict_type contexts as values.
         self.foreign_contexts: list[set[str]] = []
+        self._module: cst.Module | None = None
+        self._result_uses: dict[int, ResultUse] | None = None  # read when first needed
+        self.unassigned: set[int] = set()  # `state = <torch call>` statements whose name goes
+        self.loaded_by_torch: set[int] = set()  # `optim.load_state_dict(state)` statements that go
+
+    def visit_Module(self, node: cst.Module) -> None:
+        super().visit_Module(node)
+        self._module, self._result_uses = node, None
+
+    def leave_SimpleStatementLine(self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine):
+        updated = super().leave_SimpleStatementLine(original, updated)
+        if id(original) in self.loaded_by_torch:
+            return cst.RemoveFromParent()  # set_optimizer_state_dict loaded the state already
+        if id(original) in self.unassigned:
+            return updated.with_changes(body=[cst.Expr(updated.body[0].value)])
+        return updated
 
     # -- FSDP.<static method>(...) -------------------------------------------------------
 
@@ -170,6 +195,9 @@ class StateDictRules:
             return updated
         if method == "fsdp_modules":
             return self._fsdp_modules(original, updated, args)
+        torch_form = self._optimizer_torch_form(original, updated, method, args)
+        if torch_form is not None:
+            return torch_form
         if method == "scatter_full_optim_state_dict":
             return self._runtime_call(original, updated, rules.RUNTIME_HELPER,
                                       "fsdp1_scatter_full_optim_state_dict", args,
@@ -198,6 +226,74 @@ class StateDictRules:
                                   "(set_optimizer_state_dict), so the helper loads it and returns the loaded state "
                                   "for that call (torch 2.0's argument order, optim_state_dict first, is told by "
                                   "the types when the script runs)")
+
+    # -- torch's own call where the file shows the helper's differences cannot matter ----------
+
+    def _optimizer_torch_form(self, original: cst.Call, updated: cst.Call, method: str, args: list[cst.Arg]):
+        """`set_/get_optimizer_state_dict(...)` for an optimizer static whose result the file only
+        loads at once or saves at once (see `result_uses.py`), with options known here; None
+        where the runtime helper is needed."""
+        if self._result_uses is None:
+            self._result_uses = result_uses(self._module) if self._module is not None else {}
+        use = self._result_uses.get(id(original))
+        references = self._references(use) if use is not None else None
+        if references is None:
+            return None
+        if method in ("optim_state_dict", "full_optim_state_dict"):
+            options = FULL_ON_RANK0 if method == "full_optim_state_dict" else self._optim_options(False, "")[0]
+            if use.kind != SAVE or not (options or "").startswith("StateDictOptions(") \
+                    or not self._only_saved(references, use.follower):
+                return None
+            return self._dcp_call(original, updated, "get_optimizer_state_dict", args, options)
+        if method == "scatter_full_optim_state_dict":
+            (state, model, optim), options = args, BROADCAST_LOAD
+        elif self._current_order(original):
+            (model, optim, state), options = args, self._load_options_here(args[0].value)
+        else:
+            return None
+        loaded = use.follower.body[0].value.args[0].value if use.kind == LOAD else None
+        if (use.kind != LOAD or not (options or "").startswith("StateDictOptions(")
+                or dotted(optim.value) != use.optimizer or [id(node) for node in references] != [id(loaded)]):
+            return None
+        if "broadcast_from_rank0=True" in options:  # FSDP1's other ranks pass None; DCP takes a dict
+            state = state.with_changes(value=parse_expr(f"{_operand(state.value)} or {{}}"))
+        self.unassigned.add(id(use.assignment))
+        self.loaded_by_torch.add(id(use.follower))
+        return self._dcp_call(original, updated, "set_optimizer_state_dict", [model, optim, state], options)
+
+    def _references(self, use: ResultUse) -> list[cst.CSTNode] | None:
+        """The nodes that read the assigned name, where it is a function's local assigned once."""
+        scope = self.get_metadata(ScopeProvider, use.name, None)
+        if scope is None or isinstance(scope, GlobalScope):
+            return None  # a module-level name may be read from other files
+        assignments = list(scope.assignments[use.name.value])
+        if len(assignments) != 1:
+            return None
+        return [reference.node for reference in assignments[0].references]
+
+    def _only_saved(self, references: list[cst.CSTNode], follower: cst.BaseStatement) -> bool:
+        """True if every reference is inside the arguments of a `torch.save(...)` in `follower`."""
+        inside = {id(name) for call in m.findall(follower, m.Call()) if "torch.save" in self.qualified(call.func)
+                  for arg in call.args for name in m.findall(arg, m.Name())}
+        return bool(references) and all(id(node) in inside for node in references)
+
+    def _current_order(self, call: cst.Call) -> bool:
+        """True unless `optim_state_dict_to_load` may be torch 2.0's (optim_state_dict, model, optim):
+        the state passed by keyword, or the first argument proven to be the model."""
+        bound = call_arguments(call, OPTIM_SIGNATURES["optim_state_dict_to_load"]) or {}
+        state, model = bound.get("optim_state_dict"), bound.get("model")
+        return (state is not None and state.keyword is not None) or (model is not None and
+                                                                      self.receiver(model.value) == PROVEN)
+
+    def _load_options_here(self, model: cst.BaseExpression) -> str | None:
+        """The options of an optimizer load here: the block's, else FSDP1's default (a full state on
+        every rank) where no context set at run time may apply."""
+        options = self._optim_options(True, "")[0]
+        if options is not None or self.current_state_dict_block() is not None:
+            return options
+        if self.runtime_state_dict_type or self.in_foreign_context(dotted(model)):
+            return None
+        return "StateDictOptions(full_state_dict=True)"
 
     def _static_args(self, original: cst.Call, updated: cst.Call, method: str) -> list[cst.Arg] | None:
         """The call's arguments in FSDP1's positional order, or None if it passes any we do not map."""
@@ -415,7 +511,7 @@ class StateDictRules:
             if model_cfg is not None and optim_cfg is not None:
                 (model_options, model_problem), (optim_options, optim_problem) = (
                     _options(full, *model_cfg), _options(full, *optim_cfg))
-                if model_problem and _takes_model_state(self._with_node, model):
+                if model_problem and _takes_model_state(self._with_node, model) and self.model_state_by_dcp():
                     self.todo(rules.INEXACT_STATE_DICT_OPTIONS, call, "state_dict_config", model_problem)
                 if optim_problem and optim_cfg == (True, False):
                     optim_options = None  # FSDP1's default optimizer config: the helper's own default
@@ -427,6 +523,11 @@ class StateDictRules:
                            for a in call.args if a is not args["module"])
         optim = f"fsdp1_state_dict_options({passed}, for_optimizer=True)"
         return Block(model, f"fsdp1_state_dict_options({passed})", optim, optim)  # the load helper adapts it
+
+    def model_state_by_dcp(self) -> bool:
+        """True if the model's own state-dict calls in the block being entered become DCP calls
+        (a command whose model answers some blocks itself says which)."""
+        return True
 
     def _config_value(self, arg: cst.Arg | None) -> cst.BaseExpression | None:
         """A config argument as written, or the literal call a variable passed there holds

@@ -20,6 +20,7 @@ from libcst.metadata import ScopeProvider
 
 from fsdp_bridge.codemods import fsdp1, rules
 from fsdp_bridge.codemods.base import IN_PLACE, RUNTIME
+from fsdp_bridge.codemods.facts import PROVEN
 from fsdp_bridge.codemods.fsdp1 import STATE_DICT_TYPE_PARAMS
 from fsdp_bridge.codemods.fsdp1_codemod import Fsdp1Codemod
 from fsdp_bridge.codemods.helpers import (
@@ -37,14 +38,27 @@ from fsdp_bridge.codemods.helpers import (
     unwrap_with,
 )
 from fsdp_bridge.codemods.mixed_precision import FP32, literal_keywords, mixed_precision
-from fsdp_bridge.codemods.names import RUNTIME_MODULE, STATE_DICT_TYPE, YAFSDP_MODULE
-from fsdp_bridge.codemods.state_dict import configures_elsewhere
+from fsdp_bridge.codemods.names import RUNTIME_MODULE, STATE_DICT_METHODS, STATE_DICT_TYPE, YAFSDP_MODULE
+from fsdp_bridge.codemods.state_dict import Block, StateDictRules, configures_elsewhere
 
 # FSDP1 arguments YaFSDP takes under the same or another name.
 RENAMED = {"device_id": "device_id", "sync_module_states": "sync_module_states",
            "param_init_fn": "param_init_fn", "process_group": "data_parallel_process_group"}
 DROPPED = ("backward_prefetch", "forward_prefetch", "limit_all_gathers", "use_orig_params")
 ZERO_STAGE = {"FULL_SHARD": "3", "SHARD_GRAD_OP": "2"}
+# FSDP1's optimizer state-dict statics: torch's checkpoint helpers (get_/set_optimizer_state_dict)
+# take a YaFSDP model as they take an FSDP2 one, so they translate as under --to fsdp2.
+OPTIMIZER_STATICS = ("optim_state_dict", "full_optim_state_dict", "optim_state_dict_to_load",
+                     "scatter_full_optim_state_dict")
+# Statics left under a TODO, with what YaFSDP offers instead.
+UNTRANSLATED_STATICS = {
+    "fsdp_modules": "YaFSDP wraps the model once: its units (modules_to_wrap_with_names) stay plain modules, so "
+                    "the model itself is the only YaFSDP module; walk the units by name instead",
+    "summon_full_params": "YaFSDP has no context that gathers full parameters in place; read them from "
+                          "model.state_dict() (a full state dict) instead, or migrate with --to fsdp2",
+    "set_state_dict_type": "YaFSDP keeps no state-dict mode: its state_dict() is full; pass StateDictOptions to "
+                           "get_/set_model_state_dict where another kind is taken",
+}
 
 
 class _Rank0Only(cst.CSTTransformer):
@@ -63,7 +77,7 @@ class _Rank0Only(cst.CSTTransformer):
         return updated
 
 
-class ToYafsdpCommand(Fsdp1Codemod):
+class ToYafsdpCommand(StateDictRules, Fsdp1Codemod):
     DESCRIPTION = "Rewrite FSDP1 (FullyShardedDataParallel) code for fsdp_bridge.ya_fsdp.YaFSDP."
     WRAPPED_CLASS = (YAFSDP_MODULE, "YaFSDP", rules.YAFSDP_TYPE_CHECK, "the wrapped model is a YaFSDP instance")
     UNWRAP_REASON = "YaFSDP has no .module: it forwards attribute reads to the model and its own " \
@@ -75,6 +89,12 @@ class ToYafsdpCommand(Fsdp1Codemod):
         "an attribute of the model itself); its strategy is zero_stage (3 for FULL_SHARD, 2 for "
         "SHARD_GRAD_OP), so a test of a ShardingStrategy value may no longer describe how the model "
         "is sharded: check what this code decides with it")
+
+    def __init__(self, context) -> None:
+        super().__init__(context)
+        # Per enclosing `with`, as `state_dict_blocks`: rank0_only of a FULL block YaFSDP's own
+        # state_dict() answers, None for any other.
+        self.own_full_blocks: list[bool | None] = []
 
     # -- FSDP(...) -----------------------------------------------------------------------
 
@@ -250,44 +270,78 @@ class ToYafsdpCommand(Fsdp1Codemod):
             self.todo(rules.YAFSDP_STATE_DICT_TYPE, original, "FSDP.state_dict_type(...) used as a value", "YaFSDP's "
                       "state_dict() is always full; choose the state dict where it is taken")
             return updated
+        if method in OPTIMIZER_STATICS:
+            return StateDictRules.translate_static_method(self, original, updated, method)
         self.todo(rules.OTHER_FSDP1_USE, original, f"FullyShardedDataParallel.{method}(...)",
-                  "no YaFSDP equivalent is known to the codemod")
+                  UNTRANSLATED_STATICS.get(method, "no YaFSDP equivalent is known to the codemod"))
         return updated
 
+    def translate_method(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        """`model.state_dict()` / `load_state_dict(sd)` in a block that takes torch's checkpoint
+        helpers (a sharded type, or options known at run time): `get_/set_model_state_dict`."""
+        method, receiver = original.func.attr.value, dotted(original.func.value)
+        index = next((i for i in reversed(range(len(self.state_dict_blocks)))
+                      if isinstance(self.state_dict_blocks[i], Block)), None)
+        if (method not in STATE_DICT_METHODS or index is None or self.own_full_blocks[index] is not None
+                or receiver != self.state_dict_blocks[index].model):
+            return updated
+        return self.model_state_dict(original, updated, receiver, method, PROVEN, self.state_dict_blocks[index])
+
+    def visit_With(self, node: cst.With) -> None:
+        self.enter_state_dict_block(node)
+        translated = isinstance(self.state_dict_blocks[-1], Block)
+        self.own_full_blocks.append(self._own_full_block(node) if translated else None)
+
+    def model_state_by_dcp(self) -> bool:
+        return self._own_full_block(self._with_node) is None  # YaFSDP's state_dict() answers the others
+
+    def _own_full_block(self, node: cst.With) -> bool | None:
+        """rank0_only of a single `with FSDP.state_dict_type(model, FULL_STATE_DICT, <literal config>)`
+        item, which YaFSDP's own state_dict() answers; None for any other block."""
+        if len(node.items) > 1 or node.items[0].asname or not isinstance(node.items[0].item, cst.Call):
+            return None
+        args = call_arguments(node.items[0].item, STATE_DICT_TYPE_PARAMS) or {}
+        kind = self.fsdp(args["state_dict_type"].value) if "state_dict_type" in args else None
+        if kind != "StateDictType.FULL_STATE_DICT":
+            return None
+        config = args.get("state_dict_config")
+        flags = fsdp1.state_dict_config(config and (self.literal_value(config.value) or config.value),
+                                        self.fsdp, False)
+        return None if flags is None else flags[1]
+
     def leave_With(self, original: cst.With, updated: cst.With):
-        """`with FSDP.state_dict_type(model, FULL_STATE_DICT)`: YaFSDP's state dict is already full."""
-        for item in original.items:
-            call = item.item
-            if not (isinstance(call, cst.Call) and (self.fsdp(call.func) or "") == STATE_DICT_TYPE):
-                continue
-            args = call_arguments(call, STATE_DICT_TYPE_PARAMS) or {}
-            kind = self.fsdp(args["state_dict_type"].value) if "state_dict_type" in args else None
-            if configures_elsewhere(original, dotted(args["module"].value) if "module" in args else None, self.fsdp):
-                self.todo(rules.STATE_DICT_TYPE_ELSEWHERE, original, "with FSDP.state_dict_type(...)",
-                          "the block does more than take this model's state dict (calls made elsewhere "
-                          "read the setting): YaFSDP's state_dict() is always full; check what those calls "
-                          "save, then remove the block")
-                return updated
-            if kind != "StateDictType.FULL_STATE_DICT" or len(original.items) > 1 or item.asname:
-                self.todo(rules.YAFSDP_STATE_DICT_TYPE, original, "FSDP.state_dict_type(...)",
-                          "YaFSDP's state_dict() is always full; other state-dict types have no YaFSDP form")
-                return updated
-            config = args.get("state_dict_config")
-            flags = fsdp1.state_dict_config(config and (self.literal_value(config.value) or config.value),
-                                            self.fsdp, False)
-            if flags is None:
-                self.todo(rules.YAFSDP_STATE_DICT_TYPE, original, "FSDP.state_dict_type(...)",
-                          "the state_dict_config is not a literal, so whether it asks for rank0_only is unknown: "
-                          "YaFSDP's state_dict(rank0_only=...) takes it where the state dict is taken")
-                return updated
-            rank0_only = flags[1]
-            self.site(rules.YAFSDP_STATE_DICT_TYPE, IN_PLACE, original, "with FSDP.state_dict_type(FULL_STATE_DICT)",
-                      "YaFSDP's state_dict() is already a full state dict (on the CPU)"
-                      + ("; rank0_only=True passed to the model's state_dict()" if rank0_only else ""))
-            self.drop_import_of(call.func)
-            for arg in call.args[1:]:
-                self.drop_import_of(arg.value)
-            if rank0_only:
-                updated = updated.with_changes(body=updated.body.visit(_Rank0Only(dotted(args["module"].value))))
-            return unwrap_with(updated)
+        """`with FSDP.state_dict_type(model, FULL_STATE_DICT)`: YaFSDP's state dict is already full;
+        other types and configs known at run time: torch's checkpoint helpers, as for FSDP2."""
+        context, rank0_only = self.leave_state_dict_block(), self.own_full_blocks.pop()
+        item = next((item for item in original.items if isinstance(item.item, cst.Call)
+                     and (self.fsdp(item.item.func) or "") == STATE_DICT_TYPE), None)
+        if item is None:
+            return updated
+        if rank0_only is not None:
+            return self._own_full_state_dict(original, updated, item.item, rank0_only)
+        if isinstance(context, Block):
+            return self.translate_state_dict_block(original, updated, context)
+        args = call_arguments(item.item, STATE_DICT_TYPE_PARAMS) or {}
+        if configures_elsewhere(original, dotted(args["module"].value) if "module" in args else None, self.fsdp):
+            self.todo(rules.STATE_DICT_TYPE_ELSEWHERE, original, "with FSDP.state_dict_type(...)",
+                      "the block does more than take this model's state dict (calls made elsewhere "
+                      "read the setting): YaFSDP's state_dict() is always full; check what those calls "
+                      "save, then remove the block")
+            return updated
+        self.todo(rules.YAFSDP_STATE_DICT_TYPE, original, "FSDP.state_dict_type(...)",
+                  "YaFSDP has no local (flat-parameter) state dict, and a block held under a name or with "
+                  "other items is not translated: pass StateDictOptions to get_/set_model_state_dict where "
+                  "the state dict is taken, then remove the block")
         return updated
+
+    def _own_full_state_dict(self, original: cst.With, updated: cst.With, call: cst.Call, rank0_only: bool):
+        self.site(rules.YAFSDP_STATE_DICT_TYPE, IN_PLACE, original, "with FSDP.state_dict_type(FULL_STATE_DICT)",
+                  "YaFSDP's state_dict() is already a full state dict (on the CPU)"
+                  + ("; rank0_only=True passed to the model's state_dict()" if rank0_only else ""))
+        self.drop_import_of(call.func)
+        for arg in call.args[1:]:
+            self.drop_import_of(arg.value)
+        if rank0_only:
+            model = dotted((call_arguments(call, STATE_DICT_TYPE_PARAMS) or {})["module"].value)
+            updated = updated.with_changes(body=updated.body.visit(_Rank0Only(model)))
+        return unwrap_with(updated)

@@ -7,21 +7,30 @@ import os
 from collections import Counter
 from typing import Sequence
 
+from fsdp_bridge.codemods import rules
 from fsdp_bridge.migrate.driver import FileResult
 
-# Statuses of sites whose rewrite calls into fsdp_bridge (a runtime helper; for --to yafsdp and
-# --to bridge, the new class or module itself): the migrated file then needs this package.
-_NEEDS_PACKAGE = {"fsdp2": {"translated via runtime helper"},
-                  "yafsdp": {"translated via runtime helper", "translated in place"},
-                  "bridge": {"translated via runtime helper", "translated in place"}}
+# Sites whose rewrite calls into fsdp_bridge: a runtime helper anywhere; under --to bridge every
+# translated site (the mirrored module); under --to yafsdp the sites that name the YaFSDP class
+# (its other in-place sites write torch's calls, or drop FSDP1 code).
+_RUNTIME, _IN_PLACE = "translated via runtime helper", "translated in place"
+_NAMES_YAFSDP = {rules.YAFSDP_IN_PLACE, rules.YAFSDP_TYPE_CHECK}
+
+
+def _needs_package(site: dict, target: str) -> bool:
+    if site["status"] == _RUNTIME:
+        return True
+    if site["status"] != _IN_PLACE:
+        return False
+    return target == "bridge" or (target == "yafsdp" and site["rule"] in _NAMES_YAFSDP)
 
 
 def fsdp_bridge_sites(result: FileResult, target: str) -> int:
-    """How many of the file's rewritten sites still import fsdp_bridge (0 under --to fsdp2 means
-    the migrated file needs torch alone)."""
+    """How many of the file's rewritten sites still import fsdp_bridge (0 means the migrated file
+    needs torch alone)."""
     if not result.changed:
         return 0
-    return sum(site["status"] in _NEEDS_PACKAGE[target] for site in result.sites)
+    return sum(_needs_package(site, target) for site in result.sites)
 
 
 def summary(results: Sequence[FileResult], target: str) -> dict:

@@ -45,13 +45,14 @@ def test_fixture(source_path: pathlib.Path):
 CORPUS = sorted((FIXTURES.parent / "corpus").glob("*.py"))
 
 
-@pytest.mark.parametrize("source_path", [p for p in PAIRS if p.parent.name == "fsdp2"] + CORPUS,
-                         ids=lambda p: p.stem if p in CORPUS else _id(p))
-def test_fsdp2_report_counts_a_site_exactly_where_the_output_imports_fsdp_bridge(source_path):
+@pytest.mark.parametrize("source_path, target", [(p, p.parent.name) for p in PAIRS if p.parent.name != "bridge"]
+                         + [(p, t) for p in CORPUS for t in ("fsdp2", "yafsdp")],
+                         ids=lambda v: v if isinstance(v, str) else v.stem if v in CORPUS else _id(v))
+def test_report_counts_a_site_exactly_where_the_output_imports_fsdp_bridge(source_path, target):
     """The per-file count of sites that still need this package (fixtures and corpus) is 0
     exactly when the migrated file needs torch alone."""
     source = source_path.read_text()
-    output, sites = transform_source(source, "fsdp2")
+    output, sites = transform_source(source, target)
     result = FileResult(path=str(source_path), new_source=output.encode() if output != source else None, sites=sites)
     imports = re.search(r"^\s*(from|import) fsdp_bridge\b", output, re.MULTILINE)
-    assert bool(fsdp_bridge_sites(result, "fsdp2")) == bool(imports)
+    assert bool(fsdp_bridge_sites(result, target)) == bool(imports)

@@ -18,22 +18,15 @@ before and after `migrate --to fsdp2` inside one 2-rank gloo world:
   2.1+'s spellings.
 """
 
-import importlib.util
 import pathlib
 
 from fsdp_bridge.migrate.driver import transform_source
+from tests.codemods.runnable_loader import load_fixture as _load
 from tests.world import run_world
 
 RUNNABLE = pathlib.Path(__file__).parent / "runnable"
 FIXTURES = ("fsdp1_meta_sync", "fsdp1_checkpoint_styles", "fsdp1_torch20_forms", "fsdp1_optimizer_options",
             "fsdp1_wrapper_reads", "fsdp1_checkpoint_check_fn")
-
-
-def _load(path: str):
-    spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem + "_loaded", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _run_all(rank, world_size, pairs):
@@ -55,6 +48,7 @@ def test_rewritten_fixtures_behave_like_fsdp1(tmp_path):
             assert "get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))" in source
             assert "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))" in source
             assert "isinstance(submodule, FSDPModule)]" in source
+            assert "(full_osd if dist.get_rank() == 0 else None) or {}," in source
         if name == "fsdp1_optimizer_options":
             assert "broadcast_from_rank0=True" in source and "fsdp1_optim_state_dict(model, optimizer)" in source
         if name == "fsdp1_wrapper_reads":
@@ -69,7 +63,8 @@ def test_rewritten_fixtures_behave_like_fsdp1(tmp_path):
         pairs.append((name, str(original), str(rewritten)))
         all_sites[name] = {(s["rule"], s["status"]) for s in sites}
     assert ("FB101", "translated via runtime helper") in all_sites["fsdp1_meta_sync"]
-    assert {("FB208", "translated via runtime helper"), ("FB107", "translated via runtime helper"),
+    # scatter_full_optim_state_dict followed by optim.load_state_dict: torch's set_optimizer_state_dict alone.
+    assert {("FB208", "translated via runtime helper"), ("FB104", "translated in place"),
             ("FB104", "translated via runtime helper")} <= all_sites["fsdp1_checkpoint_styles"]
     results = run_world(_run_all, 2, pairs, timeout=240)
     for rank_result in results:
