@@ -5,8 +5,8 @@ the model handed to a state-dict function: the model itself, the module inside o
 wrappers (FSDP1's `_fsdp_wrapped_module`, YaFSDP's `_module`), or several independently
 sharded submodules. State-dict keys are canonical FQNs: the path from the model with our
 wrappers' inner attribute left out, and torch's activation-checkpointing wrappers' too
-(`_checkpoint_wrapped_module`, applied before or after our wrap), exactly as torch's state-dict helpers name a native FSDP1
-model (and as our wrappers' own `state_dict()` does).
+(`_checkpoint_wrapped_module`, applied before or after our wrap), exactly as torch's
+state-dict helpers name a native FSDP1 model (and as our wrappers' own `state_dict()` does).
 """
 
 from __future__ import annotations

@@ -46,6 +46,22 @@ def same_optim(got: dict, expected: dict, what: str) -> None:
         same_values(got["state"][name], state, f"{what} state {name}")
 
 
+def cross_loads(result: dict, source_optim, skipped=()) -> None:
+    """Each target loaded each source: the model holds the reference exactly, and where ours
+    is the target (see loads_optim_exactly) the optimizer holds `source_optim(pair)`."""
+    for pair in CROSS:
+        if pair in skipped:
+            continue
+        same_values(result[pair]["model"], result["reference"], pair)
+        if loads_optim_exactly(pair):
+            same_optim(result[pair]["optim"], source_optim(pair), pair)
+
+
+def not_loaded_natively(order: str) -> list:
+    """Pairs whose native target cannot load (see C.native_cannot_load_optim)."""
+    return [pair for pair in CROSS if C.native_cannot_load_optim(pair.split("->")[1], order)]
+
+
 def source_of(pair: str) -> str:
     return pair.split("->")[0]
 
@@ -89,10 +105,7 @@ def test_full_state_dict_keys_values_and_cross_loads(world, order):
     same_values(result["ours"]["model"], result["reference"], "ours")
     same_values(result["native"]["model"], result["reference"], "native")
     same_optim_keys(result["ours"]["optim"], result["native"]["optim"], "FSDP.optim_state_dict")
-    for pair in CROSS:
-        same_values(result[pair]["model"], result["reference"], pair)
-        if loads_optim_exactly(pair):
-            same_optim(result[pair]["optim"], result[source_of(pair)]["optim"], pair)
+    cross_loads(result, lambda pair: result[source_of(pair)]["optim"])
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -111,12 +124,9 @@ def test_sharded_dcp_keys_and_loads_both_ways(world, order, rank):
     same_structure(result["ours"]["keys"]["model"], result["native"]["keys"]["model"], "model")
     assert sorted(result["ours"]["keys"]["optim"]["state"]) == sorted(
         result["native"]["keys"]["optim"]["state"])
-    for pair in CROSS:
-        same_values(result[pair]["model"], result["reference"], pair)
-        if loads_optim_exactly(pair):
-            # Native's SHARDED optimizer state (unlike its FULL one, see loads_optim_exactly)
-            # holds what ours holds after the same step: both sources load as ours' values.
-            same_optim(result[pair]["optim"], result["ours"]["optim_full"], pair)
+    # Native's SHARDED optimizer state (unlike its FULL one, see loads_optim_exactly) holds
+    # what ours holds after the same step: both sources load as ours' values.
+    cross_loads(result, lambda pair: result["ours"]["optim_full"])
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -127,10 +137,7 @@ def test_torch_get_set_state_dict_through_dcp_both_ways(world, order, rank):
     same_values(result["ours"]["model_full"], result["reference"], "get_model_state_dict full")
     same_optim_keys(result["ours"]["optim_full"], result["native"]["optim_full"],
                     "get_optimizer_state_dict full")
-    for pair in CROSS:
-        same_values(result[pair]["model"], result["reference"], pair)
-        if loads_optim_exactly(pair):
-            same_optim(result[pair]["optim"], result[source_of(pair)]["optim_full"], pair)
+    cross_loads(result, lambda pair: result[source_of(pair)]["optim_full"])
 
 
 @pytest.mark.parametrize("order", ORDERS)
@@ -143,12 +150,8 @@ def test_torch_full_cpu_offload_and_broadcast_from_rank0(world, order, rank):
         same_optim_keys(result["ours"]["optim"], result["native"]["optim"], "optimizer")
     else:  # cpu_offload: rank 0 only
         assert result["ours"]["model"] == {} and result["ours"]["optim"] == {}
-    for pair in CROSS:
-        if pair not in result and C.native_cannot_load_optim(pair.split("->")[1], order):
-            continue
-        same_values(result[pair]["model"], result["reference"], pair)
-        if loads_optim_exactly(pair):
-            same_optim(result[pair]["optim"], result[source_of(pair)]["optim_everywhere"], pair)
+    cross_loads(result, lambda pair: result[source_of(pair)]["optim_everywhere"],
+                skipped=not_loaded_natively(order))
 
 
 @pytest.mark.parametrize("order", ORDERS)
