@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
 from fsdp_bridge.plan import Plan
 
@@ -49,6 +50,14 @@ def gathered_form(param: torch.Tensor) -> GatheredForm:
     return form if form is not None else GatheredForm(param.shape)
 
 
+def state_dict_key(fqn: str) -> str:
+    """`fqn` as state dicts name it: without the child that torch's activation-checkpointing
+    wrappers (`checkpoint_wrapper`, `offload_wrapper`) insert. Their own state-dict hooks,
+    native FSDP1 and torch's state-dict helpers all leave it out, so checkpoints load whether
+    or not checkpointing was applied, and applied before or after the wrap."""
+    return fqn.replace(_CHECKPOINT_PREFIX, "")
+
+
 @dataclasses.dataclass
 class ParamSlot:
     """One original parameter and every (module, attribute) that refers to it."""
@@ -64,6 +73,16 @@ class ParamSlot:
     def __post_init__(self) -> None:
         self.shape = gathered_form(self.param).shape
         self.numel = self.shape.numel()
+
+    @property
+    def state_key(self) -> str:
+        """The canonical name in state dicts (see `state_dict_key`)."""
+        return state_dict_key(self.fqn)
+
+    @property
+    def state_keys(self) -> list[str]:
+        """Every name of the parameter in state dicts (tied weights have several)."""
+        return [state_dict_key(fqn) for fqn in self.owner_fqns]
 
     def refresh(self) -> None:
         """Follow a parameter replaced on its module since the layout was made (a

@@ -24,10 +24,10 @@ from torch.distributed.fsdp.fully_sharded_data_parallel import FLAT_PARAM
 
 from fsdp_bridge.engine.runtime import ShardedModel
 from fsdp_bridge.engine.state_dict import (
+    _buffer_dtypes,
     _check_shape,
-    _managed_names,
-    _unwrapped_entries,
     load_unmanaged,
+    unmanaged_entries,
 )
 
 LOCAL_KEY = "_bridge_flat_param"
@@ -66,13 +66,11 @@ def local_state_dict(sharded: ShardedModel, cpu_offload: bool = False) -> dict:
         shards = [Shard.from_tensor_and_offsets(piece, [start], group.comm.shard_rank)] if count else []
         result[key] = init_from_local_shards(shards, group.numel,
                                              process_group=group.comm.shard_group)
-    managed = _managed_names(sharded)
-    for key, value in _unwrapped_entries(sharded).items():
-        if key in managed:
-            continue
+    dtypes = _buffer_dtypes(sharded)
+    for key, value in unmanaged_entries(sharded).items():
         value = value.detach().clone()
-        if key in sharded.buffer_dtypes:
-            value = value.to(sharded.buffer_dtypes[key])
+        if key in dtypes:
+            value = value.to(dtypes[key])
         result[key] = value.cpu() if cpu_offload else value
     return result
 
@@ -123,9 +121,7 @@ def load_local_state_dict(sharded: ShardedModel, state_dict: dict, strict: bool 
     (missing, unexpected) keys; with `strict`, any of them is an error."""
     _refuse_native(state_dict)
     groups = _local_keys(sharded)
-    entries = _unwrapped_entries(sharded)
-    managed = _managed_names(sharded)
-    expected = list(groups) + [key for key in entries if key not in managed]
+    expected = list(groups) + list(unmanaged_entries(sharded))
     missing = [key for key in expected if key not in state_dict]
     unexpected = [key for key in state_dict if key not in expected]
     if strict and (missing or unexpected):
@@ -137,5 +133,5 @@ def load_local_state_dict(sharded: ShardedModel, state_dict: dict, strict: bool 
             group = groups[key]
             group.master[: piece.numel()].copy_(piece)
             group.invalidate()
-        load_unmanaged(sharded, entries, state_dict)
+        load_unmanaged(sharded, state_dict)
     return missing, unexpected

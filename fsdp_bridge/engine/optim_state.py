@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fsdp_bridge.engine.layout import state_dict_key
 from fsdp_bridge.engine.runtime import ShardedModel
 
 
@@ -26,7 +27,7 @@ def full_optim_state_dict(sharded: ShardedModel, optimizer, rank0_only: bool = F
     state: dict[str, dict] = {}
     for group in sharded.flat_groups():
         for slot, param in zip(group.slots, group.local_params):
-            fqn_of[id(param)] = slot.fqn
+            fqn_of[id(param)] = slot.state_key
         first = optimizer.state.get(group.local_params[0], {})
         keys = sorted(
             k for k, v in first.items()
@@ -34,7 +35,7 @@ def full_optim_state_dict(sharded: ShardedModel, optimizer, rank0_only: bool = F
         )
         for slot, param in zip(group.slots, group.local_params):
             if param in optimizer.state:
-                state[slot.fqn] = {
+                state[slot.state_key] = {
                     k: (v.clone() if torch.is_tensor(v) else v)
                     for k, v in optimizer.state[param].items() if k not in keys
                 }
@@ -47,8 +48,8 @@ def full_optim_state_dict(sharded: ShardedModel, optimizer, rank0_only: bool = F
                     local[lo:hi] = value
             full = group.gather_full(local)
             for slot, value in group.split(full):
-                if slot.fqn in state:
-                    state[slot.fqn][key] = value.clone()
+                if slot.state_key in state:
+                    state[slot.state_key][key] = value.clone()
     # Parameters the engine does not shard (ignored modules / states): whole on every rank,
     # their state is kept as it is, under their FQN (as FSDP1's).
     for name, param in _unmanaged_names(sharded, fqn_of).items():
@@ -67,11 +68,12 @@ def full_optim_state_dict(sharded: ShardedModel, optimizer, rank0_only: bool = F
 
 
 def _unmanaged_names(sharded: ShardedModel, managed) -> dict:
-    """FQN -> parameter for the parameters of the model the engine does not shard."""
+    """Name (as state dicts give it) -> parameter for the parameters of the model the engine
+    does not shard."""
     found = {}
     for name, param in nn.Module.named_parameters(sharded.module):
         if id(param) not in managed:
-            found[name] = param
+            found[state_dict_key(name)] = param
     return found
 
 
@@ -91,7 +93,7 @@ def optim_state_dict_to_load(sharded: ShardedModel, optimizer, full_osd: dict) -
             located = where.get(id(param))
             if located is not None:
                 group, index = located
-                fqn = group.slots[index].fqn
+                fqn = group.slots[index].state_key
                 saved = full_osd["state"].get(fqn)
                 if saved is not None:
                     lo, hi = group.local_range(index)

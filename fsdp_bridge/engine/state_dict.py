@@ -1,41 +1,52 @@
 """Full state dicts of a sharded model: original names, fp32 masters, every key the unwrapped
-model's `state_dict()` has (tied weights under each of their names), in the same order."""
+model's `state_dict()` has (tied weights under each of their names), in the same order.
+
+Names come from the modules' own `state_dict()` (their hooks included: torch's activation-
+checkpointing wrappers drop their inner child's name there, as native FSDP1 does), never from
+the paths recorded at wrap time, which may differ from them: a wrapper inserted before the wrap
+is in the recorded paths, one inserted after is not. The engine's parameters are found among
+the module's tensors by identity."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from fsdp_bridge.engine.layout import state_dict_key
 from fsdp_bridge.engine.runtime import ShardedModel
 
 
 def _unwrapped_entries(sharded: ShardedModel) -> dict[str, torch.Tensor]:
     # nn.Module's own state_dict: the keys and order of the unwrapped model (wrappers may
-    # override state_dict on the root, so call the base implementation).
+    # override state_dict on the root, so call the base implementation). keep_vars: the
+    # tensors the modules hold, the engine's local pieces among them.
     return nn.Module.state_dict(sharded.module, keep_vars=True)
+
+
+def _buffer_dtypes(sharded: ShardedModel) -> dict[str, torch.dtype]:
+    """The dtype to report per buffer key (buffers the engine keeps in another dtype)."""
+    return {state_dict_key(name): dtype for name, dtype in sharded.buffer_dtypes.items()}
 
 
 def full_state_dict(
     sharded: ShardedModel, rank0_only: bool = False, cpu_offload: bool = True
 ) -> dict[str, torch.Tensor]:
     """Every rank takes part in the gathers; with `rank0_only` the others return {}."""
-    full_values: dict[str, torch.Tensor] = {}
+    full_values: dict[int, torch.Tensor] = {}  # id(local parameter) -> its full value
     for group in sharded.flat_groups():
         flat = group.gather_full_master()
-        for slot, view in group.split(flat):
-            value = view.clone()
-            for fqn in slot.owner_fqns:
-                full_values[fqn] = value
+        for param, (_, view) in zip(group.local_params, group.split(flat)):
+            full_values[id(param)] = view.clone()
     if rank0_only and sharded.comm.world_rank != 0:
         return {}
+    dtypes = _buffer_dtypes(sharded)
     result = {}
-    for key, value in _unwrapped_entries(sharded).items():
-        if key in full_values:
-            value = full_values[key]
-        else:  # a buffer or an ignored parameter: every rank holds it whole
-            value = value.detach().clone()
-            if key in sharded.buffer_dtypes:
-                value = value.to(sharded.buffer_dtypes[key])
+    for key, held in _unwrapped_entries(sharded).items():
+        value = full_values.get(id(held))
+        if value is None:  # a buffer or an ignored parameter: every rank holds it whole
+            value = held.detach().clone()
+            if key in dtypes:
+                value = value.to(dtypes[key])
         result[key] = value.cpu() if cpu_offload else value
     return result
 
@@ -54,26 +65,36 @@ def load_full_state_dict(
             f"unexpected keys {unexpected[:10]}{'...' if len(unexpected) > 10 else ''}. "
             "Pass a full state dict of the same model (or strict=False to load the overlap)."
         )
+    names = _names_by_tensor(entries)
     with torch.no_grad():
         for group in sharded.flat_groups():
-            _load_group(group, state_dict, strict)
-        load_unmanaged(sharded, entries, state_dict)
+            _load_group(group, state_dict, names)
+        load_unmanaged(sharded, state_dict)
 
 
-def load_unmanaged(sharded: ShardedModel, entries: dict, state_dict: dict) -> None:
-    """Copy the values of `state_dict` the engine does not shard (buffers, ignored parameters:
-    whole on every rank) into the model's `entries`, checking their shapes."""
-    managed = _managed_names(sharded)
-    for key, current in entries.items():
-        if key in state_dict and key not in managed:
+def unmanaged_entries(sharded: ShardedModel) -> dict[str, torch.Tensor]:
+    """The model's state-dict entries the engine does not shard (buffers, ignored parameters:
+    whole on every rank), by key."""
+    managed = {id(param) for group in sharded.flat_groups() for param in group.local_params}
+    return {key: held for key, held in _unwrapped_entries(sharded).items()
+            if id(held) not in managed}
+
+
+def load_unmanaged(sharded: ShardedModel, state_dict: dict) -> None:
+    """Copy the values of `state_dict` for the entries the engine does not shard into the
+    model, checking their shapes."""
+    for key, current in unmanaged_entries(sharded).items():
+        if key in state_dict:
             _check_shape(key, state_dict[key], current.shape)
             current.copy_(state_dict[key])
 
 
-def _managed_names(sharded: ShardedModel) -> set[str]:
-    return {
-        fqn for unit in sharded.units for g in unit.groups for slot in g.slots for fqn in slot.owner_fqns
-    }
+def _names_by_tensor(entries: dict[str, torch.Tensor]) -> dict[int, list[str]]:
+    """id(tensor) -> every key it is saved under (tied weights have several)."""
+    names: dict[int, list[str]] = {}
+    for key, tensor in entries.items():
+        names.setdefault(id(tensor), []).append(key)
+    return names
 
 
 def _check_shape(key: str, value: torch.Tensor, shape) -> None:
@@ -84,10 +105,10 @@ def _check_shape(key: str, value: torch.Tensor, shape) -> None:
         )
 
 
-def _load_group(group, state_dict, strict: bool) -> None:
+def _load_group(group, state_dict, names: dict[int, list[str]]) -> None:
     current = group.gather_full_master()
-    for slot, view in group.split(current):
-        key = next((fqn for fqn in slot.owner_fqns if fqn in state_dict), None)
+    for param, (slot, view) in zip(group.local_params, group.split(current)):
+        key = next((name for name in names.get(id(param), ()) if name in state_dict), None)
         if key is None:
             continue  # strict mode already refused missing keys
         value = state_dict[key]
@@ -103,22 +124,18 @@ def sharded_state_dict(sharded: ShardedModel) -> dict[str, torch.Tensor]:
     """This rank's shards under the original names (1-D local slices of each parameter's flat
     range; buffers and ignored parameters whole). No collectives; reload it with
     `load_sharded_state_dict` at the same world size and layout."""
-    local = {}
-    for group in sharded.flat_groups():
-        for slot, param in zip(group.slots, group.local_params):
-            for fqn in slot.owner_fqns:
-                local[fqn] = param.detach().clone()
+    dtypes = _buffer_dtypes(sharded)
     result = {}
-    for key, value in nn.Module.state_dict(sharded.module, keep_vars=True).items():
-        value = local.get(key, value.detach().clone())
-        if key in sharded.buffer_dtypes:
-            value = value.to(sharded.buffer_dtypes[key])
+    for key, held in _unwrapped_entries(sharded).items():
+        value = held.detach().clone()
+        if key in dtypes:
+            value = value.to(dtypes[key])
         result[key] = value
     return result
 
 
 def load_sharded_state_dict(sharded: ShardedModel, state_dict: dict, strict: bool = True) -> None:
-    entries = nn.Module.state_dict(sharded.module, keep_vars=True)
+    entries = _unwrapped_entries(sharded)
     missing = [k for k in entries if k not in state_dict]
     unexpected = [k for k in state_dict if k not in entries]
     if strict and (missing or unexpected):

@@ -178,25 +178,31 @@ def set_model_state_dict(model: nn.Module, state_dict: dict, *, strict: bool = T
     shapes = {k: global_shape(v) for k, v in state_dict.items()}
     missing, unexpected = check_against_model(ents, shapes, strict)
     with torch.no_grad():
-        _load_groups(parts, state_dict, source=lambda key: to_full(state_dict[key]))
+        _load_groups(parts, ents, state_dict, source=lambda key: to_full(state_dict[key]))
         for entry in ents:
             if entry.part is None and entry.key in state_dict:
                 entry.tensor.copy_(to_full(state_dict[entry.key]))
     return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
-def _group_keys(part, group) -> list[Optional[str]]:
-    """Per slot: the canonical key under which it is loaded (None: not in the state dict)."""
-    return [[part.prefix + fqn for fqn in slot.owner_fqns] for slot in group.slots]
+def _keys_by_piece(ents: list[Entry]) -> dict[int, list[str]]:
+    """id(local piece) -> every key it is saved under (tied weights have several): the keys
+    checked against the state dict are the keys loaded, by construction."""
+    keys: dict[int, list[str]] = {}
+    for entry in ents:
+        if entry.part is not None:
+            keys.setdefault(id(entry.tensor), []).append(entry.key)
+    return keys
 
 
-def _load_groups(parts, present, source, broadcast: bool = False) -> None:
+def _load_groups(parts, ents, present, source, broadcast: bool = False) -> None:
     """Lay each group's values, read with `source(key)`, into a full flat buffer and keep this
     rank's range. With `broadcast`, only rank 0 reads `source` and sends the buffer."""
+    keys = _keys_by_piece(ents)
     for part in parts:
         for group in part.sharded.flat_groups():
-            names = [next((k for k in keys if k in present), None)
-                     for keys in _group_keys(part, group)]
+            names = [next((k for k in keys.get(id(param), ()) if k in present), None)
+                     for param in group.local_params]
             if all(name is None for name in names):
                 continue
             if all(name is not None for name in names):
@@ -228,7 +234,8 @@ def _load_broadcast(parts, ents, state_dict, strict):
         raise ValueError(message[0])
     present, (missing, unexpected) = set(message[1][0]), message[1][1]
     with torch.no_grad():
-        _load_groups(parts, present, lambda key: to_full(state_dict[key]), broadcast=True)
+        _load_groups(parts, ents, present, lambda key: to_full(state_dict[key]),
+                     broadcast=True)
         for entry in ents:
             if entry.part is None and entry.key in present:
                 value = entry.tensor.detach().clone()

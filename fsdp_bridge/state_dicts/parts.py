@@ -4,8 +4,9 @@ A "part" is a module sharded by the engine (`engine.get_sharded(module)`), found
 the model handed to a state-dict function: the model itself, the module inside one of our
 wrappers (FSDP1's `_fsdp_wrapped_module`, YaFSDP's `_module`), or several independently
 sharded submodules. State-dict keys are canonical FQNs: the path from the model with our
-wrappers' inner attribute left out, exactly as torch's state-dict helpers name a native FSDP1
-model (and as our wrappers' own `state_dict()` does).
+wrappers' inner attribute left out, and torch's activation-checkpointing wrappers' too
+(`_checkpoint_wrapped_module`, applied before or after our wrap), exactly as torch's
+state-dict helpers name a native FSDP1 model (and as our wrappers' own `state_dict()` does).
 """
 
 from __future__ import annotations
@@ -16,8 +17,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    _CHECKPOINT_WRAPPED_MODULE as CHECKPOINT_CHILD,
+)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
 from fsdp_bridge import engine
+from fsdp_bridge.engine.layout import state_dict_key
 from fsdp_bridge.engine.runtime import ShardedModel
 from fsdp_bridge.plan import ParamLayout
 from fsdp_bridge.topology import mesh_of_pair
@@ -45,7 +51,10 @@ class Entry:
 
 
 def _transparent_child(module: nn.Module) -> Optional[str]:
-    """The child attribute a wrapper of ours hides from state-dict names, if any."""
+    """The child attribute a wrapper hides from state-dict names, if any: ours, and torch's
+    activation-checkpointing wrappers (whose state-dict hooks drop it, as native FSDP1 does)."""
+    if isinstance(module, ActivationWrapper):
+        return CHECKPOINT_CHILD
     sharded = getattr(module, "_sharded", None)
     if isinstance(sharded, ShardedModel):
         for name, child in module._modules.items():
@@ -124,7 +133,7 @@ def entries(model: nn.Module, parts: list[Part]) -> list[Entry]:
     buffer_dtypes = {}
     for part in parts:
         for name, dtype in part.sharded.buffer_dtypes.items():
-            buffer_dtypes[part.prefix + name] = dtype
+            buffer_dtypes[part.prefix + state_dict_key(name)] = dtype
     result: list[Entry] = []
 
     def visit(module: nn.Module, prefix: str) -> None:

@@ -38,8 +38,8 @@ class AcceleratedModel(ShardedWrapper):
         shapes = {}
         for group in sharded.flat_groups():
             for slot in group.slots:
-                for fqn in slot.owner_fqns:
-                    shapes[fqn] = tuple(slot.shape)
+                for key in slot.state_keys:
+                    shapes[key] = tuple(slot.shape)
         rank = dist.get_rank(sharded.comm.shard_group) if sharded.comm.shard_group else 0
         return {"shard_shapes": shapes, "shard_rank": rank,
                 "shard_world_size": sharded.comm.shard_size,
