@@ -85,6 +85,8 @@ class Plan:
     mixed_precision: MixedPrecision = MixedPrecision()
     norm_modules: tuple[str, ...] = ()  # FQNs of modules in the resident norm group
     ignored_params: tuple[str, ...] = ()  # FQNs of parameters left alone (not sharded)
+    # FQNs of modules left as they are: not materialised, initialised, moved nor broadcast.
+    ignored_modules: tuple[str, ...] = ()
     # Declared micro-steps per optimizer step (YaFSDP); gradients are divided once by
     # world size x this number after the last micro-step's backward.
     gradient_accumulation_steps: int = 1
@@ -133,6 +135,8 @@ class Plan:
             lines.append("norm group: " + ", ".join(self.norm_modules))
         if self.ignored_params:
             lines.append("ignored params: " + ", ".join(self.ignored_params))
+        if self.ignored_modules:
+            lines.append("ignored modules: " + ", ".join(self.ignored_modules))
         return "\n".join(lines)
 
     def __str__(self) -> str:

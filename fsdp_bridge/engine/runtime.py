@@ -41,7 +41,7 @@ from fsdp_bridge.engine.device import (
     select_device,
 )
 from fsdp_bridge.engine.flat_group import FlatGroup, local_part
-from fsdp_bridge.engine.layout import assign_groups, describe_layout
+from fsdp_bridge.engine.layout import assign_groups, describe_layout, split_untied
 from fsdp_bridge.engine.norms import clip_coefficient, grad_norm_of, scale_
 from fsdp_bridge.engine.offload import GradOffload
 from fsdp_bridge.engine.row_group import RowGroup
@@ -167,6 +167,7 @@ class ShardedModel:
         self.buffer_dtypes: dict[str, torch.dtype] = {}
         self.init_steps: list[UnitInit] = []
         self.units = self._build_units(layouts, param_init_fn, record)
+        engine_init.sync_ignored_buffers(module, plan, comm, device)
         self.ignored_params = engine_init.ignored_parameters(module, plan)
         self.unit_of_group = {id(g): unit for unit in self.units for g in unit.groups}
         self._allocate_buffers()
@@ -178,16 +179,20 @@ class ShardedModel:
         """Unit by unit, in the Plan's order (see [Note: a unit at a time] in engine/init.py):
         materialise, move, broadcast, flatten and shard one unit, free its full parameters,
         then the next."""
-        regions = engine_init.unit_regions(self.module, self.plan.unit_names)
+        regions = engine_init.unit_regions(self.module, self.plan.unit_names,
+                                            self.plan.ignored_modules)
         meta_at_start = engine_init.meta_params(regions) if param_init_fn is not None else set()
         ignored = set(self.plan.ignored_params)
         seen_buffers: set[int] = set()
         units: list[Unit] = []
         for spec in self.plan.units:
             region = regions[spec.name]
-            unit_layouts = [layout for layout in layouts if layout.unit_name == spec.name]
             materialised, error = engine_init.materialize_region(region, self.device,
                                                                  param_init_fn)
+            if materialised and error is None:
+                engine_init.warn_broken_ties(split_untied(self.module, layouts, spec.name,
+                                                          list(self.plan.unit_names)), self.plan)
+            unit_layouts = [layout for layout in layouts if layout.unit_name == spec.name]
             if materialised and meta_at_start and param_init_fn is not None:
                 later = [s.name for s in self.plan.units[len(units) + 1:]]
                 engine_init.warn_if_reached_beyond(regions, later, meta_at_start, self.plan,

@@ -359,6 +359,7 @@ def build_plan(
         mode=mode,
         mixed_precision=mp,
         ignored_params=ignored_names,
+        ignored_modules=tuple(paths[id(m)] for m in skipped_modules),
         sync_module_states=sync_module_states,
         cpu_offload=bool(cpu_offload and cpu_offload.offload_params),
         frontend=frontend,
