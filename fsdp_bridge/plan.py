@@ -97,6 +97,9 @@ class Plan:
     # and YaFSDP reduce a zero gradient for it, FSDP2 leaves `.grad` None (an optimizer then
     # skips it: no momentum, no weight decay). See [Note: parameters without a gradient].
     unused_grad_is_none: bool = False
+    # Divide every reduction's gradients before it and after it, in the reduction dtype,
+    # whatever the dtype (FSDP1); otherwise fp16 only. See [Note: fp16 reductions].
+    divide_around_reduce: bool = False
     frontend: str = "engine"  # who built the plan, for messages
     # Settings a front-end could not honour, each "argument: reason" (warned once at build).
     notes: tuple[str, ...] = ()
@@ -137,6 +140,8 @@ class Plan:
             lines.append("ignored params: " + ", ".join(self.ignored_params))
         if self.ignored_modules:
             lines.append("ignored modules: " + ", ".join(self.ignored_modules))
+        if self.divide_around_reduce:
+            lines.append("gradients divided before and after each reduction")
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -532,6 +532,15 @@ class FlatGroup:
         lo, hi = self.local_range(index)
         return shard[lo:hi]
 
+    def whole_grad_shard(self) -> list[torch.Tensor]:
+        """This rank's gradient shard, padding included, as one tensor (FSDP1's flat
+        parameter's gradient), when every `.grad` is still a view of it; else []."""
+        shard = self._kept_grad_shard()
+        if shard is None or any(p.grad is None or p.grad._base is not shard
+                                for p in self.local_params):
+            return []
+        return [shard]
+
     def local_grads(self) -> list[torch.Tensor]:
         """This rank's pieces of the parameters' gradients, as plain tensors."""
         return [local_part(p.grad) for p in self.local_params if p.grad is not None]

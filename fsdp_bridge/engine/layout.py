@@ -195,8 +195,10 @@ def split_untied(model: nn.Module, layouts: list[GroupLayout], unit_name: str,
                         "parameter of its own, outside that unit's modules. Materialise only the "
                         "module param_init_fn is given, e.g. `lambda m: m.to_empty(device=device, "
                         "recurse=False)` followed by its init.")
-                module, attr = _owners(model, fqns)[0]
-                new = ParamSlot(fqns[0], module._parameters[attr], _owners(model, fqns), fqns)
+                owners = _owners(model, fqns)
+                param = owners[0][0]._parameters[owners[0][1]]
+                assert param is not None  # it replaced the tied parameter
+                new = ParamSlot(fqns[0], param, owners, fqns)
                 _layout_for(layouts, new, unit_name, unit_names).slots.append(new)
     return broken
 

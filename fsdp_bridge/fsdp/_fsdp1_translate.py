@@ -361,6 +361,7 @@ def build_plan(
         ignored_params=ignored_names,
         ignored_modules=tuple(paths[id(m)] for m in skipped_modules),
         sync_module_states=sync_module_states,
+        divide_around_reduce=True,
         cpu_offload=bool(cpu_offload and cpu_offload.offload_params),
         frontend=frontend,
         notes=notes,
