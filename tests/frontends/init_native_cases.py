@@ -114,16 +114,14 @@ def no_reset_parameters(which):
     return {"raised": None}
 
 
-def llama_param_init_fn(which):
-    """A tiny Hugging Face Llama on meta, initialised by its own `_init_weights` per module."""
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
-    from tests import models as M
-
+def _hf_param_init_fn(which, build_model, layer_class):
+    """A tiny Hugging Face model on meta, initialised by its own `_init_weights` per module.
+    Buffers are left out: `_init_weights` does not fill them (a rotary embedding's bytes are
+    whatever memory it got, natively too)."""
     holder: dict = {}
 
     def build():
-        holder["model"] = M.tiny_llama(device="meta")
+        holder["model"] = build_model(device="meta")
         return holder["model"]
 
     def param_init_fn(module):
@@ -131,10 +129,16 @@ def llama_param_init_fn(which):
         if next(iter(module.parameters(recurse=False)), None) is not None:
             holder["model"]._init_weights(module)
 
-    out = _initial_state(which, build, ModuleWrapPolicy({LlamaDecoderLayer}), param_init_fn)
-    # The rotary embedding's buffer is left to the model (`_init_weights` does not fill it):
-    # its bytes are whatever memory it got, natively too.
+    out = _initial_state(which, build, ModuleWrapPolicy({layer_class}), param_init_fn)
     return {"params": out["params"], "buffers": {}}
+
+
+def llama_param_init_fn(which):
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from tests import models as M
+
+    return _hf_param_init_fn(which, M.tiny_llama, LlamaDecoderLayer)
 
 
 def _meta_names(module: nn.Module) -> list[str]:
@@ -240,25 +244,12 @@ def tied_across_units(which):
 
 
 def gpt2_param_init_fn(which):
-    """A tiny Hugging Face GPT-2 (input and output embeddings tied) on meta, initialised by its
-    own `_init_weights` per module."""
+    """GPT-2's input and output embeddings are tied: materialising unties them, natively too."""
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
     from tests import models as M
 
-    holder: dict = {}
-
-    def build():
-        holder["model"] = M.tiny_gpt2(device="meta")
-        return holder["model"]
-
-    def param_init_fn(module):
-        module.to_empty(device="cpu", recurse=False)
-        if next(iter(module.parameters(recurse=False)), None) is not None:
-            holder["model"]._init_weights(module)
-
-    out = _initial_state(which, build, ModuleWrapPolicy({GPT2Block}), param_init_fn)
-    return {"params": out["params"], "buffers": {}}
+    return _hf_param_init_fn(which, M.tiny_gpt2, GPT2Block)
 
 
 def _both(fn):
