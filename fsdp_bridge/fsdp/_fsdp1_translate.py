@@ -63,8 +63,10 @@ TABLE = register_table(
                      "modules go in the root's ignored_modules instead"),
             translated("device_mesh", "1-D: the shard group; 2-D (hybrid): dim 0 replicate, "
                        "dim 1 shard"),
-            translated("ignored_modules", "Plan.ignored_params: their parameters are neither "
-                       "sharded nor reduced (as FSDP1)"),
+            translated("ignored_modules", "Plan.ignored_params and Plan.ignored_modules: "
+                       "their parameters are neither sharded nor reduced, and the modules are "
+                       "left as they are at the wrap: not materialised from meta, moved nor "
+                       "cast; sync_module_states broadcasts their buffers only (as FSDP1)"),
             translated("ignored_states", "Plan.ignored_params (parameters, or modules' "
                        "parameters)"),
             translated("param_init_fn", "called on each module with meta-device state"),
