@@ -18,9 +18,10 @@ Activations are not included: they depend on the batch, and come on top of the b
 
 `estimate_wrap_memory` predicts the other peak, the wrap's, as the engine's init makes it: unit
 by unit (see [Note: a unit at a time] in fsdp_bridge/engine/init.py), the shards made so far
-stay; the unit at hand adds its materialised parameters (from meta), or their copies on the
-device (moved), then its flat copy and its shard; then its full parameters are freed (and the
-originals too, for a real model, but on ranks that `sync_module_states` overwrites).
+stay; the unit at hand adds its materialised parameters (from meta) and its shard, copied from
+them; under `sync_module_states` also their copies on the device (moved) and the flat copy that
+is broadcast; then its full parameters are freed (and the originals too, for a real model, but
+on ranks that `sync_module_states` overwrites).
 Buffers, and parameters materialised in one unit but sharded with another (norms, tied
 weights), are left out: they are small beside a unit.
 """
@@ -225,7 +226,7 @@ class WrapMemory:
                 f"{starts}")
 
 
-def _wrap_peak(units, starts: list[WrapStart]) -> int:
+def _wrap_peak(units, starts: list[WrapStart], sync: bool) -> int:
     held = peak = 0
     for unit, start in zip(units, starts):
         if start is WrapStart.META:
@@ -234,7 +235,8 @@ def _wrap_peak(units, starts: list[WrapStart]) -> int:
             full = _nbytes(group.numel, group.master.dtype)
             flat = _nbytes(group.padded_numel, group.master.dtype)
             shard = _nbytes(group.shard_numel, group.master.dtype)
-            copies = flat + (full if start is WrapStart.MOVED else 0)
+            # Only a broadcast needs the unit whole and flat (see FlatGroup._build_master).
+            copies = flat + (full if start is WrapStart.MOVED else 0) if sync else 0
             peak = max(peak, held + copies + shard)
             freed = full if start in (WrapStart.META, WrapStart.REAL) else 0
             held += shard - freed
@@ -247,7 +249,9 @@ def estimate_wrap_memory(sharded) -> WrapMemory:
     if any(isinstance(g, RowGroup) for g in sharded.flat_groups()):
         return WrapMemory({}, None, "")
     starts = [step.start for step in sharded.init_steps]
-    by_start = {start: _wrap_peak(sharded.units, [start] * len(starts))
+    sync = sharded.plan.sync_module_states
+    by_start = {start: _wrap_peak(sharded.units, [start] * len(starts),
+                                  sync or start is WrapStart.KEPT)
                 for start in (WrapStart.META, WrapStart.REAL, WrapStart.KEPT)}
     kinds = sorted({start.value for start in starts})
-    return WrapMemory(by_start, _wrap_peak(sharded.units, starts), " / ".join(kinds))
+    return WrapMemory(by_start, _wrap_peak(sharded.units, starts, sync), " / ".join(kinds))

@@ -85,6 +85,8 @@ class Plan:
     mixed_precision: MixedPrecision = MixedPrecision()
     norm_modules: tuple[str, ...] = ()  # FQNs of modules in the resident norm group
     ignored_params: tuple[str, ...] = ()  # FQNs of parameters left alone (not sharded)
+    # FQNs of modules left as they are: not materialised, initialised, moved nor broadcast.
+    ignored_modules: tuple[str, ...] = ()
     # Declared micro-steps per optimizer step (YaFSDP); gradients are divided once by
     # world size x this number after the last micro-step's backward.
     gradient_accumulation_steps: int = 1
@@ -95,6 +97,9 @@ class Plan:
     # and YaFSDP reduce a zero gradient for it, FSDP2 leaves `.grad` None (an optimizer then
     # skips it: no momentum, no weight decay). See [Note: parameters without a gradient].
     unused_grad_is_none: bool = False
+    # Divide every reduction's gradients before it and after it, in the reduction dtype,
+    # whatever the dtype (FSDP1); otherwise fp16 only. See [Note: fp16 reductions].
+    divide_around_reduce: bool = False
     frontend: str = "engine"  # who built the plan, for messages
     # Settings a front-end could not honour, each "argument: reason" (warned once at build).
     notes: tuple[str, ...] = ()
@@ -133,6 +138,10 @@ class Plan:
             lines.append("norm group: " + ", ".join(self.norm_modules))
         if self.ignored_params:
             lines.append("ignored params: " + ", ".join(self.ignored_params))
+        if self.ignored_modules:
+            lines.append("ignored modules: " + ", ".join(self.ignored_modules))
+        if self.divide_around_reduce:
+            lines.append("gradients divided before and after each reduction")
         return "\n".join(lines)
 
     def __str__(self) -> str:

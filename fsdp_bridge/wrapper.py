@@ -194,7 +194,9 @@ class ShardedWrapper(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         self._only_on_root("clip_grad_norm_")
-        return self._sharded.clip_grad_norm_(max_norm, norm_type)
+        # FSDP1's flat parameters (use_orig_params=False) have one gradient per unit.
+        whole = self._fsdp_kwargs.get("use_orig_params") is False
+        return self._sharded.clip_grad_norm_(max_norm, norm_type, whole_shards=whole)
 
     def register_comm_hook(self, state: object, hook) -> None:
         raise NotImplementedError(

@@ -25,7 +25,7 @@ def test_bench_runs_and_writes_figures(tmp_path, capfd):
     found = [next((i for i, line in enumerate(lines) if phase in line), -1) for phase in phases]
     assert -1 not in found and found == sorted(found), lines
     assert "fp32:" in printed and "bf16:" in printed and "targets:" in printed
-    assert "init (wrap from meta) peak: ours" in printed
+    assert "init (wrap from meta) peak: ours" in printed and "ours/fsdp1 " in printed
 
     report = json.loads(out.read_text())
     assert report["settings"]["nproc"] == 2

@@ -273,6 +273,19 @@ def test_the_wrap_peak_stays_under_the_bound_and_native_fsdp1s(results, name):
             f"same start {_mib(native)}")
 
 
+@pytest.mark.parametrize("name", ["fsdp1 meta", "yafsdp meta", "zeta meta", "torchacc meta"])
+def test_without_a_broadcast_no_unit_is_held_flat_too(results, name):
+    """From meta without `sync_module_states` a rank holds its shards, one unit materialised
+    and that unit's shard, copied from it; a flat copy of the whole unit on top (what only a
+    broadcast needs) would add half a unit at least."""
+    _needs_heap()
+    unit = FULL_BYTES / BLOCKS
+    bound = FULL_BYTES / WORLD + unit + unit / WORLD + unit / 8  # an eighth of a unit of slack
+    for rank in range(WORLD):
+        peak = case_result(results, name, rank)["peak"]
+        assert peak < bound, f"{name}, rank {rank}: peak growth {_mib(peak)}, bound {_mib(bound)}"
+
+
 @pytest.mark.parametrize("name", sorted(WRAPS))
 def test_explain_predicts_the_wrap_peak_within_ten_percent(results, name):
     _needs_heap()

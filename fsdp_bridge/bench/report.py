@@ -4,6 +4,7 @@ the printed report and the `--json` file."""
 from __future__ import annotations
 
 import json
+import os
 import statistics
 
 from fsdp_bridge.bench.models import CONFIGS
@@ -164,10 +165,26 @@ def _verdicts(figs: dict, targets: dict) -> list[str]:
         f"  ours2 (fully_shard) / faster native: "
         f"{figs['ours2']['ratio_to_faster_native']:.2f}",
         f"  init (wrap from meta) peak: ours {mib(max(figs['ours']['init_peak_bytes_per_rank']))}"
-        f" MiB, native fsdp1 {mib(max(figs['fsdp1']['init_peak_bytes_per_rank']))} MiB; ours2 "
+        f" MiB, native fsdp1 {mib(max(figs['fsdp1']['init_peak_bytes_per_rank']))} MiB "
+        f"(ours/fsdp1 {_init_ratio(figs, 'ours', 'fsdp1')}); ours2 "
         f"{mib(max(figs['ours2']['init_peak_bytes_per_rank']))} MiB, native fsdp2 "
-        f"{mib(max(figs['fsdp2']['init_peak_bytes_per_rank']))} MiB",
+        f"{mib(max(figs['fsdp2']['init_peak_bytes_per_rank']))} MiB "
+        f"(ours2/fsdp2 {_init_ratio(figs, 'ours2', 'fsdp2')}); {_allocator()}",
     ]
+
+
+def _allocator() -> str:
+    """Which glibc malloc settings the figures were taken under (the ranks inherit them)."""
+    tuned = sorted(name for name in os.environ if name.startswith("MALLOC_"))
+    return ("malloc: " + ", ".join(f"{n}={os.environ[n]}" for n in tuned) if tuned
+            else "malloc: glibc defaults")
+
+
+def _init_ratio(figs: dict, ours: str, native: str) -> str:
+    """Ours' wrap peak over native's, the highest rank's each ('n/a' without a native
+    figure, as off glibc)."""
+    theirs = max(figs[native]["init_peak_bytes_per_rank"])
+    return f"{max(figs[ours]['init_peak_bytes_per_rank']) / theirs:.2f}" if theirs else "n/a"
 
 
 def write_figures(path, figures: dict) -> None:

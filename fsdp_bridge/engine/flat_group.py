@@ -114,10 +114,23 @@ class FlatGroup:
         self.shard_numel = self.padded_numel // size
 
     def _build_master(self, device: torch.device, sync_module_states: bool) -> torch.Tensor:
+        if not sync_module_states:
+            return self._shard_of_originals(device)
         full = self._flatten_originals(device)
-        if sync_module_states:
-            self.comm.broadcast_from_first(full)
+        self.comm.broadcast_from_first(full)
         return full[self.shard_start : self.shard_start + self.shard_numel].clone()
+
+    def _shard_of_originals(self, device: torch.device) -> torch.Tensor:
+        """This rank's shard, copied from the original parameters' pieces that fall in it:
+        no full flat copy of the unit is made (only `sync_module_states` needs one, to
+        broadcast), so the wrap's peak is one unit's originals and its shard."""
+        shard = torch.zeros(self.shard_numel, dtype=self.slots[0].param.dtype, device=device)
+        for index, slot in enumerate(self.slots):
+            lo, hi = self.local_range(index)
+            if hi > lo:
+                start = self.shard_start + lo - self.offsets[index]
+                shard[lo:hi].copy_(slot.param.detach().reshape(-1)[start : start + hi - lo])
+        return shard
 
     def adopt_replaced_params(self) -> bool:
         """Take in a cast of the model since the last forward (`model.half()`,
@@ -543,6 +556,15 @@ class FlatGroup:
         """Parameter `index`'s part of a tensor laid out as this rank's shard."""
         lo, hi = self.local_range(index)
         return shard[lo:hi]
+
+    def whole_grad_shard(self) -> list[torch.Tensor]:
+        """This rank's gradient shard, padding included, as one tensor (FSDP1's flat
+        parameter's gradient), when every `.grad` is still a view of it; else []."""
+        shard = self._kept_grad_shard()
+        if shard is None or any(p.grad is None or p.grad._base is not shard
+                                for p in self.local_params):
+            return []
+        return [shard]
 
     def local_grads(self) -> list[torch.Tensor]:
         """This rank's pieces of the parameters' gradients, as plain tensors."""

@@ -52,25 +52,32 @@ def function_name(function: Callable) -> str:
 # inner units were materialised with them, before).
 
 
-def unit_regions(module: nn.Module, unit_names) -> dict[str, list[tuple[str, nn.Module]]]:
+def unit_regions(module: nn.Module, unit_names,
+                 ignored_modules=()) -> dict[str, list[tuple[str, nn.Module]]]:
     """Each unit's region (see [Note: a unit at a time]) in breadth-first order from the unit's
     module, the order in which FSDP1 materialises (so the RNG draws of `reset_parameters` and
-    of `param_init_fn` land on the same tensors as natively)."""
+    of `param_init_fn` land on the same tensors as natively). `ignored_modules` (names) and
+    the modules inside them belong to no region: as in FSDP1 they are left as they are (not
+    materialised, initialised, moved, cast nor broadcast), and the user's own initialisation
+    after the wrap draws the same random numbers as natively."""
     names = {id(submodule): name for name, submodule in module.named_modules()}
+    skipped = {id(module.get_submodule(name)) for name in ignored_modules}
     regions: dict[str, list[tuple[str, nn.Module]]] = {name: [] for name in unit_names}
-    for submodule in _breadth_first(module):
+    for submodule in _breadth_first(module, skipped):
         name = names[id(submodule)]
         regions[innermost_common_unit([name], list(unit_names))].append((name, submodule))
     return regions
 
 
-def _breadth_first(module: nn.Module) -> list[nn.Module]:
+def _breadth_first(module: nn.Module, skipped: set[int]) -> list[nn.Module]:
+    """`module` and its descendants, breadth-first, not entering the modules in `skipped`
+    (ids)."""
     order, queue, seen = [], collections.deque([module]), {id(module)}
     while queue:
         current = queue.popleft()
         order.append(current)
         for child in current.children():
-            if id(child) not in seen:
+            if id(child) not in seen and id(child) not in skipped:
                 seen.add(id(child))
                 queue.append(child)
     return order
@@ -115,6 +122,19 @@ def _reset(name: str, module: nn.Module) -> None:
             "given, e.g. `lambda m: m.to_empty(device=device, recurse=False)` followed by your "
             "init, or build the model on a real device.")
     reset()
+
+
+def warn_broken_ties(broken: list[list[str]], plan: Plan) -> None:
+    """Say which tied weights materialising untied (see [Note: ties broken on materialising]
+    in engine/layout.py): FSDP1 unties them without a word."""
+    if broken:
+        warnings.warn(
+            f"fsdp_bridge ({plan.frontend}): materialising from the meta device gave tied "
+            f"parameters separate storage, as FSDP1 does (to_empty makes a new Parameter per "
+            f"module): {'; '.join(' / '.join(names) for names in broken)} are no longer tied "
+            "and are initialised and trained separately. To keep a tie, build the model on a "
+            "real device (on rank 0 only, with sync_module_states=True, to save memory).",
+            stacklevel=5)
 
 
 def region_problem(region: list[tuple[str, nn.Module]],
@@ -294,6 +314,28 @@ def prepare_region_buffers(region: list[tuple[str, nn.Module]], plan: Plan, comm
                 original_dtypes[f"{prefix}.{attr}" if prefix else attr] = buffer.dtype
                 submodule._buffers[attr] = buffer.to(buffer_dtype)
     return original_dtypes
+
+
+def sync_ignored_buffers(module: nn.Module, plan: Plan, comm: Comm,
+                         device: torch.device) -> None:
+    """Under `sync_module_states`, FSDP1 broadcasts rank 0's buffers of ignored modules too
+    (not their parameters), neither moving nor casting them. A buffer still on meta on some
+    rank has nothing to send or receive (natively the broadcast fails): it is left as it is on
+    every rank, which learns so from one small all-reduce."""
+    group = comm.world_group
+    if (not plan.sync_module_states or not plan.ignored_modules or group is None
+            or dist.get_world_size(group) == 1):
+        return
+    buffers = list({id(b): b for name in plan.ignored_modules
+                    for b in module.get_submodule(name).buffers()}.values())
+    if not buffers:
+        return
+    on = collective_device(backends_of(group), device)
+    meta_anywhere = torch.tensor([b.is_meta for b in buffers], dtype=torch.int32, device=on)
+    dist.all_reduce(meta_anywhere, op=dist.ReduceOp.MAX, group=group)
+    for buffer, on_meta in zip(buffers, meta_anywhere.tolist()):
+        if not on_meta:
+            comm.broadcast_from_first(buffer)
 
 
 def ignored_parameters(module: nn.Module, plan: Plan) -> list[nn.Parameter]:

@@ -180,3 +180,67 @@ def _agreed_shape(slot: ParamSlot) -> str:
     if form.compute_shape is None:
         return str(tuple(slot.shape))
     return f"{tuple(form.compute_shape)} as {form.compute_placements}"
+
+
+# [Note: ties broken on materialising] `to_empty` gives every module a Parameter of its own, so
+# weights tied on the meta device are no longer tied once their modules are materialised (FSDP1
+# too): each is initialised, flattened and trained on its own. After a unit is materialised, a
+# slot whose owners now hold different parameters is split: the owners that hold the first
+# owner's parameter keep the slot, every other parameter gets a slot in the unit just
+# materialised (its modules were in that unit's region).
+
+
+def split_untied(model: nn.Module, layouts: list[GroupLayout], unit_name: str,
+                 unit_names: list[str]) -> list[list[str]]:
+    """Split the slots whose tie materialising `unit_name` broke (see [Note: ties broken on
+    materialising]); `layouts` is updated in place. Returns the names of each split tie."""
+    broken = []
+    for layout in list(layouts):
+        for slot in list(layout.slots):
+            by_param: dict[int, list[str]] = {}
+            for fqn in slot.owner_fqns:
+                module_name, _, attr = fqn.rpartition(".")
+                current = model.get_submodule(module_name)._parameters.get(attr)
+                by_param.setdefault(id(current), []).append(fqn)
+            if len(by_param) < 2:
+                continue
+            broken.append(list(slot.owner_fqns))
+            first, *others = by_param.values()
+            slot.owners, slot.owner_fqns = _owners(model, first), first
+            for fqns in others:
+                if innermost_common_unit([_module_of(f) for f in fqns], unit_names) != unit_name:
+                    raise ValueError(
+                        f"materialising unit {unit_name or '<root>'!r} gave {fqns[0]!r} a new "
+                        "parameter of its own, outside that unit's modules. Materialise only the "
+                        "module param_init_fn is given, e.g. `lambda m: m.to_empty(device=device, "
+                        "recurse=False)` followed by its init.")
+                owners = _owners(model, fqns)
+                param = owners[0][0]._parameters[owners[0][1]]
+                assert param is not None  # it replaced the tied parameter
+                new = ParamSlot(fqns[0], param, owners, fqns)
+                _layout_for(layouts, new, unit_name, unit_names).slots.append(new)
+    return broken
+
+
+def _owners(model: nn.Module, fqns: list[str]) -> list[tuple[nn.Module, str]]:
+    owners: list[tuple[nn.Module, str]] = []
+    for fqn in fqns:
+        module_name, _, attr = fqn.rpartition(".")
+        module = model.get_submodule(module_name)
+        if not any(m is module and a == attr for m, a in owners):
+            owners.append((module, attr))
+    return owners
+
+
+def _layout_for(layouts: list[GroupLayout], slot: ParamSlot, unit_name: str,
+                unit_names: list[str]) -> GroupLayout:
+    """`unit_name`'s group for `slot`'s (requires_grad, dtype), added in unit order if new."""
+    key = (slot.param.requires_grad, slot.param.dtype)
+    for layout in layouts:
+        if layout.unit_name == unit_name and (layout.requires_grad, layout.dtype) == key:
+            return layout
+    new = GroupLayout(unit_name, *key, [])
+    order = unit_names.index(unit_name)
+    later = [i for i, layout in enumerate(layouts) if unit_names.index(layout.unit_name) > order]
+    layouts.insert(later[0] if later else len(layouts), new)
+    return new

@@ -67,6 +67,36 @@ def grad_norm_of(sharded, local, norm_type: float, comm, device) -> torch.Tensor
     return (sharded_part + partial(local)).pow(1.0 / norm_type)
 
 
+# [Note: FSDP1's norm] FSDP1's `clip_grad_norm_` takes each rank's norm of its gradients as the
+# norm of their per-tensor norms (`vector_norm` of the stacked `vector_norm`s, in float32),
+# raises it to the p-th power, sums that over the shard group, adds the unsharded gradients'
+# norm to the p-th power and takes the p-th root. Rounding depends on that order of
+# operations and on the order of the tensors, so `fsdp1_grad_norm` does exactly that.
+
+
+def fsdp1_grad_norm(sharded, local, norm_type: float, comm, device) -> torch.Tensor:
+    """The global norm of the gradient shards `sharded` and the whole gradients `local` as
+    FSDP1 computes it (see [Note: FSDP1's norm]), in float32 on `device`."""
+    def norm_of(grads):
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        norms = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32).to(device)
+                 for g in grads]
+        return torch.linalg.vector_norm(torch.stack(norms), norm_type, dtype=torch.float32)
+
+    # A parameter with no elements on this rank has no gradient there in FSDP1 (None).
+    sharded_norm = norm_of([g for g in sharded if g.numel() > 0])
+    if norm_type == float("inf"):
+        total = torch.maximum(sharded_norm, norm_of(local)) if local else sharded_norm
+        comm.all_reduce_shards(total, op=dist.ReduceOp.MAX)
+        return total
+    total = sharded_norm ** norm_type
+    comm.all_reduce_shards(total)
+    if local:
+        total += norm_of(local) ** norm_type
+    return total ** (1.0 / norm_type)
+
+
 def clip_coefficient(max_norm: float, total: torch.Tensor) -> torch.Tensor:
     """What gradients are multiplied by to bring their norm `total` within `max_norm`."""
     return torch.clamp(max_norm / (total + 1e-6), max=1.0)

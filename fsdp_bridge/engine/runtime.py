@@ -41,8 +41,8 @@ from fsdp_bridge.engine.device import (
     select_device,
 )
 from fsdp_bridge.engine.flat_group import FlatGroup, local_part
-from fsdp_bridge.engine.layout import assign_groups, describe_layout
-from fsdp_bridge.engine.norms import clip_coefficient, grad_norm_of, scale_
+from fsdp_bridge.engine.layout import assign_groups, describe_layout, split_untied
+from fsdp_bridge.engine.norms import clip_coefficient, fsdp1_grad_norm, scale_
 from fsdp_bridge.engine.offload import GradOffload
 from fsdp_bridge.engine.row_group import RowGroup
 from fsdp_bridge.plan import MixedPrecision, ParamLayout, Plan, UnitSpec
@@ -168,6 +168,7 @@ class ShardedModel:
         self.buffer_dtypes: dict[str, torch.dtype] = {}
         self.init_steps: list[UnitInit] = []
         self.units = self._build_units(layouts, param_init_fn, record)
+        engine_init.sync_ignored_buffers(module, plan, comm, device)
         self.ignored_params = engine_init.ignored_parameters(module, plan)
         self.unit_of_group = {id(g): unit for unit in self.units for g in unit.groups}
         self._allocate_buffers()
@@ -179,16 +180,20 @@ class ShardedModel:
         """Unit by unit, in the Plan's order (see [Note: a unit at a time] in engine/init.py):
         materialise, move, broadcast, flatten and shard one unit, free its full parameters,
         then the next."""
-        regions = engine_init.unit_regions(self.module, self.plan.unit_names)
+        regions = engine_init.unit_regions(self.module, self.plan.unit_names,
+                                            self.plan.ignored_modules)
         meta_at_start = engine_init.meta_params(regions) if param_init_fn is not None else set()
         ignored = set(self.plan.ignored_params)
         seen_buffers: set[int] = set()
         units: list[Unit] = []
         for spec in self.plan.units:
             region = regions[spec.name]
-            unit_layouts = [layout for layout in layouts if layout.unit_name == spec.name]
             materialised, error = engine_init.materialize_region(region, self.device,
                                                                  param_init_fn)
+            if materialised and error is None:
+                engine_init.warn_broken_ties(split_untied(self.module, layouts, spec.name,
+                                                          list(self.plan.unit_names)), self.plan)
+            unit_layouts = [layout for layout in layouts if layout.unit_name == spec.name]
             if materialised and meta_at_start and param_init_fn is not None:
                 later = [s.name for s in self.plan.units[len(units) + 1:]]
                 engine_init.warn_if_reached_beyond(regions, later, meta_at_start, self.plan,
@@ -573,12 +578,12 @@ class ShardedModel:
     def _track_reduce(self, group: FlatGroup, work, output: torch.Tensor,
                       source: torch.Tensor) -> None:
         pending = PendingReduce(group, work, output, source)
-        hooked = self._divides_each_reduce(group)
+        hooked = self.unit_of_group[id(group)].all_reduce_hook is not None
         if work is not None and self.replica_stream is not None:
             pending.replica_work = self.comm.all_reduce_replicas_after(work, output,
                                                                        self.replica_stream)
         if (work is not None and self.comm.wait_on_futures and self.comm.replicate_size == 1
-                and not hooked):  # a user's hook, and each reduce's division, on the main thread
+                and not hooked):  # a user's hook runs on the main thread
             # [Note: reductions land early] On gloo the reduction runs on the process group's
             # thread while backward goes on. Its result is added to the gradient shard there,
             # as soon as it is summed, and what it read from freed with it, rather than held
@@ -587,9 +592,9 @@ class ShardedModel:
             pending.work = work.then(lambda _: self._land(pending))
         self.pending_reduces.append(pending)
 
-    @staticmethod
-    def _land(pending: PendingReduce) -> None:
+    def _land(self, pending: PendingReduce) -> None:
         assert pending.output is not None
+        self._divide_reduced(pending.group, pending.output)
         pending.group.accumulate(pending.output)
         pending.landed = True
         pending.output = pending.source = None
@@ -652,20 +657,26 @@ class ShardedModel:
         the gradient. A unit with a hook is divided here, micro-step by micro-step as FSDP2
         divides, so the hook sees FSDP2's values; `finalize_grads` then divides it by 1.
         fp16 reductions are divided here too (see _reduce_factors)."""
-        if not self._divides_each_reduce(group):
-            return
-        post = self._reduce_factors(group)[1]
-        if post != 1:
-            output.div_(post)
+        self._divide_reduced(group, output)
         unit = self.unit_of_group[id(group)]
         if unit.all_reduce_hook is not None:
             unit.all_reduce_hook(output)
 
+    def _divide_reduced(self, group: FlatGroup, output: torch.Tensor) -> None:
+        """Divide one reduced shard by what is left of its divisor, where reductions are
+        divided one by one (see _reduce_factors)."""
+        if self._divides_each_reduce(group):
+            post = self._reduce_factors(group)[1]
+            if post != 1:
+                output.div_(post)
+
     def _divides_each_reduce(self, group: FlatGroup) -> bool:
         """Whether `group`'s reduced gradients are divided reduce by reduce (rather than once
-        when the step's gradient is complete): under an all-reduce hook, or in fp16."""
+        when the step's gradient is complete): under an all-reduce hook, in fp16, or where
+        the plan says so (FSDP1)."""
         unit = self.unit_of_group[id(group)]
-        return unit.all_reduce_hook is not None or group.reduce_dtype == torch.float16
+        return (unit.all_reduce_hook is not None or group.reduce_dtype == torch.float16
+                or self.plan.divide_around_reduce)
 
     def _reduce_factors(self, group: FlatGroup) -> tuple[float, float]:
         """(divide before the reduction, divide after it) for `group`.
@@ -674,13 +685,16 @@ class ShardedModel:
         and a mean taken at the end can underflow. As FSDP1 and FSDP2 do, each rank's gradient
         is divided before the reduction by the largest power of two at most the square root of
         the divisor that divides it, and the reduced shard by the rest after it, in fp16, one
-        reduction at a time. Other dtypes are summed and divided once, when the step's
-        gradient is complete (in fp32 and bf16 this is what an averaging reduction computes),
-        or after each reduction under an all-reduce hook (see [Note: all-reduce hook])."""
+        reduction at a time. FSDP1 does so in every dtype (`Plan.divide_around_reduce`): in
+        bf16 the division after the reduction rounds to bf16, so only the same split gives
+        FSDP1's gradients bit for bit. Otherwise other dtypes are summed and divided once, when
+        the step's gradient is complete (in fp32 and bf16 this is what an averaging reduction
+        computes, as FSDP2 does), or after each reduction under an all-reduce hook (see
+        [Note: all-reduce hook])."""
         if not self._divides_each_reduce(group):
             return 1.0, 1.0  # divided once, by finalize_grads
         factor = self._divisor_of(self.unit_of_group[id(group)])
-        if group.reduce_dtype != torch.float16:
+        if group.reduce_dtype != torch.float16 and not self.plan.divide_around_reduce:
             return 1.0, factor
         pre = 1
         while factor % pre == 0 and factor / pre > pre:
@@ -811,12 +825,23 @@ class ShardedModel:
     def managed_parameters(self) -> list[nn.Parameter]:
         return [p for group in self.flat_groups() for p in group.local_params]
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients of every parameter by their true global norm; return the norm."""
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        whole_shards: bool = False) -> torch.Tensor:
+        """Clip the gradients of every parameter by their true global norm; return the norm,
+        computed as FSDP1 computes it (see [Note: FSDP1's norm] in engine/norms.py), units in
+        FSDP1's order (the root first, then the others as the model lists them).
+        `whole_shards`: each group's gradient shard is one tensor (FSDP1's flat parameter,
+        `use_orig_params=False`) rather than one per parameter."""
         norm_type = float(norm_type)
-        sharded = [g for unit in self.units for group in unit.groups for g in group.local_grads()]
+        if self.comm.shard_size == 1:  # as FSDP1 when nothing is sharded: torch's own
+            return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
+        order = {name: index for index, (name, _) in enumerate(self.module.named_modules())}
+        sharded = [g for unit in sorted(self.units, key=lambda u: order[u.name])
+                   for group in unit.groups
+                   for g in (group.whole_grad_shard() if whole_shards else None)
+                   or group.local_grads()]
         local = [local_part(p.grad) for p in self.ignored_params if p.grad is not None]
-        total = grad_norm_of(sharded, local, norm_type, self.comm, self.device)
+        total = fsdp1_grad_norm(sharded, local, norm_type, self.comm, self.device)
         scale_(sharded + local, clip_coefficient(max_norm, total))
         return total
 

@@ -63,8 +63,10 @@ TABLE = register_table(
                      "modules go in the root's ignored_modules instead"),
             translated("device_mesh", "1-D: the shard group; 2-D (hybrid): dim 0 replicate, "
                        "dim 1 shard"),
-            translated("ignored_modules", "Plan.ignored_params: their parameters are neither "
-                       "sharded nor reduced (as FSDP1)"),
+            translated("ignored_modules", "Plan.ignored_params and Plan.ignored_modules: "
+                       "their parameters are neither sharded nor reduced, and the modules are "
+                       "left as they are at the wrap: not materialised from meta, moved nor "
+                       "cast; sync_module_states broadcasts their buffers only (as FSDP1)"),
             translated("ignored_states", "Plan.ignored_params (parameters, or modules' "
                        "parameters)"),
             translated("param_init_fn", "called on each module with meta-device state"),
@@ -361,7 +363,9 @@ def build_plan(
         mode=mode,
         mixed_precision=mp,
         ignored_params=ignored_names,
+        ignored_modules=tuple(paths[id(m)] for m in skipped_modules),
         sync_module_states=sync_module_states,
+        divide_around_reduce=True,
         cpu_offload=bool(cpu_offload and cpu_offload.offload_params),
         frontend=frontend,
         notes=notes,
