@@ -1,0 +1,132 @@
+"""Every ordered pair (inner wrapper, outer wrapper) of the sharding dialects in one model, run
+in one CPU/gloo world of two ranks (see test_mixed_dialects.py): the blocks wrapped by the inner
+one, the root by the outer one, then three training steps. Each case records where it stopped
+on this rank (the wrap, the first forward, or the end of training) and what it raised."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.native_torch import fsdp2_unavailable
+from tests.world import run_case_table
+
+STEPS = 3
+
+OURS_FSDP1 = "fsdp_bridge.fsdp.FullyShardedDataParallel"
+OURS_FULLY_SHARD = "fsdp_bridge.fsdp.fully_shard"
+TORCH_FSDP1 = "torch.distributed.fsdp.FullyShardedDataParallel"
+TORCH_FULLY_SHARD = "torch.distributed.fsdp.fully_shard"
+YAFSDP = "fsdp_bridge.ya_fsdp.YaFSDP"
+ZETA = "fsdp_bridge.zeta.fsdp"
+TORCHACC = "fsdp_bridge.torchacc.accelerate"
+OURS = (OURS_FSDP1, OURS_FULLY_SHARD, YAFSDP, ZETA, TORCHACC)
+TORCH = (TORCH_FSDP1, TORCH_FULLY_SHARD)
+DIALECTS = OURS + TORCH
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def wrap(dialect: str, module: nn.Module, use_orig_params: bool = False) -> nn.Module:
+    """`module` wrapped by `dialect` with its defaults (the wrapper, or the module itself for
+    the in-place fully_shard). Zeta and TorchAcc default to replication (NO_SHARD)."""
+    if dialect == OURS_FSDP1:
+        from fsdp_bridge.fsdp import FullyShardedDataParallel
+        return FullyShardedDataParallel(module)
+    if dialect == OURS_FULLY_SHARD:
+        from fsdp_bridge.fsdp import fully_shard
+        return fully_shard(module)
+    if dialect == YAFSDP:
+        from fsdp_bridge.ya_fsdp import YaFSDP
+        return YaFSDP(module, zero_stage=3)
+    if dialect == ZETA:
+        from fsdp_bridge.zeta import fsdp
+        return fsdp(module)
+    if dialect == TORCHACC:
+        from fsdp_bridge.torchacc import accelerate
+        return accelerate(module)
+    if dialect == TORCH_FSDP1:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        return FullyShardedDataParallel(module, device_id=torch.device("cpu"),
+                                        use_orig_params=use_orig_params)
+    from torch.distributed.fsdp import fully_shard
+    return fully_shard(module)
+
+
+def _stopped(phase: str, error: Exception) -> dict:
+    return {"phase": phase, "type": type(error).__name__, "message": str(error)}
+
+
+def run_pair(inner: str, outer: str, use_orig_params: bool = False) -> dict:
+    """Wrap the blocks with `inner` and the root with `outer`, then train STEPS steps (each
+    rank its own data). Returns where it stopped, or the losses and the full final weights."""
+    if TORCH_FULLY_SHARD in (inner, outer) and fsdp2_unavailable():
+        return {"unavailable": fsdp2_unavailable()}
+    torch.manual_seed(0)
+    net = Net()
+    try:
+        for index, block in enumerate(net.blocks):
+            net.blocks[index] = wrap(inner, block, use_orig_params)
+        model = wrap(outer, net, use_orig_params)
+    except Exception as error:  # noqa: BLE001 - the outcome under test
+        return _stopped("wrap", error)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(dist.get_rank())
+    losses = []
+    for step in range(STEPS):
+        try:
+            loss = model(torch.randn(4, 8, generator=data)).pow(2).mean()
+        except Exception as error:  # noqa: BLE001 - the outcome under test
+            return _stopped("forward" if step == 0 else f"forward {step}", error)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"phase": "trained", "losses": losses, "weights": _full_weights(model)}
+
+
+def _full_weights(model: nn.Module) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {name: value.detach().clone() for name, value in state.items()}
+
+
+def case_name(inner: str, outer: str) -> str:
+    return f"{inner} in {outer}"
+
+
+def cases() -> dict:
+    table = {}
+    for inner in DIALECTS:
+        for outer in DIALECTS:
+            table[case_name(inner, outer)] = (
+                lambda rank, world, inner=inner, outer=outer: run_pair(inner, outer))
+    table["use_orig_params=True"] = lambda rank, world: run_pair(OURS_FSDP1, TORCH_FSDP1, True)
+    return table
+
+
+def run_cases(rank, world, names=None):
+    return run_case_table(cases(), names)
