@@ -114,6 +114,50 @@ def _full_weights(model: nn.Module) -> dict:
     return {name: value.detach().clone() for name, value in state.items()}
 
 
+def forward_inside_summon() -> dict:
+    """Our FSDP1 model run inside `summon_full_params` (generation under summon, as RLHF code
+    does): the full parameters summon puts in place are the model's own, not a takeover."""
+    from fsdp_bridge.fsdp import FullyShardedDataParallel
+
+    torch.manual_seed(0)
+    model = wrap(OURS_FSDP1, Net())
+    x = torch.randn(4, 8)
+    plain = model(x).detach()
+    with torch.no_grad(), FullyShardedDataParallel.summon_full_params(model):
+        summoned = model(x)
+    return {"equal": torch.equal(plain, summoned)}
+
+
+def parameter_assigned_after_wrap() -> dict:
+    """A parameter assigned to a module after our FSDP1 wrapped it: the engine would go on with
+    its own shards, so the forward refuses it too."""
+    torch.manual_seed(0)
+    net = Net()
+    model = wrap(OURS_FSDP1, net)
+    net.head.weight = nn.Parameter(torch.zeros(8, 8))
+    try:
+        model(torch.randn(4, 8))
+    except RuntimeError as error:
+        return _stopped("forward", error)
+    return {"phase": "trained"}
+
+
+def wrapper_added_after_fully_shard() -> dict:
+    """A torch FSDP1 module put into the model after our fully_shard calls, before the first
+    forward: refused when the forward builds the sharding, on every rank."""
+    from fsdp_bridge.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    net = Net()
+    fully_shard(net)
+    net.blocks[1] = wrap(TORCH_FSDP1, Block())
+    try:
+        net(torch.randn(4, 8))
+    except ValueError as error:
+        return _stopped("forward", error)
+    return {"phase": "trained"}
+
+
 def case_name(inner: str, outer: str) -> str:
     return f"{inner} in {outer}"
 
@@ -125,6 +169,9 @@ def cases() -> dict:
             table[case_name(inner, outer)] = (
                 lambda rank, world, inner=inner, outer=outer: run_pair(inner, outer))
     table["use_orig_params=True"] = lambda rank, world: run_pair(OURS_FSDP1, TORCH_FSDP1, True)
+    for case in (forward_inside_summon, parameter_assigned_after_wrap,
+                 wrapper_added_after_fully_shard):
+        table[case.__name__] = lambda rank, world, case=case: case()
     return table
 
 
