@@ -64,8 +64,28 @@ def dialect_of(module: nn.Module) -> Optional[str]:
 
 def refuse_other_dialects(frontend: str, module: nn.Module) -> None:
     """Before `frontend` (a key of OURS) wraps `module`: refuse any wrapper of another dialect
-    in it, and, for a front-end without nesting, a second wrapper of its own."""
+    in it, and, for a front-end without nesting, a second wrapper of its own; also a module
+    inside a model another of our dialects already shards (the outer one wrapped first)."""
     outer = OURS.get(frontend, frontend)
+    _refuse_wrappers_inside(frontend, outer, module)
+    for name, param in module.named_parameters():
+        owner = engine.owner_of(param)
+        inner = OURS.get(owner.plan.frontend, owner.plan.frontend) if owner else outer
+        if inner != outer:
+            found = Shown(f"a module inside the {type(owner.module).__name__} that {inner} "
+                          f"already shards (its parameter {name!r})")
+            raise _mixed(outer, inner, found)
+
+
+def _mixed(outer: str, inner: str, found: Shown) -> ValueError:
+    return bad_argument(
+        outer, "module", found, f"a model sharded by one dialect: {outer} cannot shard "
+        f"together with {inner} (each keeps its own shards, and one would flatten or gather "
+        "the other's)", f"Use {outer} for every layer and the root, or {inner} for every layer "
+        "and the root.")
+
+
+def _refuse_wrappers_inside(frontend: str, outer: str, module: nn.Module) -> None:
     for path, sub in module.named_modules():
         inner = dialect_of(sub)
         if inner is None or (inner == outer and (not path or frontend in NESTING)):
@@ -76,11 +96,7 @@ def refuse_other_dialects(frontend: str, module: nn.Module) -> None:
             raise bad_argument(outer, "module", found, f"a model {outer} has not wrapped yet "
                                "(it wraps a whole model once)", f"Call {outer} once, on the "
                                "whole model; its own options choose the units inside it.")
-        raise bad_argument(
-            outer, "module", found, f"a model sharded by one dialect: {outer} cannot shard "
-            f"around {inner} (each keeps its own shards, and one would flatten or gather the "
-            "other's)", f"Use {outer} for every layer and the root, or {inner} for every layer "
-            "and the root.")
+        raise _mixed(outer, inner, found)
 
 
 def refuse_taken_over(frontend: str, sharded) -> None:

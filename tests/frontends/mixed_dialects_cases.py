@@ -158,6 +158,19 @@ def wrapper_added_after_fully_shard() -> dict:
     return {"phase": "trained"}
 
 
+def inner_wrapped_after_outer() -> dict:
+    """Our FSDP1 on the root first, then our fully_shard on a block inside it: refused at the
+    fully_shard call, naming both (not "this module's model has already run")."""
+    torch.manual_seed(0)
+    net = Net()
+    wrap(OURS_FSDP1, net)
+    try:
+        wrap(OURS_FULLY_SHARD, net.blocks[0])
+    except ValueError as error:
+        return _stopped("wrap", error)
+    return {"phase": "wrapped"}
+
+
 def case_name(inner: str, outer: str) -> str:
     return f"{inner} in {outer}"
 
@@ -170,7 +183,7 @@ def cases() -> dict:
                 lambda rank, world, inner=inner, outer=outer: run_pair(inner, outer))
     table["use_orig_params=True"] = lambda rank, world: run_pair(OURS_FSDP1, TORCH_FSDP1, True)
     for case in (forward_inside_summon, parameter_assigned_after_wrap,
-                 wrapper_added_after_fully_shard):
+                 wrapper_added_after_fully_shard, inner_wrapped_after_outer):
         table[case.__name__] = lambda rank, world, case=case: case()
     return table
 

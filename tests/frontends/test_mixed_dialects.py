@@ -140,3 +140,14 @@ def test_a_torch_wrapper_added_after_fully_shard_is_refused_at_first_forward(wor
         assert result["message"].startswith(f"{C.OURS_FULLY_SHARD}: module="), result
         assert f"is wrapped by {C.TORCH_FSDP1}" in result["message"], result["message"]
     assert results[0]["message"] == results[1]["message"]
+
+
+def test_our_inner_wrapper_applied_after_another_dialects_root_is_refused_at_wrap(world):
+    results = both(world, "inner_wrapped_after_outer")
+    for result in results:
+        assert result["phase"] == "wrap", result
+        message = result["message"]
+        assert message.startswith(f"{C.OURS_FULLY_SHARD}: module=a module inside the Net that "
+                                  f"{C.OURS_FSDP1} already shards"), message
+        assert f"or {C.OURS_FSDP1} for every layer" in message, message
+    assert results[0]["message"] == results[1]["message"]
