@@ -135,11 +135,7 @@ def parameter_assigned_after_wrap() -> dict:
     net = Net()
     model = wrap(OURS_FSDP1, net)
     net.head.weight = nn.Parameter(torch.zeros(8, 8))
-    try:
-        model(torch.randn(4, 8))
-    except RuntimeError as error:
-        return _stopped("forward", error)
-    return {"phase": "trained"}
+    return _first_forward(model)
 
 
 def wrapper_added_after_fully_shard() -> dict:
@@ -151,11 +147,15 @@ def wrapper_added_after_fully_shard() -> dict:
     net = Net()
     fully_shard(net)
     net.blocks[1] = wrap(TORCH_FSDP1, Block())
+    return _first_forward(net)
+
+
+def _first_forward(model: nn.Module) -> dict:
     try:
-        net(torch.randn(4, 8))
-    except ValueError as error:
+        model(torch.randn(4, 8))
+    except (RuntimeError, ValueError) as error:
         return _stopped("forward", error)
-    return {"phase": "trained"}
+    return {"phase": "ran"}
 
 
 def inner_wrapped_after_outer() -> dict:

@@ -129,6 +129,7 @@ def test_a_forward_inside_summon_full_params_is_not_a_takeover(world):
 def test_a_parameter_assigned_after_wrapping_is_refused_at_forward(world):
     for result in both(world, "parameter_assigned_after_wrap"):
         assert result["phase"] == "forward", result
+        assert result["type"] == "RuntimeError", result
         assert "parameter 'head.weight' of the Net" in result["message"], result["message"]
         assert "assigning a new parameter after wrapping" in result["message"]
 
@@ -137,6 +138,7 @@ def test_a_torch_wrapper_added_after_fully_shard_is_refused_at_first_forward(wor
     results = both(world, "wrapper_added_after_fully_shard")
     for result in results:
         assert result["phase"] == "forward", result
+        assert result["type"] == "ValueError", result
         assert result["message"].startswith(f"{C.OURS_FULLY_SHARD}: module="), result
         assert f"is wrapped by {C.TORCH_FSDP1}" in result["message"], result["message"]
     assert results[0]["message"] == results[1]["message"]
