@@ -112,6 +112,15 @@ def test_torch_fsdp1_with_orig_params_outside_ours_is_refused_at_first_forward(w
         assert C.OURS_FSDP1 in result["message"] and C.TORCH_FSDP1 in result["message"]
 
 
+def test_torch_fully_shard_outside_shards_of_unequal_sizes_is_refused_at_first_forward(world):
+    """Blocks whose flat shards differ in size between ranks: torch's fully_shard gathers them
+    before our forward starts, and no rank is left waiting (it aborted a rank before)."""
+    for result in both(world, "odd-sized blocks in fully_shard"):
+        assert result["phase"] == "forward", result
+        message = result["message"]
+        assert C.OURS_FSDP1 in message and C.TORCH_FULLY_SHARD in message, message
+
+
 @pytest.mark.parametrize("pair", TORCH_OUTSIDE_FULLY_SHARD, ids=_ids(TORCH_OUTSIDE_FULLY_SHARD))
 def test_torch_outside_our_fully_shard_fails_in_torchs_wrap_on_every_rank(world, pair):
     """torch's wrap meets our DTensor parameters and raises its own error before any
