@@ -18,7 +18,9 @@ wrong values. So:
   (FullyShardedDataParallel, YaFSDP, Zeta, TorchAcc) check at each forward, before their first
   gather, that the module still holds the parameters the engine shards
   (`refuse_taken_over`): torch's FSDP1 removes or replaces them when it flattens them, torch's
-  fully_shard replaces them by its own. Around our fully_shard, torch's wrappers fail in their
+  fully_shard replaces them by its own. torch's outer wrapper has run its own first gather by
+  then, which torch's FSDP1 cannot complete when our shards differ in size between ranks: that
+  failure is torch's, before any code of ours. Around our fully_shard, torch's wrappers fail in their
   own wrap on every rank with torch's message (they meet our DTensor parameters); that message
   cannot be ours without patching torch.
 """
