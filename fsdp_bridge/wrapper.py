@@ -49,6 +49,7 @@ from torch.distributed.fsdp import (
 )
 
 from fsdp_bridge import engine
+from fsdp_bridge.mixed_dialects import refuse_taken_over
 from fsdp_bridge.state_dicts import fsdp1_optim, model_state, optim_state, torch_helpers
 from fsdp_bridge.state_dicts.torch_helpers import called_by_torch_helpers
 from fsdp_bridge.translation import bad_argument, check_bool
@@ -159,6 +160,7 @@ class ShardedWrapper(nn.Module):
         return self._sharded.plan
 
     def forward(self, *args, **kwargs):
+        refuse_taken_over(self._frontend, self._sharded)
         return self._modules[WRAPPED](*args, **kwargs)
 
     def __getattr__(self, name: str):

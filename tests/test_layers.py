@@ -17,9 +17,11 @@ LAYERS = (
     ("plan", ("fsdp_bridge.plan",)),
     ("engine", ("fsdp_bridge.engine",)),
     # What every front-end shares: argument tables and errors, auto-wrap policies, devices,
-    # process-group topology, the FSDP1 module face, state dicts in torch's forms.
+    # process-group topology, the FSDP1 module face, state dicts in torch's forms, the refusal
+    # of models that mix dialects.
     ("front-end kit", ("fsdp_bridge.translation", "fsdp_bridge.policies", "fsdp_bridge.devices",
-                       "fsdp_bridge.topology", "fsdp_bridge.wrapper", "fsdp_bridge.state_dicts")),
+                       "fsdp_bridge.topology", "fsdp_bridge.wrapper", "fsdp_bridge.state_dicts",
+                       "fsdp_bridge.mixed_dialects")),
     ("front-ends", ("fsdp_bridge.fsdp", "fsdp_bridge.ya_fsdp", "fsdp_bridge.zeta",
                     "fsdp_bridge.torchacc")),
     # Built on the front-ends: checkpoints, the equivalence harness, migration, measurement.

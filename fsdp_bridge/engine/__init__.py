@@ -26,7 +26,13 @@ from fsdp_bridge.engine.optim_state import (
     full_optim_state_dict,
     optim_state_dict_to_load,
 )
-from fsdp_bridge.engine.ownership import ATTRIBUTE, owner_of, release, tag_parameters
+from fsdp_bridge.engine.ownership import (
+    ATTRIBUTE,
+    displaced_parameter,
+    owner_of,
+    release,
+    tag_parameters,
+)
 from fsdp_bridge.engine.rollback import restored_on_failure
 from fsdp_bridge.engine.row_group import register_sharded
 from fsdp_bridge.engine.runtime import ShardedModel
@@ -59,6 +65,7 @@ __all__ = [
     "CollectiveStats",
     "ShardedModel",
     "clip_grads_",
+    "displaced_parameter",
     "end_forward_method",
     "expose_unit",
     "forwards_begun",

@@ -18,6 +18,7 @@ import torch
 from fsdp_bridge.engine.layout import OWNER_ATTRIBUTE
 from fsdp_bridge.engine.row_group import RowGroup
 from fsdp_bridge.engine.runtime import ShardedModel
+from fsdp_bridge.engine.summon import SUMMONED
 
 ATTRIBUTE = "_fsdp_bridge"  # on each sharded module: its ShardedModel
 
@@ -32,6 +33,26 @@ def tag_parameters(sharded: ShardedModel) -> None:
 def owner_of(param: torch.Tensor) -> Optional[ShardedModel]:
     ref = getattr(param, OWNER_ATTRIBUTE, None)
     return ref() if ref is not None else None
+
+
+def displaced_parameter(sharded: ShardedModel) -> Optional[tuple[str, Optional[torch.Tensor]]]:
+    """(name, what its module holds now) for the first parameter of a flat layout whose module
+    no longer holds it, or None. Its place is empty or holds a plain tensor (torch's FSDP1
+    around the model, which flattens it), or a parameter that is not this model's (torch's
+    fully_shard around the model, or a parameter assigned after wrapping): see [Note: one
+    dialect per model] in fsdp_bridge/mixed_dialects.py. The model's own parameters (a tie
+    redone after wrapping) and `summon_full_params`'s full ones are not displaced."""
+    for group in sharded.flat_groups():
+        if isinstance(group, RowGroup):
+            continue  # DTensor parameters: torch's wrappers refuse them when they wrap
+        for slot in group.slots:
+            for owner, attr in slot.owners:
+                now = owner._parameters.get(attr)
+                if now is slot.param or (isinstance(now, torch.nn.Parameter) and (
+                        owner_of(now) is sharded or getattr(now, SUMMONED, False))):
+                    continue
+                return slot.fqn, now
+    return None
 
 
 def release(sharded: ShardedModel) -> None:

@@ -10,6 +10,8 @@ from torch import nn
 
 from fsdp_bridge.engine.runtime import ShardedModel
 
+SUMMONED = "_fsdp_bridge_summoned"  # on each full parameter put in place here
+
 
 @contextlib.contextmanager
 def summon_full_params(
@@ -50,6 +52,7 @@ def summon_full_params(
         for (slot, value), grad in zip(group.split(flat), grad_views):
             full = nn.Parameter(value, requires_grad=group.requires_grad)
             full.grad = grad
+            setattr(full, SUMMONED, True)
             for owner, attr in slot.owners:
                 swapped.append((owner, attr, owner._parameters[attr]))
                 owner._parameters[attr] = full

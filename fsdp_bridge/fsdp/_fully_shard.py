@@ -52,6 +52,7 @@ from fsdp_bridge.engine.layout import GATHERED_FORM, GatheredForm
 from fsdp_bridge.engine.row_group import chunk_rows
 from fsdp_bridge.fsdp import _fsdp2_translate as T
 from fsdp_bridge.fsdp._stale_optimizer import mark_replaced
+from fsdp_bridge.mixed_dialects import refuse_other_dialects
 
 CONFIG = "_fsdp_bridge_fsdp2"  # per fully_shard-ed module: its FullyShardCall
 SHARDED = "_fsdp_bridge_row_sharded"  # on each DTensor parameter fully_shard made
@@ -114,6 +115,8 @@ class FSDPModule(TorchFSDPModule):
     finds ours, and their FSDP-only code paths run. Every public method of torch's class is
     defined here, so none of torch's implementations (which read torch's private FSDPState)
     is ever reached; code that reaches for that private state gets an error saying so."""
+
+    _frontend = T.FRONTEND  # see fsdp_bridge/mixed_dialects.py
 
     # torch's `__new__` (used when a container is indexed: `self.__class__(...)`) builds the
     # original class found at this index of the MRO: FSDP<Class>, ours, torch's, Class.
@@ -378,6 +381,8 @@ def _lazy_init(module: nn.Module) -> None:
         root = call.root_of()
         if engine.get_sharded(root) is not None:
             return
+    # A wrapper of another dialect put inside since the fully_shard calls is refused too.
+    refuse_other_dialects(T.FRONTEND, module)
     _BUILDING.active = True
     try:
         below = _fully_sharded_below(module)
@@ -475,6 +480,7 @@ def fully_shard(
     modules = T.check_call(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy,
                            offload_policy, ignored_params, dp_mesh_dims)
     for m in modules:
+        refuse_other_dialects(T.FRONTEND, m)
         if _already_in_use(m):
             raise T.bad("module", m, "a module whose model has not run yet: the sharding is "
                         "fixed at the model's first forward (or unshard()), for the fully_shard "

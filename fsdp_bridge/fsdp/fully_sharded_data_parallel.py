@@ -64,6 +64,7 @@ from torch.distributed.fsdp.fully_sharded_data_parallel import (  # noqa: F401
 
 from fsdp_bridge import devices, engine
 from fsdp_bridge.fsdp._fsdp1_translate import FRONTEND, build_plan, parse_sharding_strategy
+from fsdp_bridge.mixed_dialects import refuse_other_dialects
 from fsdp_bridge.topology import Topology, resolve_topology
 from fsdp_bridge.translation import bad_argument
 from fsdp_bridge.wrapper import ShardedWrapper, shard_flat
@@ -150,6 +151,7 @@ class FullyShardedDataParallel(ShardedWrapper):
         if not isinstance(module, nn.Module):
             raise bad_argument(FRONTEND, "module", module, "an nn.Module", "Pass the model.",
                                exc=TypeError)
+        refuse_other_dialects(FRONTEND, module)
         strategy = parse_sharding_strategy(sharding_strategy).strategy
         device = resolve_device(device_id)
         if param_init_fn is not None and not callable(param_init_fn):

@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictSettings, StateDictType
 
 from fsdp_bridge import engine
+from fsdp_bridge.mixed_dialects import refuse_other_dialects
 from fsdp_bridge.state_dicts.torch_helpers import called_by_torch_helpers
 from fsdp_bridge.topology import resolve_topology
 from fsdp_bridge.torchacc._translate import FRONTEND, build_plan, sizes
@@ -105,6 +106,7 @@ def accelerate(model: nn.Module, dataloader=None, config: Optional[Config] = Non
     """Shard `model` as `config` says; returns the model, or (model, dataloader) when a
     dataloader is given (each data-parallel rank then iterates its slice of each batch)."""
     config = config if config is not None else Config()
+    refuse_other_dialects(FRONTEND, model)
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend)

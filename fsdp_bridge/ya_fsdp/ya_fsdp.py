@@ -19,6 +19,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_bridge import devices, engine
+from fsdp_bridge.mixed_dialects import refuse_other_dialects, refuse_taken_over
 from fsdp_bridge.state_dicts import model_state
 from fsdp_bridge.state_dicts.torch_helpers import called_by_torch_helpers
 from fsdp_bridge.translation import bad_argument
@@ -69,6 +70,8 @@ def _watch_accumulation(model: "YaFSDP") -> None:
 
 
 class YaFSDP(nn.Module):
+    _frontend = FRONTEND  # see fsdp_bridge/mixed_dialects.py
+
     def __init__(
         self,
         module: nn.Module,
@@ -99,6 +102,7 @@ class YaFSDP(nn.Module):
     ):
         super().__init__()
         # Everything is checked before the model is touched.
+        refuse_other_dialects(FRONTEND, module)
         device = devices.resolve_device(FRONTEND, device_id)
         _check_group(data_parallel_process_group)
         notes = ignored_notes(
@@ -141,6 +145,7 @@ class YaFSDP(nn.Module):
     # -- the wrapped model --------------------------------------------------------------------
 
     def forward(self, *args, **kwargs):
+        refuse_taken_over(FRONTEND, self._sharded)
         return self._module(*args, **kwargs)
 
     def __getattr__(self, name: str):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from fsdp_bridge.mixed_dialects import refuse_other_dialects
 from fsdp_bridge.wrapper import ShardedWrapper, shard_flat
 from fsdp_bridge.zeta._translate import FRONTEND, build_plan
 
@@ -26,6 +27,7 @@ def fsdp(model: nn.Module, auto_wrap: bool = False, mp: str = "fp32",
          shard_strat: str = "NO_SHARD", TransformerBlock=None) -> ZetaFSDP:
     """Zeta's `fsdp()`: wrap `model` for sharded data-parallel training (see the table in
     `fsdp_bridge.zeta._translate`)."""
+    refuse_other_dialects(FRONTEND, model)
     plan = build_plan(model, auto_wrap=auto_wrap, mp=mp, shard_strat=shard_strat,
                       TransformerBlock=TransformerBlock)
     return ZetaFSDP(model, plan)
