@@ -24,12 +24,13 @@ LAYERS = (
                        "fsdp_bridge.mixed_dialects")),
     ("front-ends", ("fsdp_bridge.fsdp", "fsdp_bridge.ya_fsdp", "fsdp_bridge.zeta",
                     "fsdp_bridge.torchacc")),
-    # Built on the front-ends: checkpoints, the equivalence harness, migration, measurement.
+    # Built on the front-ends: checkpoints, the equivalence harness, migration, measurement,
+    # the training frameworks' routes onto them.
     ("tools", ("fsdp_bridge.checkpoint", "fsdp_bridge.harness", "fsdp_bridge.migrate",
                "fsdp_bridge.codemods", "fsdp_bridge.memory", "fsdp_bridge.explanation",
                "fsdp_bridge.explain_cli", "fsdp_bridge.checkpoint_cli", "fsdp_bridge.outputs", "fsdp_bridge.bench",
                "fsdp_bridge.tiny", "fsdp_bridge.demo", "fsdp_bridge.examples",
-               "fsdp_bridge.extras", "fsdp_bridge.progress")),
+               "fsdp_bridge.extras", "fsdp_bridge.progress", "fsdp_bridge.integrations")),
     ("command line", ("fsdp_bridge.cli", "fsdp_bridge.__main__", "fsdp_bridge")),
 )
 
