@@ -8,7 +8,8 @@ runner and step-by-step comparison (losses and parameter digests after every opt
   the uninterrupted runs' step 3.
 
 The pairs are run one script at a time, not by the `compare-scripts` command, because each side
-needs its own --out folder and the command gives both scripts the same arguments. Lightning's
+needs its own --out folder and the command gives both scripts the same arguments; the command
+itself is run on one pair. Lightning's
 own FSDPStrategy cannot save on a CPU-only machine (torch's FSDP1 crashes offloading the full
 state dict there), so its twin runs uninterrupted only and our resumed run is checked against
 that. And each twin differs from its example in one import line, the change a user makes."""
@@ -114,6 +115,20 @@ def test_example_saves_resumes_and_trains_equal_to_its_native_twin(name, tmp_pat
     if native_resumed is not None:
         _assert_agree(native_resumed, ours_resumed, AFTER_SAVE)
         _assert_agree(_last_steps(native, AFTER_SAVE), native_resumed, AFTER_SAVE)
+
+
+def test_the_compare_scripts_command_proves_a_pair(capsys):
+    # The command as the README shows it (one pair: the runs above use its runner directly).
+    pytest.importorskip("accelerate")
+    from fsdp_bridge.cli import main
+
+    code = main(["compare-scripts", _path("accelerate_llama_native"), _path("accelerate_llama"),
+                 "--nproc", "2", "--dtype", "bf16", "--no-determinism-check", "-q", "--",
+                 "--steps", str(STEPS), "--bf16"])
+    out = capsys.readouterr().out
+    assert code == 0 and "RESULT: equivalent" in out, out
+    assert f"{STEPS} optimizer steps" in out  # parameter digests were compared, not losses alone
+    assert "A: torch FSDP2 wrapped" in out and "B: fsdp-bridge fully_shard wrapped" in out, out
 
 
 def test_quoted_hf_trainer_log_values_are_read():
