@@ -55,8 +55,8 @@ test-gpu: $(STAMP)
 	FSDP_BRIDGE_DEVICE=cuda $(BIN)/python -m pytest -q -rs $(GPU_TESTS)
 	FSDP_BRIDGE_DEVICE=cuda FSDP_BRIDGE_BACKEND=gloo $(BIN)/python -m pytest -q -rs $(GPU_GLOO_TESTS)
 
-# The same GPU tests, then the CUDA bench and the CPU-offload memory figure, offline, on the
-# Python already there (a container's or a cluster's CUDA build of torch; PY=... to pick one):
+# The same GPU tests, then the CUDA bench, the CPU-offload memory figure and the framework
+# examples at one rank, offline, on the Python already there (a container's or a cluster's CUDA build of torch; PY=... to pick one):
 # no .venv, nothing installed, nothing downloaded, the package not installed (the repository goes
 # first on PYTHONPATH). Each phase runs under a wall-clock timeout, about 7.5 minutes in all; the
 # summary (summary.md, summary.json) and bounded raw logs go to GPU_CHECK_OUT, rewritten after

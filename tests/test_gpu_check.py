@@ -73,11 +73,12 @@ def test_each_phase_may_use_its_share_of_the_budget_and_what_earlier_phases_save
     whole = gpu_check.Check(gpu_check.parse(["--out", str(tmp_path), "--budget", "450"]), [])
     assert sum(shares.values()) == 450
     assert whole.timeout("environment") == pytest.approx(shares["environment"], abs=1)
-    later = sum(shares[p] for p in ("tests-gloo", "bench", "offload"))
+    later = sum(shares[p] for p in ("tests-gloo", "bench", "offload", "frameworks"))
     assert whole.timeout("tests-nccl") == pytest.approx(450 - later, abs=1)
     # A smaller budget without two phases: the shares of those that run, scaled to it.
     small = gpu_check.Check(gpu_check.parse(["--out", str(tmp_path), "--budget", "100", "--skip",
-                                             "bench", "--skip", "offload"]), [])
+                                             "bench", "--skip", "offload", "--skip",
+                                             "frameworks"]), [])
     running = shares["environment"] + shares["tests-nccl"] + shares["tests-gloo"]
     assert small.timeout("environment") == pytest.approx(100 * shares["environment"] / running,
                                                          abs=1)
@@ -215,6 +216,7 @@ def test_a_smoke_run_writes_the_summary_with_a_failures_first_line(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "tests.gpu_check", "--smoke", "--out", str(out), "--tests",
          str(sample), "--skip", "tests-gloo", "--skip", "bench", "--skip", "offload",
+         "--skip", "frameworks",
          "--budget", "300"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1, done.stdout + done.stderr  # 1: a test failed
@@ -224,7 +226,8 @@ def test_a_smoke_run_writes_the_summary_with_a_failures_first_line(tmp_path):
     assert summary["environment"]["fsdp_bridge_file"] == str(ROOT / "fsdp_bridge" / "__init__.py")
     phases = {p["name"]: p for p in summary["phases"]}
     assert phases["environment"]["status"] == "passed"
-    assert {phases[p]["status"] for p in ("tests-gloo", "bench", "offload")} == {"skipped (--skip)"}
+    assert {phases[p]["status"] for p in ("tests-gloo", "bench", "offload", "frameworks")} == {
+        "skipped (--skip)"}
     phase = phases["tests-nccl"]
     assert phase["status"] == "failed" and phase["exit_code"] == 1 and phase["duration_s"] > 0
     result = summary["tests"]["tests-nccl"]

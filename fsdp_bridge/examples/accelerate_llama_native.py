@@ -6,7 +6,9 @@ ranks:
     python -m torch.distributed.run --nproc_per_node 2 -m fsdp_bridge.examples.accelerate_llama
 
 Rank 0 prints `step N loss X` (the mean over the global batch) after each optimizer step. With
-`--out DIR` it saves its state at the end (`save_state`: sharded model and optimizer).
+`--out DIR` it saves its state after step 2 (`save_state`: sharded model, optimizer and the step
+count); `--resume DIR` loads it (`load_state`) and trains on to `--steps`. `--generate` prints
+a few greedily generated tokens at the end, and the devices of the parameters.
 """
 
 import torch
@@ -22,9 +24,13 @@ def main():
     model = F.tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
+    progress = F.Progress()
+    accelerator.register_for_checkpointing(progress)
+    if args.resume:
+        accelerator.load_state(args.resume)
     rank, world = accelerator.process_index, accelerator.num_processes
     batches = F.token_rows(args.steps).view(args.steps, world, F.PER_DEVICE, F.SEQ)
-    for step in range(args.steps):
+    for step in range(progress.step, args.steps):
         ids = batches[step, rank].to(accelerator.device)
         loss = model(input_ids=ids, labels=ids).loss
         accelerator.backward(loss)
@@ -34,8 +40,11 @@ def main():
         mean = F.global_mean(loss)
         if accelerator.is_main_process:
             print(f"step {step + 1} loss {mean:.6f}", flush=True)
-    if args.out:
-        accelerator.save_state(args.out)
+        progress.step = step + 1
+        if args.out and progress.step == F.SAVE_STEP:
+            accelerator.save_state(args.out)
+    if args.generate:
+        F.print_generated(F.generate(model, F.prompt(accelerator.device)), model)
     accelerator.end_training()
 
 

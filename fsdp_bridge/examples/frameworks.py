@@ -24,6 +24,8 @@ import sys
 import torch
 
 VOCAB, SEQ, PER_DEVICE = 128, 16, 4
+SAVE_STEP = 2  # an --out run saves its checkpoint after this optimizer step
+PROMPT, NEW_TOKENS = [1, 2, 3, 4], 4
 LLAMA_LAYER = "LlamaDecoderLayer"
 
 
@@ -31,8 +33,18 @@ def parse_args(description: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
-    parser.add_argument("--out", default=None, help="folder for the checkpoints")
-    return parser.parse_args()
+    parser.add_argument("--out", default=None,
+                        help=f"save a checkpoint in this folder after step {SAVE_STEP}")
+    parser.add_argument("--resume", default=None, metavar="CHECKPOINT",
+                        help="resume from the checkpoint an --out run saved, training on to "
+                             "--steps")
+    parser.add_argument("--generate", action="store_true",
+                        help="after training, generate a few tokens greedily and print them")
+    args = parser.parse_args()
+    if args.resume and not os.path.exists(args.resume):
+        parser.error(f"--resume {args.resume!r} does not exist; pass the checkpoint an earlier "
+                     "run saved with --out")
+    return args
 
 
 def require_torchrun(script: str) -> None:
@@ -156,3 +168,38 @@ def _lightning_strategy_on_cpu(strategy_class):
             return model
 
     return FSDPStrategyOnCpu
+
+
+def prompt(device) -> torch.Tensor:
+    return torch.tensor([PROMPT], device=device)
+
+
+def generate(model, ids: torch.Tensor) -> torch.Tensor:
+    """Greedy generation of NEW_TOKENS tokens after `ids`. Every rank must call it: a sharded
+    model gathers its parameters in each forward."""
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+
+
+def print_generated(tokens: torch.Tensor, model: torch.nn.Module) -> None:
+    """Rank 0 prints the tokens generated after PROMPT and the devices of the model's (local)
+    parameters: `generated [a, b, ...] parameters on ['cuda:0']`."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        devices = sorted({str(parameter.device) for parameter in model.parameters()})
+        print(f"generated {tokens[0, len(PROMPT):].tolist()} parameters on {devices}", flush=True)
+
+
+class Progress:
+    """The number of optimizer steps taken, saved and restored with a checkpoint (accelerate's
+    `register_for_checkpointing` takes any object with `state_dict` / `load_state_dict`)."""
+
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]

@@ -5,8 +5,9 @@ import. Random weights and random tokens, nothing downloaded. Run it on 2 CPU ra
     python -m torch.distributed.run --nproc_per_node 2 -m fsdp_bridge.examples.hf_trainer_llama
 
 The Trainer logs `{'loss': ..., 'grad_norm': ...}` after every step (rank 0). With `--out DIR`
-it saves a checkpoint every 2 steps (`DIR/checkpoint-N`), which `resume_from_checkpoint`
-takes.
+it saves a checkpoint every 2 steps (`DIR/checkpoint-2`, ...); `--resume DIR/checkpoint-2`
+continues from one (`resume_from_checkpoint`) to `--steps`. `--generate` prints a few
+greedily generated tokens at the end, and the devices of the parameters.
 """
 
 import torch
@@ -35,13 +36,16 @@ def main():
         output_dir=args.out or "hf_trainer_llama_out", max_steps=args.steps,
         per_device_train_batch_size=F.PER_DEVICE, learning_rate=1e-3, max_grad_norm=1.0,
         lr_scheduler_type="constant", logging_steps=1, report_to=[], seed=0, bf16=args.bf16,
-        save_strategy="steps" if args.out else "no", save_steps=2, disable_tqdm=True,
+        save_strategy="steps" if args.out else "no", save_steps=F.SAVE_STEP, disable_tqdm=True,
         use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
         fsdp="full_shard", fsdp_config={"version": 2,
                                         "transformer_layer_cls_to_wrap": [F.LLAMA_LAYER]})
     trainer = F.on_this_machine(Trainer)(model=F.tiny_llama(), args=training,
                                          train_dataset=Tokens(F.token_rows(args.steps)))
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume)
+    if args.generate:
+        tokens = F.generate(trainer.model, F.prompt(trainer.args.device))
+        F.print_generated(tokens, trainer.model)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ in order of value:
 4. bench: `python -m fsdp_bridge bench --device cuda` with few repeats;
 5. offload: the device memory a model holds under CPU offload against without, and both runs'
    losses (tests/gpu_check/offload.py).
+6. frameworks: the HF Trainer, accelerate and Lightning examples against their native twins at
+   one rank: losses, parameters on CUDA, `generate` (tests/gpu_check/frameworks.py).
 
 It installs nothing and reaches no network: it runs this interpreter (`sys.executable`) with
 the repository first on PYTHONPATH, so a container's or a cluster's CUDA build of torch is the one

@@ -29,7 +29,8 @@ SMOKE_TESTS = ("tests/test_gpu.py", "tests/test_topology.py")
 # Each phase's share of a 450 s budget (seconds; scaled to the --budget given): a phase may run
 # until the time left is what the phases after it are promised, so time one phase saves goes to
 # the next.
-SHARES = {"environment": 45, "tests-nccl": 150, "tests-gloo": 105, "bench": 120, "offload": 30}
+SHARES = {"environment": 30, "tests-nccl": 150, "tests-gloo": 90, "bench": 90, "offload": 30,
+          "frameworks": 60}
 PHASES = tuple(SHARES)
 # Under 8 minutes in all: a phase stopped at its timeout may take GRACE_S twice more to end, and
 # the last phase's overrun is past the budget.
@@ -62,7 +63,8 @@ class Check:
                         "status": "running", "started": _now(), "updated": _now(),
                         "budget_s": args.budget, "command": [sys.executable, "-m", "tests.gpu_check", *argv],
                         "repository": ROOT, "commit": _commit(), "environment": {},
-                        "phases": [], "tests": {}, "bench": None, "offload": None}
+                        "phases": [], "tests": {}, "bench": None, "offload": None,
+                        "frameworks": None}
 
     def save(self) -> None:
         self.summary["updated"] = _now()
@@ -188,6 +190,16 @@ def offload(check: Check) -> None:
             check.summary["offload"] = json.load(handle)
 
 
+def frameworks(check: Check) -> None:
+    figures = os.path.join(check.work, "frameworks.json")
+    argv = [sys.executable, "-m", "tests.gpu_check.frameworks", "--json", figures,
+            "--timeout", str(round(check.timeout("frameworks")))]
+    check.phase("frameworks", argv + (["--smoke"] if check.args.smoke else []), check.env())
+    if os.path.exists(figures):
+        with open(figures) as handle:
+            check.summary["frameworks"] = json.load(handle)
+
+
 def run(check: Check) -> int:
     skip = check.args.skip
     device = {} if check.args.smoke else {"FSDP_BRIDGE_DEVICE": "cuda"}
@@ -199,7 +211,8 @@ def run(check: Check) -> int:
     steps = [("tests-nccl", lambda: pytest_phase(check, "tests-nccl", nccl_files, device)),
              ("tests-gloo", lambda: pytest_phase(check, "tests-gloo", gloo_files,
                                                  {**device, "FSDP_BRIDGE_BACKEND": "gloo"})),
-             ("bench", lambda: bench(check)), ("offload", lambda: offload(check))]
+             ("bench", lambda: bench(check)), ("offload", lambda: offload(check)),
+             ("frameworks", lambda: frameworks(check))]
     for name, step in steps:
         if name in skip:
             check.summary["phases"].append({"name": name, "status": "skipped (--skip)"})

@@ -140,6 +140,9 @@ def markdown(summary: dict) -> str:
         lines += _bench_lines(summary["bench"])
     if summary.get("offload"):
         lines += ["## CPU offload", "", "```", json.dumps(summary["offload"], indent=2), "```", ""]
+    if summary.get("frameworks"):
+        lines += ["## Framework examples (one rank)", "", "```",
+                  json.dumps(summary["frameworks"], indent=2), "```", ""]
     return "\n".join(lines)
 
 
