@@ -575,12 +575,14 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 
 def _default_mesh() -> DeviceMesh:
-    """FSDP2's default: one dimension over every rank, on the process group's device type."""
+    """FSDP2's default: one dimension over every rank, on the machine's accelerator when it has
+    one (whatever the process group's backend: gloo carries CUDA tensors too), else the CPU."""
     if not dist.is_initialized():
         raise T.bad("mesh", None, "a DeviceMesh, or None once torch.distributed is initialised",
                     "Call torch.distributed.init_process_group() before fully_shard.",
                     exc=RuntimeError)
-    device_type = engine.default_device().type
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    device_type = accelerator.type if accelerator is not None else "cpu"
     # The key holds the group itself, so that a group torn down and replaced by a new one (at
     # the same address) never finds the old group's mesh.
     key = (device_type, dist.group.WORLD)
