@@ -37,6 +37,16 @@ DROPPED = {
     "device_id": "FSDP2 takes the device from the mesh; call torch.cuda.set_device(local_rank) first on GPUs",
 }
 
+# FSDP1 arguments the helper translates when the script runs; what is not known before, for the report.
+RUNTIME_ARGUMENTS = {
+    "process_group": "FSDP2 takes a DeviceMesh, which the helper builds from the group(s) at run time",
+    "ignored_modules": "FSDP2 takes their parameters (ignored_params), and they are no units of the wrap policy: "
+                       "the helper collects both from the built model",
+    "ignored_states": "whether it holds modules or parameters (FSDP2 takes a set of parameters) is known only "
+                      "from the values at run time",
+    "param_init_fn": "FSDP2 has no such argument: the helper materialises meta modules with it, unit by unit",
+}
+
 # FSDP1's hybrid strategies: over a 2-D device_mesh, fully_shard on that mesh does the same (HSDP).
 HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
@@ -54,15 +64,15 @@ class FullyShardRules:
     def _needs_runtime(self, call: cst.Call, args) -> list[str]:
         """Why this constructor call cannot be translated at migration time (empty: it can)."""
         if args is None:
-            return ["the call passes *args/**kwargs"]
+            return ["the call passes *args/**kwargs: which FSDP1 arguments it gives is known only at run time"]
         if "module" not in args:
             return ["the module argument is missing"]
         values = {name: arg.value for name, arg in args.items()}
         reasons = []
         resolve = self.fsdp
-        for name in ("process_group", "ignored_modules", "ignored_states", "param_init_fn"):
+        for name, why in RUNTIME_ARGUMENTS.items():
             if name in values and not is_literal(values[name], "None"):
-                reasons.append(f"{name} needs run-time translation")
+                reasons.append(f"{name}: {why}")
         if "sync_module_states" in values and not is_literal(values["sync_module_states"], "False"):
             reasons.append("sync_module_states needs a broadcast at run time")
         strategy = fsdp1.strategy(values.get("sharding_strategy"), resolve)
@@ -78,10 +88,9 @@ class FullyShardRules:
                 reasons.append(mp)
         policy = fsdp1.policy(values.get("auto_wrap_policy"), resolve, self.qualified)
         if policy == "runtime":
-            reasons.append("auto_wrap_policy is not a literal transformer/ModuleWrapPolicy/lambda policy")
+            reasons.append("auto_wrap_policy is not a literal transformer/ModuleWrapPolicy/lambda policy: its units "
+                           "are known only from the policy object at run time")
         elif policy is not None:
-            if dotted(values["module"]) is None:
-                reasons.append("the wrapped module is an expression, not a name")
             if id(call) not in self.statement_calls or not self.at_statement:
                 reasons.append("the call is nested in an expression, so no loop can precede it")
         return reasons
@@ -98,10 +107,15 @@ class FullyShardRules:
         kwargs: dict[str, str] = {}  # FSDP2 keyword -> code, for the non-root loop
         new_args, dropped_notes, reasons, moved_comments = [], [], [], []
         by_id = {id(arg): name for name, arg in args.items()}
+        policy = fsdp1.policy(values.get("auto_wrap_policy"), resolve, self.qualified)
+        module = code(values["module"])
         for old, new in zip(original.args, updated.args):
             name = by_id[id(old)]
             translated = self._translate_arg(name, old.value, new.value, resolve)
-            if name == "module":
+            if name == "module" and policy is not None and dotted(old.value) is None:
+                module = self._name_the_module(new.value)
+                new_args.append(new.with_changes(value=cst.Name(module)))
+            elif name == "module":
                 new_args.append(new)
             elif translated is None:
                 if name in DROPPED and not is_literal(old.value, "None"):
@@ -126,9 +140,8 @@ class FullyShardRules:
                 self.drop_import_of(old.value)
         if dropped_notes:
             self.todo(rules.DROPPED_COMMENT, original, "dropped FSDP1 arguments", "; ".join(dropped_notes))
-        policy = fsdp1.policy(values.get("auto_wrap_policy"), resolve, self.qualified)
         if policy is not None:
-            self._insert_loop(code(values["module"]), policy, kwargs)
+            self._insert_loop(module, policy, kwargs)
             reasons.insert(0, f"{policy.what} expanded into a loop of fully_shard calls")
             if "mp_policy" in kwargs:
                 # FSDP1 wraps _module_classes_to_ignore (BatchNorm by default) in their own fp32
@@ -171,6 +184,14 @@ class FullyShardRules:
         if name == "auto_wrap_policy" and not is_literal(old, "None"):
             self.drop_policy_imports(old)
         return None
+
+    def _name_the_module(self, expression: cst.BaseExpression) -> str:
+        """Assign a wrapped module written as an expression (`FSDP(nn.Sequential(...), ...)`) to a
+        new name before the statement, so that the loop over its units can name it; it is built
+        once, as before."""
+        name = self.fresh("model")
+        self.insert_before(cst.SimpleStatementLine([cst.Assign([cst.AssignTarget(cst.Name(name))], expression)]))
+        return name
 
     def _insert_loop(self, module: str, policy: fsdp1.Policy, kwargs: dict[str, str]) -> None:
         var = self.fresh("submodule")

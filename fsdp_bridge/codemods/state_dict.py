@@ -161,6 +161,7 @@ class StateDictRules:
         self._result_uses: dict[int, ResultUse] | None = None  # read when first needed
         self.unassigned: set[int] = set()  # `state = <torch call>` statements whose name goes
         self.loaded_by_torch: set[int] = set()  # `optim.load_state_dict(state)` statements that go
+        self.loaded_directly: set[int] = set()  # `optim.load_state_dict(<torch load>)`: the torch load stays
 
     def visit_Module(self, node: cst.Module) -> None:
         super().visit_Module(node)
@@ -172,6 +173,8 @@ class StateDictRules:
             return cst.RemoveFromParent()  # set_optimizer_state_dict loaded the state already
         if id(original) in self.unassigned:
             return updated.with_changes(body=[cst.Expr(updated.body[0].value)])
+        if id(original) in self.loaded_directly:
+            return updated.with_changes(body=[cst.Expr(updated.body[0].value.args[0].value)])
         return updated
 
     # -- FSDP.<static method>(...) -------------------------------------------------------
@@ -186,8 +189,10 @@ class StateDictRules:
                 return updated  # handled as a `with` block, see leave_With
             return self._runtime_call(original, updated, rules.STATE_DICT_TYPE_VALUE, "fsdp1_state_dict_type",
                                       list(updated.args),
-                                      "a state_dict_type context used as a value: the helper's context "
-                                      "tells this file's state-dict calls (also routed) which options to use")
+                                      "a state_dict_type context used as a value (held, returned or passed on): "
+                                      "which state-dict calls it governs is known only when it is entered, so the "
+                                      "helper's context tells this file's state-dict calls (also routed) which "
+                                      "options to use")
         args = self._static_args(original, updated, method)
         if args is None:
             self.todo(rules.OTHER_FSDP1_USE, original, f"FullyShardedDataParallel.{method}(...)",
@@ -195,7 +200,7 @@ class StateDictRules:
             return updated
         if method == "fsdp_modules":
             return self._fsdp_modules(original, updated, args)
-        torch_form = self._optimizer_torch_form(original, updated, method, args)
+        torch_form, no_torch_form = self._optimizer_torch_form(original, updated, method, args)
         if torch_form is not None:
             return torch_form
         if method == "scatter_full_optim_state_dict":
@@ -208,7 +213,7 @@ class StateDictRules:
             # get_optimizer_state_dict shares some tensors with the optimizer (Adam's step); FSDP1
             # returned copies, so the helper copies those.
             why = ("get_optimizer_state_dict shares some tensors with the optimizer (Adam's step) where FSDP1 "
-                   "returned copies: the helper copies those")
+                   f"returned copies: the helper copies those ({no_torch_form})")
             if method == "full_optim_state_dict":
                 # FSDP1's default is rank0_only=True: with cpu_offload, DCP gives the full dict on rank 0.
                 options = "StateDictOptions(full_state_dict=True, cpu_offload=True)"
@@ -224,42 +229,54 @@ class StateDictRules:
         return self._runtime_call(original, updated, rules.STATE_DICT, "fsdp1_optim_state_dict_to_load", args,
                                   "FSDP1 returned a state for optim.load_state_dict(); DCP loads it directly "
                                   "(set_optimizer_state_dict), so the helper loads it and returns the loaded state "
-                                  "for that call (torch 2.0's argument order, optim_state_dict first, is told by "
-                                  "the types when the script runs)")
+                                  f"for that call ({no_torch_form})")
 
     # -- torch's own call where the file shows the helper's differences cannot matter ----------
 
     def _optimizer_torch_form(self, original: cst.Call, updated: cst.Call, method: str, args: list[cst.Arg]):
-        """`set_/get_optimizer_state_dict(...)` for an optimizer static whose result the file only
-        loads at once or saves at once (see `result_uses.py`), with options known here; None
-        where the runtime helper is needed."""
+        """`(set_/get_optimizer_state_dict(...), "")` for an optimizer static whose result the file
+        only loads at once or saves at once (see `result_uses.py`), with options known here;
+        `(None, why not)` where the runtime helper is needed."""
         if self._result_uses is None:
             self._result_uses = result_uses(self._module) if self._module is not None else {}
         use = self._result_uses.get(id(original))
-        references = self._references(use) if use is not None else None
+        direct = use is not None and use.name is None  # optim.load_state_dict(FSDP.optim_state_dict_to_load(...))
+        references = [] if direct else self._references(use) if use is not None else None
         if references is None:
-            return None
+            return None, ("its result is not assigned to a function's local name assigned once, so the file's "
+                          "later uses of the state cannot be followed")
+        state_name = code(use.name) if use.name else "its result"
         if method in ("optim_state_dict", "full_optim_state_dict"):
             options = FULL_ON_RANK0 if method == "full_optim_state_dict" else self._optim_options(False, "")[0]
-            if use.kind != SAVE or not (options or "").startswith("StateDictOptions(") \
-                    or not self._only_saved(references, use.follower):
-                return None
-            return self._dcp_call(original, updated, "get_optimizer_state_dict", args, options)
+            if not (options or "").startswith("StateDictOptions("):
+                return None, "its options are known only at run time"
+            if use.kind != SAVE or not self._only_saved(references, use.follower):
+                return None, (f"{state_name} is used beyond a torch.save(...) in the next statement, so later "
+                              "optimizer steps would change a state that shares their tensors")
+            return self._dcp_call(original, updated, "get_optimizer_state_dict", args, options), ""
         if method == "scatter_full_optim_state_dict":
             (state, model, optim), options = args, BROADCAST_LOAD
         elif self._current_order(original):
             (model, optim, state), options = args, self._load_options_here(args[0].value)
         else:
-            return None
+            return None, ("the state is passed by position and the first argument is not proven to be the model, "
+                          "so the order may be torch 2.0's (optim_state_dict first): the helper tells it by the "
+                          "types when the script runs")
         loaded = use.follower.body[0].value.args[0].value if use.kind == LOAD else None
-        if (use.kind != LOAD or not (options or "").startswith("StateDictOptions(")
-                or dotted(optim.value) != use.optimizer or [id(node) for node in references] != [id(loaded)]):
-            return None
+        if not (options or "").startswith("StateDictOptions("):
+            return None, "its options are those of a state_dict_type context that may be set at run time"
+        if use.kind != LOAD or dotted(optim.value) != use.optimizer or (
+                not direct and [id(node) for node in references] != [id(loaded)]):
+            return None, (f"{state_name} is not only passed to {dotted(optim.value)}.load_state_dict(...) by "
+                          "the next statement, uncommented")
         if "broadcast_from_rank0=True" in options:  # FSDP1's other ranks pass None; DCP takes a dict
             state = state.with_changes(value=parse_expr(f"{_operand(state.value)} or {{}}"))
-        self.unassigned.add(id(use.assignment))
-        self.loaded_by_torch.add(id(use.follower))
-        return self._dcp_call(original, updated, "set_optimizer_state_dict", [model, optim, state], options)
+        if direct:
+            self.loaded_directly.add(id(use.follower))
+        else:
+            self.unassigned.add(id(use.assignment))
+            self.loaded_by_torch.add(id(use.follower))
+        return self._dcp_call(original, updated, "set_optimizer_state_dict", [model, optim, state], options), ""
 
     def _references(self, use: ResultUse) -> list[cst.CSTNode] | None:
         """The nodes that read the assigned name, where it is a function's local assigned once."""
@@ -328,7 +345,8 @@ class StateDictRules:
         finds those too (and takes root_only=True), where one may."""
         kept = None if len(args) > 1 else self.fsdp1_still_built()
         if len(args) > 1 or kept is not None:
-            why = "root_only=True keeps the outermost ones" if kept is None else f"FSDP1 wrappers may exist: {kept}"
+            why = ("root_only=True keeps the outermost ones, known only from the built model (torch has no such "
+                   "list)") if kept is None else f"FSDP1 wrappers may exist: {kept}"
             return self._runtime_call(original, updated, rules.RUNTIME_HELPER, "fsdp1_fsdp_modules", args,
                                       f"fsdp1_fsdp_modules() finds the FSDP2 modules (FSDPModule) and the FSDP1 "
                                       f"wrappers under the module; {why}")
