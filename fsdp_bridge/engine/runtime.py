@@ -583,7 +583,8 @@ class ShardedModel:
             pending.replica_work = self.comm.all_reduce_replicas_after(work, output,
                                                                        self.replica_stream)
         if (work is not None and self.comm.wait_on_futures and self.comm.replicate_size == 1
-                and not hooked):  # a user's hook runs on the main thread
+                and not hooked  # a user's hook runs on the main thread
+                and output.device.type == "cpu"):  # see [Note: no tensor work in gloo's callbacks on CUDA] in comm.py
             # [Note: reductions land early] On gloo the reduction runs on the process group's
             # thread while backward goes on. Its result is added to the gradient shard there,
             # as soon as it is summed, and what it read from freed with it, rather than held
