@@ -1,5 +1,5 @@
 """Start-up time of the command line: `--help` of every command, and a mistyped argument
-refused before torch loads (`compare --backends nosuch`).
+refused before torch loads (`compare --backends reference,nosuch`).
 
 Each line is the median (and range) of --repeats runs of `python -m fsdp_bridge ...` as a
 subprocess, interpreter start included. The load average is printed before and after, so a
@@ -30,7 +30,7 @@ def _seconds(argv: list[str]) -> float:
 def _cases() -> dict[str, list[str]]:
     cases = {"--help": ["--help"]}
     cases.update({f"{name} --help": [name, "--help"] for name in SUBCOMMANDS})
-    cases["compare --backends nosuch (refused)"] = ["compare", "--backends", "nosuch"]
+    cases["compare --backends reference,nosuch (refused)"] = ["compare", "--backends", "reference,nosuch"]
     return cases
 
 
@@ -44,9 +44,9 @@ def main() -> None:
     for _ in range(args.repeats):  # rounds, so a burst of load spreads over every command
         for label, argv in cases.items():
             times[label].append(_seconds(argv))
-    print(f"{'command':40s} {'median s':>9s}  range")
+    print(f"{'command':46s} {'median s':>9s}  range")
     for label, values in times.items():
-        print(f"{label:40s} {statistics.median(values):9.2f}  {min(values):.2f}-{max(values):.2f}")
+        print(f"{label:46s} {statistics.median(values):9.2f}  {min(values):.2f}-{max(values):.2f}")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
