@@ -22,7 +22,8 @@ from fsdp_bridge.engine.offload import GradOffload
 from fsdp_bridge.plan import MixedPrecision, Plan, UnitSpec
 from tests.world import run_world
 
-CUDA0, CUDA1, CPU = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
+CUDA0, CUDA1, CPU, META = (torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu"),
+                          torch.device("meta"))
 
 # -- the device from the backend config ---------------------------------------------------------
 
@@ -50,6 +51,9 @@ def test_backend_configs_parse_to_device_types(config, expected):
     ("cpu:gloo,cuda:gloo", True, CPU, CPU),
     ("cpu:gloo,cuda:gloo", True, CUDA0, CUDA0),
     ("cpu:gloo,cuda:gloo", False, None, CPU),
+    # A model on meta materialises on the current GPU where there is one, as native FSDP1's.
+    ("cpu:gloo,cuda:gloo", True, META, CUDA1),
+    ("cpu:gloo,cuda:gloo", False, META, CPU),
 ])
 def test_device_follows_what_the_group_talks_on(config, cuda, module_device, expected):
     chosen = device_for_backends(parse_backend_config(config), module_device,

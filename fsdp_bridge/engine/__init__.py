@@ -106,8 +106,11 @@ def default_device(group: Optional[dist.ProcessGroup] = None,
     `module` already lives on, else the CPU."""
     module_device = None
     if module is not None:
-        devices = {t.device for t in (*module.parameters(), *module.buffers()) if not t.is_meta}
+        tensors = [*module.parameters(), *module.buffers()]
+        devices = {t.device for t in tensors if not t.is_meta}
         module_device = devices.pop() if len(devices) == 1 else None
+        if tensors and not devices:
+            module_device = torch.device("meta")  # nothing real yet: see device_for_backends
     if not dist.is_initialized():
         return module_device if module_device is not None and module_device.type == "cuda" \
             else torch.device("cpu")

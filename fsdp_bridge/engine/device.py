@@ -90,9 +90,14 @@ def device_for_backends(backends: dict[str, str], module_device=None,
     CUDA device where the group has a CUDA backend of its own (NCCL, or a mixed config, as
     torch's FSDP prefers CUDA) and CUDA is available; else the CUDA device the module lives on
     where the group can talk there (gloo takes CUDA tensors too: a model on a GPU is not moved
-    off it); else the CPU. Refuses a group that talks on neither."""
+    off it), or the current CUDA device for a model on meta (`module_device` "meta"), which
+    native FSDP1 materialises there whatever the backend; else the CPU. Refuses a group that
+    talks on neither."""
     cuda_backend = backends.get("cuda")
     if cuda_available and cuda_backend is not None and cuda_backend != "gloo":
+        return torch.device("cuda", current_cuda)
+    if (module_device is not None and module_device.type == "meta" and cuda_available
+            and cuda_backend is not None):
         return torch.device("cuda", current_cuda)
     if module_device is not None and module_device.type == "cuda" and cuda_backend is not None:
         return module_device
