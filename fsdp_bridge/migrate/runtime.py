@@ -19,6 +19,7 @@ fsdp_bridge's front-ends and engine. The sharding is torch's own `fully_shard` f
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import inspect
 import sys
@@ -493,10 +494,12 @@ def fsdp1_state_dict_options(
 
 
 def fsdp1_optim_state_dict_to_load(model: nn.Module, optim, optim_state_dict: dict, options=None) -> dict:
-    """FSDP1's `optim_state_dict_to_load`: loads the state into `optim` and returns its state dict.
+    """FSDP1's `optim_state_dict_to_load`: the state dict to pass to `optim.load_state_dict`,
+    with `optim` left as it was.
 
-    FSDP1 returned a dict for `optim.load_state_dict(...)`; DCP loads directly. Returning the
-    loaded optimizer's own state dict keeps that following `load_state_dict` call harmless.
+    DCP's `set_optimizer_state_dict` is the only torch call that reshards an optimizer state,
+    and it loads it: the state is loaded, read back, and the optimizer's own state put back,
+    since FSDP1's call changed nothing (a script may load the result later, or never).
     Without `options`, those of an active `fsdp1_state_dict_type` context apply (FULL otherwise).
     torch 2.0 took the arguments as `(optim_state_dict, model, optim)`; code written for it passes
     them so, which the types show (a dict first, then the module), so that order is accepted too.
@@ -511,8 +514,11 @@ def fsdp1_optim_state_dict_to_load(model: nn.Module, optim, optim_state_dict: di
     options = _as_load_options(options or _active_options(model, True))
     if options.broadcast_from_rank0 and optim_state_dict is None:
         optim_state_dict = {}  # FSDP1's rank0_only load: the ranks after 0 pass None
+    own = copy.deepcopy(optim.state_dict())
     set_optimizer_state_dict(model, optim, optim_state_dict, options=options)
-    return optim.state_dict()
+    to_load = optim.state_dict()
+    optim.load_state_dict(own)
+    return to_load
 
 
 def _as_load_options(options: StateDictOptions) -> StateDictOptions:

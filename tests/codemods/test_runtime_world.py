@@ -1,5 +1,7 @@
 """Runtime helpers that need a process group, in one spawned single-rank gloo world."""
 
+import copy
+
 import torch
 from torch import nn
 
@@ -37,7 +39,44 @@ def _checks(rank, world_size):
         runtime._move_to_device, runtime._broadcast_from_first_rank = move, broadcast
     results["sync steps"] = steps
     results["unsharded at each init"] = _unsharded_while_initialising(runtime)
+    results["to_load leaves the optimizer"] = _to_load_leaves_the_optimizer(runtime)
     return results
+
+
+def _to_load_leaves_the_optimizer(runtime) -> dict:
+    """fsdp1_optim_state_dict_to_load gives the state to load and changes nothing, as FSDP1's
+    call: an optimizer with state keeps it, a fresh one stays without; loading the result gives
+    the saved state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = fully_shard(nn.Linear(4, 4))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def step():
+        model(torch.randn(2, 4)).sum().backward()
+        optim.step()
+        optim.zero_grad()
+
+    def exp_avg():
+        return optim.state[model.weight]["exp_avg"].to_local()
+
+    step()
+    # A copy: at world 1 torch's full state dict shares the optimizer's tensors.
+    saved = copy.deepcopy(get_optimizer_state_dict(model, optim,
+                                                   options=StateDictOptions(full_state_dict=True)))
+    saved_exp_avg = exp_avg().clone()
+    step()
+    before = exp_avg().clone()
+    to_load = runtime.fsdp1_optim_state_dict_to_load(model, optim, saved)
+    out = {"kept": torch.equal(exp_avg(), before)}
+    optim.load_state_dict(to_load)
+    out["loads the saved"] = torch.equal(exp_avg(), saved_exp_avg)
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
+    runtime.fsdp1_optim_state_dict_to_load(model, fresh, saved)
+    out["fresh stays fresh"] = len(fresh.state) == 0
+    return out
 
 
 def _unsharded_while_initialising(runtime):
@@ -69,3 +108,5 @@ def test_runtime_helpers_in_a_process_group():
     # first is sharded (its parameters are DTensors then), and so on. param_init_fn is called on
     # every module of a unit, the block's container first (as FSDP1 does).
     assert result["unsharded at each init"] == [0, 2, 4, 0, 2, 4, 0, 2, 4]
+    assert result["to_load leaves the optimizer"] == {"kept": True, "loads the saved": True,
+                                                      "fresh stays fresh": True}
