@@ -108,8 +108,10 @@ def check_settings(accelerator: accelerate.Accelerator) -> None:
         refused.append(("mixed_precision", "fp8", "Use mixed_precision='bf16' or 'fp16'."))
     if refused:
         name, value, fix = refused[0]
+        also = "".join(f" Also not accepted: {other}={other_value!r}. {other_fix}"
+                       for other, other_value, other_fix in refused[1:])
         raise bad_argument(FRONTEND, name, value, "a setting fsdp_bridge's fully_shard runs as "
-                           "accelerate's FSDP2 does", fix)
+                           "accelerate's FSDP2 does", fix + also)
 
 
 def shard_model(accelerator: accelerate.Accelerator, model: nn.Module) -> nn.Module:
