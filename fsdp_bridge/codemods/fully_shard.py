@@ -3,7 +3,8 @@
 A call whose arguments are all literals is translated in place: the settings become
 `fully_shard` keywords (mixed precision and CPU offload as FSDP2 policies), a literal wrap policy
 becomes a loop of `fully_shard` calls over the matching submodules, children before parents, and
-arguments FSDP2 does not take are dropped (their comments move into a TODO). Any other call keeps
+arguments FSDP2 does not take are dropped (their comments move into a TODO), and ignored
+parameters given as a `.parameters()` call become `ignored_params`. Any other call keeps
 its arguments and goes through `fsdp1_fully_shard`, which translates them when the script runs.
 """
 
@@ -43,12 +44,25 @@ RUNTIME_ARGUMENTS = {
     "ignored_modules": "FSDP2 takes their parameters (ignored_params), and they are no units of the wrap policy: "
                        "the helper collects both from the built model",
     "ignored_states": "whether it holds modules or parameters (FSDP2 takes a set of parameters) is known only "
-                      "from the values at run time",
+                      "from the values at run time (only a .parameters() call is known here)",
     "param_init_fn": "FSDP2 has no such argument: the helper materialises meta modules with it, unit by unit",
 }
 
 # FSDP1's hybrid strategies: over a 2-D device_mesh, fully_shard on that mesh does the same (HSDP).
 HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
+def parameters_iterable(value: cst.BaseExpression) -> cst.BaseExpression | None:
+    """The `x.parameters()` call that `value` is, or that `list(...)`, `set(...)` or `tuple(...)`
+    collects; None where the value is not known here to hold parameters only (a `.weight` may be
+    None or a buffer; a name may hold modules)."""
+    if (isinstance(value, cst.Call) and isinstance(value.func, cst.Name) and value.func.value in ("list", "set", "tuple")
+            and len(value.args) == 1 and not value.args[0].keyword and not value.args[0].star):
+        value = value.args[0].value
+    if (isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute) and value.func.attr.value == "parameters"
+            and all(arg.keyword is not None and arg.keyword.value == "recurse" for arg in value.args)):
+        return value
+    return None
 
 
 class FullyShardRules:
@@ -72,6 +86,8 @@ class FullyShardRules:
         resolve = self.fsdp
         for name, why in RUNTIME_ARGUMENTS.items():
             if name in values and not is_literal(values[name], "None"):
+                if name == "ignored_states" and parameters_iterable(values[name]) is not None:
+                    continue  # fully_shard's ignored_params, see _translate_arg
                 reasons.append(f"{name}: {why}")
         if "sync_module_states" in values and not is_literal(values["sync_module_states"], "False"):
             reasons.append("sync_module_states needs a broadcast at run time")
@@ -163,6 +179,9 @@ class FullyShardRules:
         if name == "sharding_strategy":
             zero2 = fsdp1.strategy(old, resolve) in ("SHARD_GRAD_OP", "_HYBRID_SHARD_ZERO2")
             return ("reshard_after_forward", "False", "False") if zero2 else None
+        if name == "ignored_states":
+            ignored = f"set({code(parameters_iterable(new))})"
+            return ("ignored_params", ignored, ignored)
         if name == "device_mesh":
             return ("mesh", code(new), code(new))
         if name == "cpu_offload":

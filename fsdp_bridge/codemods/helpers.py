@@ -327,6 +327,18 @@ def with_leading_comments(
     return statement.with_changes(leading_lines=[*statement.leading_lines, *new_lines])
 
 
+def with_comments_of(removed: cst.SimpleStatementLine, kept: cst.SimpleStatementLine) -> cst.SimpleStatementLine:
+    """`kept` carrying the comments of `removed`, a statement merged into it: its comment lines
+    above `kept`, its end-of-line comment at the end of `kept` (or above it where `kept` has one)."""
+    above = [line for line in removed.leading_lines if line.comment is not None]
+    trailing = removed.trailing_whitespace
+    if trailing.comment is not None and kept.trailing_whitespace.comment is None:
+        kept = kept.with_changes(trailing_whitespace=trailing)
+    elif trailing.comment is not None:
+        above.append(cst.EmptyLine(comment=trailing.comment))
+    return kept.with_changes(leading_lines=[*kept.leading_lines, *above])
+
+
 def unwrap_with(with_node: cst.With) -> cst.FlattenSentinel:
     """A `with` block's statements at the with's level; header and footer comments kept."""
     suite = with_node.body

@@ -8,7 +8,8 @@ the difference cannot matter, the call can be torch's own:
 
 - a *load*: `state = FSDP.optim_state_dict_to_load(...)` (or `scatter_full_optim_state_dict`)
   directly followed by `optim.load_state_dict(state)`, the name used nowhere else, or the call
-  written inside `optim.load_state_dict(...)`: the pair is one `set_optimizer_state_dict(...)`;
+  written inside `optim.load_state_dict(...)`: the pair is one `set_optimizer_state_dict(...)`
+  (the comments of the load move onto it);
 - a *save*: `state = FSDP.full_optim_state_dict(...)` whose name is used only inside
   `torch.save(...)` in the next statement: the file serialises it before any optimizer step.
 
@@ -62,9 +63,9 @@ def _load_statement(statement: cst.BaseStatement) -> tuple[str, cst.BaseExpressi
 
 
 def _loads(statement: cst.BaseStatement, name: str) -> str | None:
-    """The optimizer of `optim.load_state_dict(name)` when that is the whole statement, no comment on it."""
+    """The optimizer of `optim.load_state_dict(name)` when that is the whole statement."""
     load = _load_statement(statement)
-    if load is None or any(line.comment for line in statement.leading_lines) or statement.trailing_whitespace.comment:
+    if load is None:
         return None
     optimizer, value = load
     return optimizer if isinstance(value, cst.Name) and value.value == name else None

@@ -28,6 +28,7 @@ from fsdp_bridge.codemods.helpers import (
     leftmost,
     parse_expr,
     unwrap_with,
+    with_comments_of,
 )
 from fsdp_bridge.codemods.names import DCP, FSDP1, RUNTIME_MODULE, STATE_DICT_METHODS, STATE_DICT_TYPE
 from fsdp_bridge.codemods.result_uses import LOAD, SAVE, ResultUse, result_uses
@@ -160,7 +161,8 @@ class StateDictRules:
         self._module: cst.Module | None = None
         self._result_uses: dict[int, ResultUse] | None = None  # read when first needed
         self.unassigned: set[int] = set()  # `state = <torch call>` statements whose name goes
-        self.loaded_by_torch: set[int] = set()  # `optim.load_state_dict(state)` statements that go
+        # `optim.load_state_dict(state)` statements that go, by the id of the statement taking their place
+        self.loaded_by_torch: dict[int, cst.SimpleStatementLine] = {}
         self.loaded_directly: set[int] = set()  # `optim.load_state_dict(<torch load>)`: the torch load stays
 
     def visit_Module(self, node: cst.Module) -> None:
@@ -169,10 +171,12 @@ class StateDictRules:
 
     def leave_SimpleStatementLine(self, original: cst.SimpleStatementLine, updated: cst.SimpleStatementLine):
         updated = super().leave_SimpleStatementLine(original, updated)
-        if id(original) in self.loaded_by_torch:
+        if any(load is original for load in self.loaded_by_torch.values()):
             return cst.RemoveFromParent()  # set_optimizer_state_dict loaded the state already
         if id(original) in self.unassigned:
-            return updated.with_changes(body=[cst.Expr(updated.body[0].value)])
+            load = self.loaded_by_torch.get(id(original))
+            updated = updated.with_changes(body=[cst.Expr(updated.body[0].value)])
+            return with_comments_of(load, updated) if load is not None else updated
         if id(original) in self.loaded_directly:
             return updated.with_changes(body=[cst.Expr(updated.body[0].value.args[0].value)])
         return updated
@@ -268,14 +272,14 @@ class StateDictRules:
         if use.kind != LOAD or dotted(optim.value) != use.optimizer or (
                 not direct and [id(node) for node in references] != [id(loaded)]):
             return None, (f"{state_name} is not only passed to {dotted(optim.value)}.load_state_dict(...) by "
-                          "the next statement, uncommented")
+                          "the next statement")
         if "broadcast_from_rank0=True" in options:  # FSDP1's other ranks pass None; DCP takes a dict
             state = state.with_changes(value=parse_expr(f"{_operand(state.value)} or {{}}"))
         if direct:
             self.loaded_directly.add(id(use.follower))
         else:
             self.unassigned.add(id(use.assignment))
-            self.loaded_by_torch.add(id(use.follower))
+            self.loaded_by_torch[id(use.assignment)] = use.follower
         return self._dcp_call(original, updated, "set_optimizer_state_dict", [model, optim, state], options), ""
 
     def _references(self, use: ResultUse) -> list[cst.CSTNode] | None:
