@@ -57,7 +57,8 @@ def parameters_iterable(value: cst.BaseExpression) -> cst.BaseExpression | None:
     collects; None where the value is not known here to hold parameters only (a `.weight` may be
     None or a buffer; a name may hold modules)."""
     if (isinstance(value, cst.Call) and isinstance(value.func, cst.Name)
-            and value.func.value in ("list", "set", "tuple") and len(value.args) == 1 and not value.args[0].keyword and not value.args[0].star):
+            and value.func.value in ("list", "set", "tuple") and len(value.args) == 1
+            and not value.args[0].keyword and not value.args[0].star):
         value = value.args[0].value
     if (isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute) and value.func.attr.value == "parameters"
             and all(arg.keyword is not None and arg.keyword.value == "recurse" for arg in value.args)):
