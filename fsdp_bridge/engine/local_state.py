@@ -26,6 +26,7 @@ from fsdp_bridge.engine.runtime import ShardedModel
 from fsdp_bridge.engine.state_dict import (
     _buffer_dtypes,
     _check_shape,
+    _saved_copy,
     load_unmanaged,
     unmanaged_entries,
 )
@@ -67,10 +68,8 @@ def local_state_dict(sharded: ShardedModel, cpu_offload: bool = False) -> dict:
         result[key] = init_from_local_shards(shards, group.numel,
                                              process_group=group.comm.shard_group)
     dtypes = _buffer_dtypes(sharded)
-    for key, value in unmanaged_entries(sharded).items():
-        value = value.detach().clone()
-        if key in dtypes:
-            value = value.to(dtypes[key])
+    for key, held in unmanaged_entries(sharded).items():
+        value = _saved_copy(key, held, dtypes)
         result[key] = value.cpu() if cpu_offload else value
     return result
 
@@ -121,7 +120,8 @@ def load_local_state_dict(sharded: ShardedModel, state_dict: dict, strict: bool 
     (missing, unexpected) keys; with `strict`, any of them is an error."""
     _refuse_native(state_dict)
     groups = _local_keys(sharded)
-    expected = list(groups) + list(unmanaged_entries(sharded))
+    unmanaged = unmanaged_entries(sharded)
+    expected = list(groups) + list(unmanaged)
     missing = [key for key in expected if key not in state_dict]
     unexpected = [key for key in state_dict if key not in expected]
     if strict and (missing or unexpected):
@@ -133,5 +133,5 @@ def load_local_state_dict(sharded: ShardedModel, state_dict: dict, strict: bool 
             group = groups[key]
             group.master[: piece.numel()].copy_(piece)
             group.invalidate()
-        load_unmanaged(sharded, state_dict)
+        load_unmanaged(unmanaged, state_dict)
     return missing, unexpected

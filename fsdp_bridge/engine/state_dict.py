@@ -9,6 +9,8 @@ the module's tensors by identity."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -28,6 +30,13 @@ def _buffer_dtypes(sharded: ShardedModel) -> dict[str, torch.dtype]:
     return {state_dict_key(name): dtype for name, dtype in sharded.buffer_dtypes.items()}
 
 
+def _saved_copy(key: str, held: torch.Tensor, dtypes: dict[str, torch.dtype]) -> torch.Tensor:
+    """A copy of what the model holds under `key`, in the dtype it reports (see
+    `_buffer_dtypes`)."""
+    value = held.detach().clone()
+    return value.to(dtypes[key]) if key in dtypes else value
+
+
 def full_state_dict(
     sharded: ShardedModel, rank0_only: bool = False, cpu_offload: bool = True
 ) -> dict[str, torch.Tensor]:
@@ -44,9 +53,7 @@ def full_state_dict(
     for key, held in _unwrapped_entries(sharded).items():
         value = full_values.get(id(held))
         if value is None:  # a buffer or an ignored parameter: every rank holds it whole
-            value = held.detach().clone()
-            if key in dtypes:
-                value = value.to(dtypes[key])
+            value = _saved_copy(key, held, dtypes)
         result[key] = value.cpu() if cpu_offload else value
     return result
 
@@ -69,21 +76,22 @@ def load_full_state_dict(
     with torch.no_grad():
         for group in sharded.flat_groups():
             _load_group(group, state_dict, names)
-        load_unmanaged(sharded, state_dict)
+        load_unmanaged(unmanaged_entries(sharded, entries), state_dict)
 
 
-def unmanaged_entries(sharded: ShardedModel) -> dict[str, torch.Tensor]:
-    """The model's state-dict entries the engine does not shard (buffers, ignored parameters:
-    whole on every rank), by key."""
+def unmanaged_entries(sharded: ShardedModel, entries: Optional[dict] = None
+                      ) -> dict[str, torch.Tensor]:
+    """The model's state-dict entries (`entries`, when already read) the engine does not
+    shard (buffers, ignored parameters: whole on every rank), by key."""
     managed = {id(param) for group in sharded.flat_groups() for param in group.local_params}
-    return {key: held for key, held in _unwrapped_entries(sharded).items()
-            if id(held) not in managed}
+    entries = _unwrapped_entries(sharded) if entries is None else entries
+    return {key: held for key, held in entries.items() if id(held) not in managed}
 
 
-def load_unmanaged(sharded: ShardedModel, state_dict: dict) -> None:
-    """Copy the values of `state_dict` for the entries the engine does not shard into the
-    model, checking their shapes."""
-    for key, current in unmanaged_entries(sharded).items():
+def load_unmanaged(unmanaged: dict[str, torch.Tensor], state_dict: dict) -> None:
+    """Copy the values of `state_dict` for the `unmanaged` entries (see `unmanaged_entries`)
+    into the model, checking their shapes."""
+    for key, current in unmanaged.items():
         if key in state_dict:
             _check_shape(key, state_dict[key], current.shape)
             current.copy_(state_dict[key])
@@ -127,10 +135,7 @@ def sharded_state_dict(sharded: ShardedModel) -> dict[str, torch.Tensor]:
     dtypes = _buffer_dtypes(sharded)
     result = {}
     for key, held in _unwrapped_entries(sharded).items():
-        value = held.detach().clone()
-        if key in dtypes:
-            value = value.to(dtypes[key])
-        result[key] = value
+        result[key] = _saved_copy(key, held, dtypes)
     return result
 
 
