@@ -258,8 +258,21 @@ def case_bf16_vs_fsdp2(rank, world):
         fully_shard(layer, mp_policy=policy)
     fully_shard(native, mp_policy=policy)
     losses, _ = train(rank, world, native)
-    state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in native.state_dict().items()}
+    state = {k: _gathered(v) if hasattr(v, "full_tensor") else v for k, v in native.state_dict().items()}
     return {"ours": ours, "native": {"losses": losses, "state": state}}
+
+
+def _gathered(dtensor):
+    """The full value of a dim-0-sharded DTensor, gathered with c10d's all_gather.
+    `DTensor.full_tensor()` goes through torch's functional collectives, which crash (SIGSEGV)
+    on CUDA tensors over gloo in torch 2.11; the plain collective does not."""
+    local = dtensor.to_local()
+    rows = -(-dtensor.shape[0] // dist.get_world_size())
+    padded = local.new_zeros((rows, *dtensor.shape[1:]))
+    padded[: local.shape[0]] = local
+    pieces = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
+    dist.all_gather(pieces, padded)
+    return torch.cat(pieces)[: dtensor.shape[0]]
 
 
 def case_state_dict_api(rank, world):
