@@ -42,7 +42,7 @@ test: $(STAMP)
 # CUDA + NCCL. Needs a CUDA build of torch in .venv and at least one NVIDIA GPU; worlds larger
 # than the number of GPUs are skipped by name (-rs lists them). See README "GPU".
 GPU_TESTS ?= tests/test_gpu.py tests/test_engine_parity.py tests/frontends/test_parity_native.py \
-	tests/checkpoint/test_checkpoints.py
+	tests/checkpoint/test_checkpoints.py tests/integrations/test_native_checkpoints_cuda.py
 # Then the engine's multi-rank worlds over gloo with CUDA tensors: gloo lets ranks share a GPU,
 # so one GPU runs the world-2 and world-4 cases on the multi-rank CUDA path.
 GPU_GLOO_TESTS ?= tests/test_engine_parity.py

@@ -21,7 +21,8 @@ from tests.gpu_check.runner import DRAIN_S, run_phase
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # What `make test-gpu` runs (the Makefile's GPU_TESTS and GPU_GLOO_TESTS; a test keeps them equal).
 GPU_TESTS = ("tests/test_gpu.py", "tests/test_engine_parity.py",
-             "tests/frontends/test_parity_native.py", "tests/checkpoint/test_checkpoints.py")
+             "tests/frontends/test_parity_native.py", "tests/checkpoint/test_checkpoints.py",
+             "tests/integrations/test_native_checkpoints_cuda.py")
 GPU_GLOO_TESTS = ("tests/test_engine_parity.py",)
 # Under --smoke, on the CPU: the CUDA-only file (every test skipped, with its reason) and a
 # quick file that runs.
