@@ -14,19 +14,22 @@ wrong values. So:
   is local and the same on every rank, so every rank raises the same error and none is left
   waiting in a collective. Nesting inside one dialect is kept where the dialect has it
   (FullyShardedDataParallel inside FullyShardedDataParallel, fully_shard inside fully_shard).
-- torch's wrappers run no code of ours when they wrap around ours. Our flat-layout wrappers
-  (FullyShardedDataParallel, YaFSDP, Zeta, TorchAcc) check at each forward, before their first
-  gather, that the module still holds the parameters the engine shards
-  (`refuse_taken_over`): torch's FSDP1 removes or replaces them when it flattens them, torch's
-  fully_shard replaces them by its own. torch's outer wrapper has run its own first gather by
-  then, which torch's FSDP1 cannot complete when our shards differ in size between ranks: that
-  failure is torch's, before any code of ours. Around our fully_shard, torch's wrappers fail in their
-  own wrap on every rank with torch's message (they meet our DTensor parameters); that message
-  cannot be ours without patching torch.
+- torch's wrappers run no code of ours when they wrap around ours, so our flat-layout wrappers
+  (FullyShardedDataParallel, YaFSDP, Zeta, TorchAcc) refuse them at each forward, before their
+  first gather (`refuse_taken_over`). torch's FSDP1 leaves our parameters alone, since they
+  carry its own mark of parameters another FSDP unit already flattened (see [Note: flattened,
+  as torch's FSDP1 reads it] in engine/flat_group.py), so its gathers complete on every rank;
+  our forward then finds torch's FSDP1 forward on the call stack, around the module we shard.
+  torch's fully_shard replaces our parameters by its own, which the forward finds too.
+- Around our fully_shard, torch's wrappers fail in their own wrap on every rank with torch's
+  message (they meet our DTensor parameters); that message cannot be ours without patching
+  torch.
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
 from typing import Optional
 
 import torch
@@ -107,6 +110,7 @@ def refuse_taken_over(frontend: str, sharded) -> None:
     model]). Skipped while torch.compile traces: it is checked by eager forwards."""
     if torch.compiler.is_compiling():
         return
+    refuse_torch_fsdp1_around(frontend, sharded.module)
     found = engine.displaced_parameter(sharded)
     if found is None:
         return
@@ -122,3 +126,29 @@ def refuse_taken_over(frontend: str, sharded) -> None:
         "and reduce each other's shards); so does assigning a new parameter after wrapping. "
         f"A model is sharded by one dialect: use {ours} for every layer and the root, or "
         f"{outer} for every layer and the root; assign parameters before wrapping.")
+
+
+# The code object of torch FSDP1's forward, to find it on the call stack.
+_TORCH_FSDP1_FORWARD = inspect.unwrap(TorchFSDP1.forward).__code__
+
+
+def refuse_torch_fsdp1_around(frontend: str, module: nn.Module) -> None:
+    """Refuse a forward of ours that torch's FSDP1 forward calls around `module`. torch's FSDP1
+    leaves our parameters alone when it wraps (they are marked flattened), so nothing of ours
+    runs until this forward, and nothing in the model says torch's wrapper is around it: its
+    forward, on this thread's call stack, is what does. The walk compares code objects only;
+    a frame of torch's forward is looked into only when one is found."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _TORCH_FSDP1_FORWARD:
+            outer = frame.f_locals.get("self")
+            if isinstance(outer, TorchFSDP1) and any(sub is module for sub in outer.modules()):
+                ours = OURS.get(frontend, frontend)
+                raise RuntimeError(
+                    f"{ours}: the {type(module).__name__} it shards runs inside {TORCH_FSDP1} "
+                    f"(its forward called this one). The two would each gather and reduce "
+                    f"their own shards of one model, and torch's state dicts and "
+                    f"clip_grad_norm_ would take {ours}'s shards for whole parameters. A model "
+                    f"is sharded by one dialect: use {ours} for every layer and the root, or "
+                    f"{TORCH_FSDP1} for every layer and the root.")
+        frame = frame.f_back

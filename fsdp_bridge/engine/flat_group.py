@@ -11,6 +11,17 @@ update the masters in place, and `.grad` is a view into the flat gradient shard.
 runs, the full parameters are views of its gathered buffer, installed in the owner module's
 `__dict__`, which shadows `_parameters` for attribute lookup.
 
+[Note: flattened, as torch's FSDP1 reads it]
+Each of these parameters also carries torch FSDP1's own mark of a parameter already flattened
+into some FSDP unit's shards (`_fsdp_flattened`, FLATTENED_MARK), as FSDP1 marks its own nested
+units' parameters (fully_shard's DTensor parameters carry it too). torch's FSDP1 applied around
+a model of ours then leaves them alone instead of flattening them again: our pieces differ in
+size between ranks whenever a unit's size does not divide by the world size, and its first
+all-gather of such pieces fails inside torch (gloo aborts a rank; NCCL may hang) before any
+code of ours runs; fully_shard's DTensors make its wrap fail with torch's own message. Left
+alone, they reach our first forward, which refuses the mix on every rank, naming both
+wrappers (fsdp_bridge/mixed_dialects.py).
+
 [Note: CPU offload]
 With `offload_to_host`, the master shard (and so the parameters the optimizer steps, its state,
 and the gradient shard that `.grad` views) lives in host memory, pinned where CUDA can copy from
@@ -36,7 +47,7 @@ from torch import nn
 
 from fsdp_bridge.engine.buffers import GatherBuffer
 from fsdp_bridge.engine.comm import Comm
-from fsdp_bridge.engine.layout import GroupLayout
+from fsdp_bridge.engine.layout import FLATTENED_MARK, GroupLayout
 
 
 class GradCycle(enum.Enum):
@@ -227,6 +238,7 @@ class FlatGroup:
             # How many ranks hold this same piece (replicas of a shard), so layout-independent
             # digests (the equivalence harness) count it once.
             setattr(slot.param, "_fsdp_bridge_replicas", self.comm.replicate_size)
+            setattr(slot.param, FLATTENED_MARK, True)
             for module, attr in slot.owners:
                 module._parameters[attr] = slot.param
         return [slot.param for slot in self.slots]

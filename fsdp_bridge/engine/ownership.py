@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from fsdp_bridge.engine.layout import OWNER_ATTRIBUTE
+from fsdp_bridge.engine.layout import FLATTENED_MARK, OWNER_ATTRIBUTE
 from fsdp_bridge.engine.row_group import RowGroup
 from fsdp_bridge.engine.runtime import ShardedModel
 from fsdp_bridge.engine.summon import SUMMONED
@@ -76,6 +76,7 @@ def release(sharded: ShardedModel) -> None:
                 # replicas to count (the objects are the user's, they outlive us).
                 slot.param.__dict__.pop(OWNER_ATTRIBUTE, None)
                 slot.param.__dict__.pop("_fsdp_bridge_replicas", None)
+                slot.param.__dict__.pop(FLATTENED_MARK, None)
                 for owner, attr in slot.owners:
                     owner.__dict__.pop(attr, None)
                     owner._parameters[attr] = slot.param

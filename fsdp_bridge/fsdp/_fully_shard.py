@@ -48,11 +48,11 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp_bridge import engine
 from fsdp_bridge.engine.casting import cast_floating
-from fsdp_bridge.engine.layout import GATHERED_FORM, GatheredForm
+from fsdp_bridge.engine.layout import FLATTENED_MARK, GATHERED_FORM, GatheredForm
 from fsdp_bridge.engine.row_group import chunk_rows
 from fsdp_bridge.fsdp import _fsdp2_translate as T
 from fsdp_bridge.fsdp._stale_optimizer import mark_replaced
-from fsdp_bridge.mixed_dialects import refuse_other_dialects
+from fsdp_bridge.mixed_dialects import refuse_other_dialects, refuse_torch_fsdp1_around
 
 CONFIG = "_fsdp_bridge_fsdp2"  # per fully_shard-ed module: its FullyShardCall
 SHARDED = "_fsdp_bridge_row_sharded"  # on each DTensor parameter fully_shard made
@@ -381,8 +381,10 @@ def _lazy_init(module: nn.Module) -> None:
         root = call.root_of()
         if engine.get_sharded(root) is not None:
             return
-    # A wrapper of another dialect put inside since the fully_shard calls is refused too.
+    # A wrapper of another dialect put inside since the fully_shard calls is refused too, and
+    # torch's FSDP1 around it (it runs no code of ours until this first forward).
     refuse_other_dialects(T.FRONTEND, module)
+    refuse_torch_fsdp1_around(T.FRONTEND, module)
     _BUILDING.active = True
     try:
         below = _fully_sharded_below(module)
@@ -743,6 +745,7 @@ def _sharded_tensor_parallel(param: DTensor, name: str, mesh: DeviceMesh, shard_
                                  run_check=False, shape=param.shape, stride=param.stride())
     new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
     setattr(new, SHARDED, True)
+    setattr(new, FLATTENED_MARK, True)  # torch's FSDP1 leaves it to us: see the engine's note
     form = GatheredForm(local.shape, dim, tp_mesh, tp_placements, param.shape, param.stride())
     return new, form
 
@@ -770,6 +773,7 @@ def _row_sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, dim: int,
                                  shape=param.shape, stride=param.stride())
     new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
     setattr(new, SHARDED, True)
+    setattr(new, FLATTENED_MARK, True)  # torch's FSDP1 leaves it to us: see the engine's note
     return new
 
 

@@ -22,6 +22,7 @@ YAFSDP = "fsdp_bridge.ya_fsdp.YaFSDP"
 ZETA = "fsdp_bridge.zeta.fsdp"
 TORCHACC = "fsdp_bridge.torchacc.accelerate"
 OURS = (OURS_FSDP1, OURS_FULLY_SHARD, YAFSDP, ZETA, TORCHACC)
+FLAT_LAYOUT = (OURS_FSDP1, YAFSDP, ZETA, TORCHACC)
 TORCH = (TORCH_FSDP1, TORCH_FULLY_SHARD)
 DIALECTS = OURS + TORCH
 
@@ -186,6 +187,10 @@ def case_name(inner: str, outer: str) -> str:
     return f"{inner} in {outer}"
 
 
+def odd_in_torch_fsdp1(inner: str, use_orig_params: bool) -> str:
+    return f"odd-sized {inner} blocks in torch FSDP1, use_orig_params={use_orig_params}"
+
+
 def cases() -> dict:
     table = {}
     for inner in DIALECTS:
@@ -193,10 +198,16 @@ def cases() -> dict:
             table[case_name(inner, outer)] = (
                 lambda rank, world, inner=inner, outer=outer: run_pair(inner, outer))
     table["use_orig_params=True"] = lambda rank, world: run_pair(OURS_FSDP1, TORCH_FSDP1, True)
-    # Not under torch's FSDP1: its first gather, before any code of ours runs, meets flat
-    # parameters of other sizes on each rank and aborts the process (see the README's table).
     table["odd-sized blocks in fully_shard"] = (
         lambda rank, world: run_pair(OURS_FSDP1, TORCH_FULLY_SHARD, block=OddBlock))
+    # Under torch's FSDP1 (with either use_orig_params): our pieces differ in size between
+    # ranks, which torch's first gather could not complete if it took them in (and it cannot
+    # flatten fully_shard's DTensors at all).
+    for inner in FLAT_LAYOUT + (OURS_FULLY_SHARD,):
+        for orig in (False, True):
+            table[odd_in_torch_fsdp1(inner, orig)] = (
+                lambda rank, world, inner=inner, orig=orig: run_pair(
+                    inner, TORCH_FSDP1, orig, block=OddBlock))
     for case in (forward_inside_summon, parameter_assigned_after_wrap,
                  wrapper_added_after_fully_shard, inner_wrapped_after_outer):
         table[case.__name__] = lambda rank, world, case=case: case()

@@ -4,10 +4,14 @@ trains as the all-native equivalent does (losses and final weights) or is refuse
 with one message naming both wrappers:
 
 - our front-end outside: refused at the wrap, before any collective, the same error on every rank;
-- torch's wrapper outside ours (FullyShardedDataParallel, YaFSDP, Zeta, TorchAcc): refused by our
-  wrapper at the first forward, on every rank, naming torch's wrapper by what it left;
-- torch's wrapper outside our fully_shard: torch's own wrap raises on every rank (its message: we
-  cannot word it without patching torch).
+- torch's FSDP1 outside any of ours: it leaves our parameters alone (they carry its mark of
+  flattened parameters), and our first forward refuses, on every rank, finding torch's FSDP1
+  forward around it;
+- torch's fully_shard outside our flat-layout wrappers (FullyShardedDataParallel, YaFSDP, Zeta,
+  TorchAcc): refused by our wrapper at the first forward, on every rank, by the parameters
+  torch's wrapper put in place of ours;
+- torch's fully_shard outside our fully_shard: torch's own wrap raises on every rank (its
+  message: we cannot word it without patching torch).
 
 No case may leave a rank waiting: the world runs with a short process-group timeout, so a rank
 stuck in a collective fails its case instead of hanging the suite.
@@ -45,9 +49,10 @@ TRAINS = {  # pair -> the all-native pair it trains like
 }
 OURS_OUTSIDE = [(inner, outer) for outer in C.OURS for inner in C.DIALECTS
                 if (inner, outer) not in TRAINS]
+# torch's FSDP1 around any of ours, and torch's fully_shard around our flat-layout wrappers.
 TORCH_OUTSIDE_FLAT = [(inner, outer) for outer in C.TORCH for inner in C.OURS
-                      if inner != C.OURS_FULLY_SHARD]
-TORCH_OUTSIDE_FULLY_SHARD = [(C.OURS_FULLY_SHARD, outer) for outer in C.TORCH]
+                      if inner != C.OURS_FULLY_SHARD or outer == C.TORCH_FSDP1]
+TORCH_OUTSIDE_FULLY_SHARD = [(C.OURS_FULLY_SHARD, C.TORCH_FULLY_SHARD)]
 
 
 def _ids(pairs):
@@ -101,7 +106,10 @@ def test_torch_outside_our_flat_wrapper_is_refused_at_first_forward_on_every_ran
     for result in both(world, C.case_name(inner, outer)):
         assert result["phase"] == "forward", result
         assert result["type"] == "RuntimeError", result
-        assert result["message"].startswith(f"{inner}: parameter "), result["message"]
+        expected = "the Block it shards runs inside" if outer == C.TORCH_FSDP1 else "parameter"
+        if inner == C.OURS_FULLY_SHARD:
+            expected = "the FSDPBlock it shards runs inside"
+        assert result["message"].startswith(f"{inner}: {expected} "), result["message"]
         assert f"use {inner} for every layer" in result["message"], result["message"]
         assert f"or {outer} for every layer" in result["message"], result["message"]
 
@@ -121,10 +129,34 @@ def test_torch_fully_shard_outside_shards_of_unequal_sizes_is_refused_at_first_f
         assert C.OURS_FSDP1 in message and C.TORCH_FULLY_SHARD in message, message
 
 
+ODD_IN_TORCH_FSDP1 = [(inner, orig) for inner in C.FLAT_LAYOUT + (C.OURS_FULLY_SHARD,)
+                      for orig in (False, True)]
+
+
+@pytest.mark.parametrize("inner, use_orig_params", ODD_IN_TORCH_FSDP1)
+def test_torch_fsdp1_outside_shards_of_unequal_sizes_is_refused_at_first_forward(
+        world, inner, use_orig_params):
+    """Blocks of 63 elements at world 2, so our pieces differ in size between the ranks: torch's
+    FSDP1 leaves them alone (they carry its mark of flattened parameters), its gathers complete,
+    and our first forward refuses on every rank. Before, torch's first all-gather met pieces
+    of other sizes and aborted a rank (flat layout), or its wrap raised torch's "got mixed
+    torch.Tensor and DTensor" (fully_shard)."""
+    results = both(world, C.odd_in_torch_fsdp1(inner, use_orig_params))
+    for result in results:
+        assert result["phase"] == "forward", result
+        message = result["message"]
+        block = "FSDPOddBlock" if inner == C.OURS_FULLY_SHARD else "OddBlock"
+        assert message.startswith(f"{inner}: the {block} it shards runs inside "
+                                  f"{C.TORCH_FSDP1}"), message
+        assert f"use {inner} for every layer" in message, message
+    assert results[0]["message"] == results[1]["message"], "the same error on every rank"
+
+
 @pytest.mark.parametrize("pair", TORCH_OUTSIDE_FULLY_SHARD, ids=_ids(TORCH_OUTSIDE_FULLY_SHARD))
 def test_torch_outside_our_fully_shard_fails_in_torchs_wrap_on_every_rank(world, pair):
-    """torch's wrap meets our DTensor parameters and raises its own error before any
-    collective: every rank stops there (none waits), with torch's message."""
+    """torch's fully_shard meets our DTensor parameters and raises its own error before any
+    collective (it takes them for tensor-parallel ones): every rank stops there (none waits),
+    with torch's message."""
     for result in both(world, C.case_name(*pair)):
         assert result["phase"] == "wrap", result
         assert result["type"] in ("RuntimeError", "TypeError"), result
