@@ -266,3 +266,26 @@ CASES = {"model_parallel_strategy": model_parallel_strategy,
 def run_cases(rank, world, names, folder):
     table = {name: (lambda fn: lambda r, w: fn(r, w, folder))(CASES[name]) for name in names}
     return run_case_table(table)
+
+
+# -- Fabric ------------------------------------------------------------------------------------
+
+
+def fabric_set_up(fabric, seed):
+    """A tiny Llama (seeded) and its AdamW, set up by `fabric`."""
+    model = fabric.setup_module(M.tiny_llama(seed))
+    return model, fabric.setup_optimizers(M.make_adamw(model.parameters()))
+
+
+def fabric_steps(fabric, model, optimizer, batches, steps, rank, world):
+    """Train on `batches[step]` (this rank's slice, on Fabric's device) for each of `steps`;
+    the global-batch losses."""
+    losses = []
+    for step in steps:
+        ids = M.rank_slice(batches[step], rank, world).to(fabric.device)
+        loss = model(input_ids=ids, labels=ids).loss
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(M.global_mean(loss.item()))
+    return losses

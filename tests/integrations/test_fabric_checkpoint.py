@@ -22,21 +22,16 @@ STEPS, SAVED_AT, PER_DEVICE = 4, 2, 4
 
 
 def _train(fabric, model, optimizer, steps, rank, world):
+    from tests.integrations.lightning_cases import fabric_steps
+
     batches = M.global_batches(STEPS, PER_DEVICE * world)
-    losses = []
-    for step in steps:
-        ids = M.rank_slice(batches[step], rank, world)
-        loss = model(input_ids=ids, labels=ids).loss
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(M.global_mean(loss.item()))
-    return losses
+    return fabric_steps(fabric, model, optimizer, batches, steps, rank, world)
 
 
 def _set_up(fabric, seed):
-    model = fabric.setup_module(M.tiny_llama(seed))
-    return model, fabric.setup_optimizers(M.make_adamw(model.parameters()))
+    from tests.integrations.lightning_cases import fabric_set_up
+
+    return fabric_set_up(fabric, seed)
 
 
 def _by_index(checkpoint: dict) -> dict:

@@ -88,16 +88,10 @@ def trainer_cross_load(rank, world, folder, precision):
 
 
 def _fabric_steps(fabric, model, optimizer, steps, rank, world):
+    from tests.integrations.lightning_cases import fabric_steps
+
     batches = M.global_batches(STEPS, PER_DEVICE * world)
-    losses = []
-    for step in steps:
-        ids = M.rank_slice(batches[step], rank, world).to(fabric.device)
-        loss = model(input_ids=ids, labels=ids).loss
-        fabric.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(M.global_mean(loss.item()))
-    return losses
+    return fabric_steps(fabric, model, optimizer, batches, steps, rank, world)
 
 
 def _fabric(which, world, precision):
@@ -109,23 +103,20 @@ def _fabric(which, world, precision):
     return fabric
 
 
-def _fabric_set_up(fabric, seed):
-    model = fabric.setup_module(M.tiny_llama(seed))
-    return model, fabric.setup_optimizers(M.make_adamw(model.parameters()))
-
-
 def fabric_cross_load(rank, world, folder, precision):
+    from tests.integrations.lightning_cases import fabric_set_up
+
     out = {}
     for writer, reader in (("native", "ours"), ("ours", "native")):
         fabric = _fabric(writer, world, precision)
-        model, optimizer = _fabric_set_up(fabric, 0)
+        model, optimizer = fabric_set_up(fabric, 0)
         losses = _fabric_steps(fabric, model, optimizer, range(SAVED_AT), rank, world)
         path = os.path.join(folder, f"fabric-{writer}-{precision}.ckpt")
         fabric.save(path, {"model": model, "optimizer": optimizer, "step": SAVED_AT})
         losses += _fabric_steps(fabric, model, optimizer, range(SAVED_AT, STEPS), rank, world)
         fabric.barrier()
         fabric = _fabric(reader, world, precision)
-        model, optimizer = _fabric_set_up(fabric, 1)
+        model, optimizer = fabric_set_up(fabric, 1)
         state = {"model": model, "optimizer": optimizer, "step": 0}
         rest = fabric.load(path, state)
         resumed = _fabric_steps(fabric, model, optimizer, range(SAVED_AT, STEPS), rank, world)
