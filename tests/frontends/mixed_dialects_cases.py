@@ -61,9 +61,11 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def wrap(dialect: str, module: nn.Module, use_orig_params: bool = False) -> nn.Module:
+def wrap(dialect: str, module: nn.Module, use_orig_params: bool = False,
+         policy=None) -> nn.Module:
     """`module` wrapped by `dialect` with its defaults (the wrapper, or the module itself for
-    the in-place fully_shard). Zeta and TorchAcc default to replication (NO_SHARD)."""
+    the in-place fully_shard). Zeta and TorchAcc default to replication (NO_SHARD). `policy`:
+    torch FSDP1's auto_wrap_policy."""
     if dialect == OURS_FSDP1:
         from fsdp_bridge.fsdp import FullyShardedDataParallel
         return FullyShardedDataParallel(module)
@@ -82,7 +84,8 @@ def wrap(dialect: str, module: nn.Module, use_orig_params: bool = False) -> nn.M
     if dialect == TORCH_FSDP1:
         from torch.distributed.fsdp import FullyShardedDataParallel
         return FullyShardedDataParallel(module, device_id=torch.device("cpu"),
-                                        use_orig_params=use_orig_params)
+                                        use_orig_params=use_orig_params,
+                                        auto_wrap_policy=policy)
     from torch.distributed.fsdp import fully_shard
     return fully_shard(module)
 
@@ -91,9 +94,11 @@ def _stopped(phase: str, error: Exception) -> dict:
     return {"phase": phase, "type": type(error).__name__, "message": str(error)}
 
 
-def run_pair(inner: str, outer: str, use_orig_params: bool = False, block=Block) -> dict:
-    """Wrap the blocks with `inner` and the root with `outer`, then train STEPS steps (each
-    rank its own data). Returns where it stopped, or the losses and the full final weights."""
+def run_pair(inner: str, outer: str, use_orig_params: bool = False, block=Block,
+             policy=None) -> dict:
+    """Wrap the blocks with `inner` and the root with `outer` (with `policy` as torch FSDP1's
+    auto_wrap_policy), then train STEPS steps (each rank its own data). Returns where it
+    stopped, or the losses and the full final weights."""
     if TORCH_FULLY_SHARD in (inner, outer) and fsdp2_unavailable():
         return {"unavailable": fsdp2_unavailable()}
     torch.manual_seed(0)
@@ -101,7 +106,7 @@ def run_pair(inner: str, outer: str, use_orig_params: bool = False, block=Block)
     try:
         for index, block in enumerate(net.blocks):
             net.blocks[index] = wrap(inner, block, use_orig_params)
-        model = wrap(outer, net, use_orig_params)
+        model = wrap(outer, net, use_orig_params, policy)
     except Exception as error:  # noqa: BLE001 - the outcome under test
         return _stopped("wrap", error)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -187,6 +192,16 @@ def case_name(inner: str, outer: str) -> str:
     return f"{inner} in {outer}"
 
 
+def _block_policy():
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    return ModuleWrapPolicy({Block})
+
+
+def auto_wrapped_in_torch_fsdp1(inner: str) -> str:
+    return f"odd-sized {inner} blocks in torch FSDP1 with an auto-wrap policy"
+
+
 def odd_in_torch_fsdp1(inner: str, use_orig_params: bool) -> str:
     return f"odd-sized {inner} blocks in torch FSDP1, use_orig_params={use_orig_params}"
 
@@ -208,6 +223,11 @@ def cases() -> dict:
             table[odd_in_torch_fsdp1(inner, orig)] = (
                 lambda rank, world, inner=inner, orig=orig: run_pair(
                     inner, TORCH_FSDP1, orig, block=OddBlock))
+    # torch's FSDP1 with an auto-wrap policy also wraps the blocks inside ours.
+    for inner in FLAT_LAYOUT + (OURS_FULLY_SHARD,):
+        table[auto_wrapped_in_torch_fsdp1(inner)] = (
+            lambda rank, world, inner=inner: run_pair(inner, TORCH_FSDP1, block=OddBlock,
+                                                      policy=_block_policy()))
     for case in (forward_inside_summon, parameter_assigned_after_wrap,
                  wrapper_added_after_fully_shard, inner_wrapped_after_outer):
         table[case.__name__] = lambda rank, world, case=case: case()

@@ -130,7 +130,7 @@ def test_torch_fully_shard_outside_shards_of_unequal_sizes_is_refused_at_first_f
 
 
 ODD_IN_TORCH_FSDP1 = [(inner, orig) for inner in C.FLAT_LAYOUT + (C.OURS_FULLY_SHARD,)
-                      for orig in (False, True)]
+                      for orig in (False, True, "policy")]
 
 
 @pytest.mark.parametrize("inner, use_orig_params", ODD_IN_TORCH_FSDP1)
@@ -138,10 +138,13 @@ def test_torch_fsdp1_outside_shards_of_unequal_sizes_is_refused_at_first_forward
         world, inner, use_orig_params):
     """Blocks of 63 elements at world 2, so our pieces differ in size between the ranks: torch's
     FSDP1 leaves them alone (they carry its mark of flattened parameters), its gathers complete,
-    and our first forward refuses on every rank. Before, torch's first all-gather met pieces
+    and our first forward refuses on every rank; also when torch's auto-wrap policy wraps the
+    blocks inside ours ("policy"). Before, torch's first all-gather met pieces
     of other sizes and aborted a rank (flat layout), or its wrap raised torch's "got mixed
     torch.Tensor and DTensor" (fully_shard)."""
-    results = both(world, C.odd_in_torch_fsdp1(inner, use_orig_params))
+    name = (C.auto_wrapped_in_torch_fsdp1(inner) if use_orig_params == "policy"
+            else C.odd_in_torch_fsdp1(inner, use_orig_params))
+    results = both(world, name)
     for result in results:
         assert result["phase"] == "forward", result
         message = result["message"]
