@@ -22,6 +22,7 @@ import torch
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, init_from_local_shards
 from torch.distributed.fsdp.fully_sharded_data_parallel import FLAT_PARAM
 
+from fsdp_bridge.engine.layout import state_dict_key
 from fsdp_bridge.engine.runtime import ShardedModel
 from fsdp_bridge.engine.state_dict import (
     _buffer_dtypes,
@@ -40,7 +41,8 @@ def _local_keys(sharded: ShardedModel) -> dict:
     order = {name: index for index, (name, _) in enumerate(sharded.module.named_modules())}
     keys = {}
     for unit in sorted(sharded.units, key=lambda unit: order.get(unit.name, len(order))):
-        prefix = f"{unit.name}." if unit.name else ""
+        # Without activation checkpointing's child, as native FSDP1 names its flat parameters.
+        prefix = state_dict_key(f"{unit.name}.") if unit.name else ""
         for index, group in enumerate(unit.groups):
             keys[f"{prefix}{LOCAL_KEY}.{index}"] = group
     return keys

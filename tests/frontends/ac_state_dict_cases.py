@@ -343,6 +343,22 @@ def torchacc_local(order: str) -> dict:
             "loaded": held(target)}
 
 
+def fsdp1_local(order: str) -> dict:
+    """FSDP1's LOCAL_STATE_DICT: the keys of each side's flat parameters, and ours saved and
+    loaded back into a model of another seed."""
+    out = {"reference": reference(SOURCE_SEED)}
+    for side in SIDES:
+        model, _ = build(side, order, SOURCE_SEED)
+        with fsdp_class(side).state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+            local = model.state_dict()
+        out[f"{side}_keys"] = list(local)
+    target, _ = build("ours", order, TARGET_SEED)
+    with fsdp_class("ours").state_dict_type(target, StateDictType.LOCAL_STATE_DICT):
+        target.load_state_dict(local)
+    out["loaded"] = held(target)
+    return out
+
+
 def cases(directory: str) -> dict:
     table = {}
     for order in ORDERS:
@@ -355,6 +371,7 @@ def cases(directory: str) -> dict:
             table[f"{frontend}_{order}"] = functools.partial(other_frontend, frontend, order,
                                                              directory)
         table[f"torchacc_local_{order}"] = functools.partial(torchacc_local, order)
+        table[f"fsdp1_local_{order}"] = functools.partial(fsdp1_local, order)
     return {name: _ranked(fn) for name, fn in table.items()}
 
 

@@ -170,3 +170,16 @@ def test_torchacc_local_state_dict_round_trip(world, order):
     result = case(world, f"torchacc_local_{order}")
     assert list(result["keys"]) == list(result["reference"])
     same_values(result["loaded"], result["reference"], "loaded")
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_fsdp1_local_state_dict_names_units_as_native_and_round_trips(world, order):
+    """LOCAL_STATE_DICT: each unit's flat parameters under the unit's path as native FSDP1
+    writes it (without `_checkpoint_wrapped_module.`; the last part is ours, `_bridge_flat_param.<i>`
+    for native's `_flat_param`, see [Note: LOCAL_STATE_DICT keys are ours]), loaded back exactly."""
+    result = case(world, f"fsdp1_local_{order}")
+    native_units = {key.rsplit("_flat_param", 1)[0] for key in result["native_keys"]
+                    if key.endswith("_flat_param")}
+    our_units = {key.split("_bridge_flat_param.")[0] for key in result["ours_keys"]}
+    assert our_units == native_units, result["ours_keys"]
+    same_values(result["loaded"], result["reference"], "loaded")
