@@ -65,11 +65,14 @@ TABLE = register_table(
                        "dim 1 shard"),
             translated("ignored_modules", "Plan.ignored_params and Plan.ignored_modules: "
                        "their parameters are neither sharded nor reduced, and the modules are "
-                       "left as they are at the wrap: not materialised from meta, moved nor "
-                       "cast; sync_module_states broadcasts their buffers only (as FSDP1)"),
+                       "left as they are at the wrap: not materialised from meta (but inside a "
+                       "unit of the auto-wrap policy, which FSDP1 hands the parameters only), "
+                       "moved nor cast; sync_module_states broadcasts their buffers only (as "
+                       "FSDP1)"),
             translated("ignored_states", "Plan.ignored_params (parameters, or modules' "
                        "parameters)"),
-            translated("param_init_fn", "called on each module with meta-device state"),
+            translated("param_init_fn", "called on every module of each unit that holds "
+                       "meta-device state, breadth-first (as FSDP1); not callable: ValueError"),
             translated("device_id", "the compute device (an int is a CUDA index)"),
             translated("sync_module_states", "Plan.sync_module_states: rank 0's parameters and "
                        "buffers are broadcast (works on CPU, unlike native FSDP1)"),
