@@ -89,6 +89,24 @@ def materialisation_regions(module: nn.Module, unit_names,
     return unit_regions(module, unit_names, in_root)
 
 
+def still_ignored_params(module: nn.Module, unit_names, ignored_modules,
+                         ignored_params) -> tuple[str, ...]:
+    """The names of `ignored_params` that FSDP1 still leaves alone once the model is
+    materialised. FSDP1 knows ignored parameters by identity, and materialising gives a meta
+    parameter a new one (`to_empty` makes a new Parameter): an ignored parameter on meta in a
+    module its unit materialises (see `materialisation_regions`) is sharded like any other."""
+    ignored = set(ignored_params)
+    materialised = set()
+    for region in materialisation_regions(module, unit_names, ignored_modules).values():
+        if not _needs_materialising(region, ignored):
+            continue
+        materialised.update(f"{prefix}.{name}" if prefix else name
+                            for prefix, submodule in region
+                            for name, param in submodule.named_parameters(recurse=False)
+                            if param.is_meta)
+    return tuple(name for name in ignored_params if name not in materialised)
+
+
 def _breadth_first(module: nn.Module, skipped: set[int]) -> list[nn.Module]:
     """`module` and its descendants, breadth-first, not entering the modules in `skipped`
     (ids)."""

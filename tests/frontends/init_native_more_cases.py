@@ -6,6 +6,7 @@ Zeta and YaFSDP front-ends on a meta model."""
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 from torch import nn
@@ -43,13 +44,23 @@ def _meta_after_wrap(model) -> dict:
     return {"meta_after_wrap": C._meta_names(model)}
 
 
+def _ignored_after_wrap(names: list[str]):
+    """What is left on meta, and the shape each of the `names` (parameters) has on this rank
+    after the wrap: whole when left alone, a 1-D piece when sharded."""
+    def after_wrap(model) -> dict:
+        shapes = {name: tuple(model.get_parameter(name).shape) for name in names}
+        return {**_meta_after_wrap(model), "shapes": shapes}
+    return after_wrap
+
+
 def ignored_module_inside_unit(which):
     """An ignored module inside an auto-wrapped unit: FSDP1 gives the units its policy makes
     the ignored parameters only, so the unit materialises and initialises the module with its
-    own, in breadth-first order."""
+    own, in breadth-first order; the new parameters are then sharded (FSDP1 knows ignored
+    parameters by identity)."""
     holder, build = _held(C.Net)
     return C._initial_state(which, build, ModuleWrapPolicy({C.Block}), None,
-                            after_wrap=_meta_after_wrap,
+                            after_wrap=_ignored_after_wrap(["blocks.0.out.weight"]),
                             ignored_modules=_Lazy(holder, ["blocks.0.out"]))
 
 
@@ -59,7 +70,7 @@ def ignored_states_module_inside_unit(which):
     holder, build = _held(C.Net)
     calls: list = []
     out = C._initial_state(which, build, ModuleWrapPolicy({C.Block}), C._recording_init(calls),
-                           after_wrap=_meta_after_wrap,
+                           after_wrap=_ignored_after_wrap(["blocks.0.inner.1.bias"]),
                            ignored_states=_Lazy(holder, ["blocks.0.inner"]))
     return {**out, "calls": calls}
 
@@ -80,6 +91,19 @@ def ignored_module_in_root_and_unit(which):
                             ignored_modules=_Lazy(holder, ["head", "blocks.1.inner.0"]))
 
 
+def ignored_parameters_on_meta(which):
+    """Ignored parameters (not modules) on meta, one in the root's modules, one in a unit:
+    both materialised with their module, and then sharded, as natively."""
+    holder, build = _held(C.Net)
+    names = ["head.weight", "blocks.1.out.bias"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = C._initial_state(which, build, ModuleWrapPolicy({C.Block}), None,
+                               after_wrap=_ignored_after_wrap(names),
+                               ignored_states=_Lazy(holder, names, kind="parameter"))
+    return {**out, "warnings": [str(w.message) for w in caught]}
+
+
 def _real_with_meta_head_weight():
     model = C.Net()
     for block in model.blocks:
@@ -93,7 +117,7 @@ def only_an_ignored_parameter_on_meta(which):
     the parameters it manages), so it stays on meta and no reset_parameters runs."""
     holder, build = _held(_real_with_meta_head_weight)
     out = C._initial_state(which, build, ModuleWrapPolicy({C.Block}), None, on_meta=False,
-                           after_wrap=_meta_after_wrap,
+                           after_wrap=_ignored_after_wrap(["head.weight"]),
                            ignored_states=_Lazy(holder, ["head.weight"], kind="parameter"))
     out["params"].pop("head.weight")  # on meta: no values to compare
     return out
@@ -101,31 +125,29 @@ def only_an_ignored_parameter_on_meta(which):
 
 def low_cpu_sync_ignored_inside_unit(which):
     """The low-CPU recipe (rank 0 real, meta elsewhere with a `param_init_fn` giving storage
-    only, `sync_module_states`) with an ignored module inside a unit: the managed weights are
-    rank 0's on every rank, the ignored module is materialised on every rank (natively the
-    unit's `param_init_fn` reaches it) and not broadcast. Native FSDP1 refuses
-    sync_module_states on the CPU: its side is rank 0's model wrapped natively."""
+    only, `sync_module_states`) with an ignored module inside a unit: on rank 0 it stays
+    ignored, on the meta ranks it is materialised and so sharded (as natively, see
+    `ignored_module_inside_unit`); the ranks' units differ (natively the broadcast then mixes
+    up tensors), so every rank refuses. Ours alone: native FSDP1 refuses sync_module_states on
+    the CPU."""
     import torch.distributed as dist
 
-    rank = dist.get_rank() if which == "ours" else 0
+    if which == "native":
+        return {}
+    rank = dist.get_rank()
 
     def build():
         torch.manual_seed(100 + rank)
-        model = C.Net()
-        if rank == 0:
-            for block in model.blocks:
-                block.reset_parameters()
-        return model
+        return C.Net()
 
     holder, build_and_hold = _held(build)
-    extra = {"sync_module_states": True} if which == "ours" else {}
-    out = C._initial_state(which, build_and_hold, ModuleWrapPolicy({C.Block}),
-                           None if rank == 0 else C._to_empty_on_cpu, on_meta=rank != 0,
-                           after_wrap=_meta_after_wrap,
-                           ignored_modules=_Lazy(holder, ["blocks.0.out"]), **extra)
-    for name in ("blocks.0.out.weight", "blocks.0.out.bias"):
-        out["params"].pop(name)  # each rank's own: uninitialised storage on the meta ranks
-    return out
+    try:
+        C._initial_state(which, build_and_hold, ModuleWrapPolicy({C.Block}),
+                         None if rank == 0 else C._to_empty_on_cpu, on_meta=rank != 0,
+                         ignored_modules=_Lazy(holder, ["blocks.0.out"]), sync_module_states=True)
+    except ValueError as error:
+        return {"raised": str(error)}
+    return {"raised": None}
 
 
 def nested_units_param_init_fn(which):
@@ -240,7 +262,8 @@ def yafsdp_on_meta(which):
 def cases() -> dict:
     return {fn.__name__: C._both(fn) for fn in [
         ignored_module_inside_unit, ignored_states_module_inside_unit,
-        ignored_module_in_root_and_unit, only_an_ignored_parameter_on_meta,
+        ignored_module_in_root_and_unit, ignored_parameters_on_meta,
+        only_an_ignored_parameter_on_meta,
         low_cpu_sync_ignored_inside_unit,
         nested_units_param_init_fn, size_based_policy, original_params_false, hand_nested,
         buffers_only_module, param_init_fn_not_callable, zeta_on_meta, yafsdp_on_meta,

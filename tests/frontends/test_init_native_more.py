@@ -4,9 +4,11 @@ ranks (init_native_more_cases.py), initial weights and buffers bit for bit:
 - an ignored module inside a unit made by the auto-wrap policy is materialised and
   initialised with that unit, in its breadth-first place, as natively (FSDP1 hands such units
   the ignored parameters, not the modules); one among the root's own modules stays on meta;
+- ignored parameters on meta that the wrap materialises are then sharded, as natively (FSDP1
+  knows ignored parameters by identity, and materialising makes new ones), with a warning;
 - a meta parameter that is ignored does not by itself make a unit materialise;
 - the low-CPU recipe (`sync_module_states`, rank 0 real, meta elsewhere) with an ignored
-  module inside a unit: rank 0's managed weights everywhere, the ignored module materialised;
+  module inside a unit is refused on every rank (the ranks' units differ);
 - units inside units, a size-based policy, hand-nested wrappers, `use_orig_params=False`, a
   module with buffers only, and the Zeta and YaFSDP front-ends on a meta model;
 - a `param_init_fn` that is not callable is refused with a ValueError, as natively.
@@ -31,8 +33,8 @@ def world():
 @pytest.mark.parametrize("name", ["ignored_module_inside_unit",
                                   "ignored_states_module_inside_unit",
                                   "ignored_module_in_root_and_unit",
+                                  "ignored_parameters_on_meta",
                                   "only_an_ignored_parameter_on_meta",
-                                  "low_cpu_sync_ignored_inside_unit",
                                   "nested_units_param_init_fn", "size_based_policy",
                                   "original_params_false", "hand_nested", "buffers_only_module",
                                   "zeta_on_meta", "yafsdp_on_meta"])
@@ -46,13 +48,41 @@ def test_initial_weights_and_buffers_equal_native_bit_for_bit(world, name, rank)
     ("ignored_states_module_inside_unit", []),
     ("ignored_module_in_root_and_unit", ["head.weight", "head.bias"]),
     ("only_an_ignored_parameter_on_meta", ["head.weight"]),
-    ("low_cpu_sync_ignored_inside_unit", []),
 ])
 @pytest.mark.parametrize("rank", [0, 1])
 def test_what_stays_on_meta_is_what_native_leaves_there(world, name, meta, rank):
     result = case(world, name, rank)
     assert result["native"]["meta_after_wrap"] == meta, "native changed"
     assert result["ours"]["meta_after_wrap"] == meta
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("name, sharded", [
+    ("ignored_module_inside_unit", True),
+    ("ignored_states_module_inside_unit", True),
+    ("ignored_parameters_on_meta", True),
+    ("only_an_ignored_parameter_on_meta", False),
+])
+def test_ignored_parameters_materialised_by_the_wrap_are_sharded_as_natively(world, name,
+                                                                             sharded, rank):
+    """FSDP1 knows ignored parameters by identity, and materialising makes new ones."""
+    result = case(world, name, rank)
+    assert result["ours"]["shapes"] == result["native"]["shapes"]
+    assert all((len(shape) == 1) == sharded for shape in result["native"]["shapes"].values())
+
+
+def test_ignored_parameters_sharded_after_materialising_are_named_in_a_warning(world):
+    warned = [text for text in case(world, "ignored_parameters_on_meta")["ours"]["warnings"]
+              if "ignored parameters on the meta device" in text]
+    assert len(warned) == 1 and "blocks.1.out.bias, head.weight" in warned[0]
+
+
+def test_the_low_cpu_recipe_with_an_ignored_module_inside_a_unit_is_refused_on_every_rank(
+        world):
+    """Rank 0 (real) leaves it alone, the meta ranks shard it: the units differ."""
+    for rank in (0, 1):
+        message = case(world, "low_cpu_sync_ignored_inside_unit", rank)["ours"]["raised"]
+        assert message and "ranks disagree" in message and "blocks.0.out.weight" in message
 
 
 @pytest.mark.parametrize("name", ["ignored_states_module_inside_unit",
