@@ -70,7 +70,7 @@ def ignored_states_module_inside_unit(which):
     holder, build = _held(C.Net)
     calls: list = []
     out = C._initial_state(which, build, ModuleWrapPolicy({C.Block}), C._recording_init(calls),
-                           after_wrap=_ignored_after_wrap(["blocks.0.inner.1.bias"]),
+                           after_wrap=_ignored_after_wrap(["blocks.0.inner.1.weight"]),
                            ignored_states=_Lazy(holder, ["blocks.0.inner"]))
     return {**out, "calls": calls}
 
@@ -95,7 +95,7 @@ def ignored_parameters_on_meta(which):
     """Ignored parameters (not modules) on meta, one in the root's modules, one in a unit:
     both materialised with their module, and then sharded, as natively."""
     holder, build = _held(C.Net)
-    names = ["head.weight", "blocks.1.out.bias"]
+    names = ["head.weight", "blocks.1.out.weight"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = C._initial_state(which, build, ModuleWrapPolicy({C.Block}), None,
