@@ -96,7 +96,7 @@ def still_ignored_params(module: nn.Module, unit_names, ignored_modules,
     parameter a new one (`to_empty` makes a new Parameter): an ignored parameter on meta in a
     module its unit materialises (see `materialisation_regions`) is sharded like any other."""
     ignored = set(ignored_params)
-    materialised = set()
+    materialised: set[str] = set()
     for region in materialisation_regions(module, unit_names, ignored_modules).values():
         if not _needs_materialising(region, ignored):
             continue
@@ -219,6 +219,29 @@ def warn_if_reached_beyond(regions: dict, later_units: list[str], meta_before: s
             "shards one unit at a time; these stay unsharded until their own unit is sharded "
             "(with a function that materialises everything, the whole model on every rank). "
             "Expected: a function that materialises the module it is given, e.g. "
+            "`lambda m: m.to_empty(device=device, recurse=False)` followed by its init.",
+            stacklevel=5)
+
+
+def ignored_on_meta(module: nn.Module, ignored_params: set[str]) -> set[str]:
+    return {name for name, param in module.named_parameters(remove_duplicate=False)
+            if name in ignored_params and param.is_meta}
+
+
+def warn_ignored_materialised(module: nn.Module, were_on_meta: set[str], plan: Plan,
+                              param_init_fn) -> None:
+    """Ignored parameters the wrap left alone, yet a `param_init_fn` reaching beyond the module
+    it was given (`to_empty` on a container) materialised: FSDP1 would then shard them (it
+    knows ignored parameters by identity, and these are new); they stay ignored here."""
+    reached = [name for name, param in module.named_parameters(remove_duplicate=False)
+               if name in were_on_meta and not param.is_meta]
+    if reached:
+        warnings.warn(
+            f"fsdp_bridge ({plan.frontend}): param_init_fn {function_name(param_init_fn)} gave "
+            f"storage to ignored parameters of modules it was not called on: "
+            f"{', '.join(reached)}. FSDP1 would then shard them (it knows ignored parameters "
+            "by identity, and these are new Parameters); here they stay ignored, whole and "
+            "unreduced. Expected: a function that materialises the module it is given, e.g. "
             "`lambda m: m.to_empty(device=device, recurse=False)` followed by its init.",
             stacklevel=5)
 

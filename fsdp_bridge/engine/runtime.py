@@ -186,6 +186,7 @@ class ShardedModel:
             self.module, self.plan.unit_names, self.plan.ignored_modules)
         meta_at_start = engine_init.meta_params(regions) if param_init_fn is not None else set()
         ignored = set(self.plan.ignored_params)
+        ignored_on_meta = engine_init.ignored_on_meta(self.module, ignored)
         seen_buffers: set[int] = set()
         units: list[Unit] = []
         for spec in self.plan.units:
@@ -221,6 +222,8 @@ class ShardedModel:
             module = self.module.get_submodule(spec.name)
             units.append(Unit(spec, module, groups, spec.name == "", self.mp))
             self.init_steps.append(UnitInit(spec.name, start))
+        engine_init.warn_ignored_materialised(self.module, ignored_on_meta, self.plan,
+                                              param_init_fn)
         return units
 
     def _start_of(self, slots, materialised: bool) -> WrapStart:

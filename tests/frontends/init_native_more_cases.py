@@ -104,6 +104,27 @@ def ignored_parameters_on_meta(which):
     return {**out, "warnings": [str(w.message) for w in caught]}
 
 
+def _to_empty_whole_module(module):
+    """A common `param_init_fn` mistake: `to_empty` with its default recurse=True."""
+    module.to_empty(device="cpu")
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+
+
+def param_init_fn_reaching_an_ignored_module(which):
+    """One unit (no policy), the head ignored, and a `param_init_fn` that materialises whole
+    containers: called on the root, it reaches the head too. Natively the head's parameters
+    are then new, so sharded; ours keeps them ignored and says so. (Values are uninitialised
+    memory on both sides: not compared.)"""
+    holder, build = _held(C.Net)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = C._initial_state(which, build, None, _to_empty_whole_module,
+                               after_wrap=_ignored_after_wrap(["head.weight"]),
+                               ignored_modules=_Lazy(holder, ["head"]))
+    return {"shapes": out["shapes"], "warnings": [str(w.message) for w in caught]}
+
+
 def _real_with_meta_head_weight():
     model = C.Net()
     for block in model.blocks:
@@ -263,7 +284,7 @@ def cases() -> dict:
     return {fn.__name__: C._both(fn) for fn in [
         ignored_module_inside_unit, ignored_states_module_inside_unit,
         ignored_module_in_root_and_unit, ignored_parameters_on_meta,
-        only_an_ignored_parameter_on_meta,
+        only_an_ignored_parameter_on_meta, param_init_fn_reaching_an_ignored_module,
         low_cpu_sync_ignored_inside_unit,
         nested_units_param_init_fn, size_based_policy, original_params_false, hand_nested,
         buffers_only_module, param_init_fn_not_callable, zeta_on_meta, yafsdp_on_meta,

@@ -7,6 +7,8 @@ ranks (init_native_more_cases.py), initial weights and buffers bit for bit:
 - ignored parameters on meta that the wrap materialises are then sharded, as natively (FSDP1
   knows ignored parameters by identity, and materialising makes new ones), with a warning;
 - a meta parameter that is ignored does not by itself make a unit materialise;
+- a `param_init_fn` that materialises an ignored module it was not called on (natively it is
+  then sharded) is named in a warning;
 - the low-CPU recipe (`sync_module_states`, rank 0 real, meta elsewhere) with an ignored
   module inside a unit is refused on every rank (the ranks' units differ);
 - units inside units, a size-based policy, hand-nested wrappers, `use_orig_params=False`, a
@@ -75,6 +77,16 @@ def test_ignored_parameters_sharded_after_materialising_are_named_in_a_warning(w
     warned = [text for text in case(world, "ignored_parameters_on_meta")["ours"]["warnings"]
               if "ignored parameters on the meta device" in text]
     assert len(warned) == 1 and "blocks.1.out.weight, head.weight" in warned[0]
+
+
+def test_a_param_init_fn_that_materialises_an_ignored_module_is_named_in_a_warning(world):
+    """Natively the reached parameters are then sharded; ours keeps them ignored and says so."""
+    result = case(world, "param_init_fn_reaching_an_ignored_module", 1)
+    assert len(result["native"]["shapes"]["head.weight"]) == 1, "native changed"
+    assert result["ours"]["shapes"]["head.weight"] == (4, 4)
+    warned = [text for text in result["ours"]["warnings"]
+              if "gave storage to ignored parameters" in text]
+    assert len(warned) == 1 and "head.weight" in warned[0] and "recurse=False" in warned[0]
 
 
 def test_the_low_cpu_recipe_with_an_ignored_module_inside_a_unit_is_refused_on_every_rank(
