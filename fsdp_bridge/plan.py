@@ -85,7 +85,8 @@ class Plan:
     mixed_precision: MixedPrecision = MixedPrecision()
     norm_modules: tuple[str, ...] = ()  # FQNs of modules in the resident norm group
     ignored_params: tuple[str, ...] = ()  # FQNs of parameters left alone (not sharded)
-    # FQNs of modules left as they are: not materialised, initialised, moved nor broadcast.
+    # FQNs of modules left as they are: not moved nor broadcast, and not materialised from
+    # meta unless inside another unit than the root (see engine/init.py).
     ignored_modules: tuple[str, ...] = ()
     # Declared micro-steps per optimizer step (YaFSDP); gradients are divided once by
     # world size x this number after the last micro-step's backward.

@@ -103,6 +103,14 @@ def check_bool(frontend: str, name: str, value: Any) -> bool:
     return value
 
 
+def check_param_init_fn(frontend: str, value: Any) -> None:
+    """Refuse a `param_init_fn` that is not callable, with FSDP1's kind of error (ValueError)."""
+    if value is not None and not callable(value):
+        raise bad_argument(frontend, "param_init_fn", value, "None or a callable (module) -> "
+                           "None", "e.g. param_init_fn=lambda m: m.to_empty(device=device, "
+                           "recurse=False) followed by your init.")
+
+
 def check_own_params(frontend: str, argument: str, params, model) -> None:
     """Refuse parameters that are not in `model`: ignoring them would silently do nothing."""
     owned = {id(p) for _, p in model.named_parameters(remove_duplicate=False)}

@@ -30,9 +30,16 @@ def warn_unhonoured_offload(plan: Plan, device: torch.device) -> None:
             stacklevel=3)
 
 
-def _has_meta_state(module: nn.Module) -> bool:
-    tensors = list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))
-    return any(t.is_meta for t in tensors)
+def _needs_materialising(region: list[tuple[str, nn.Module]], ignored_params: set[str]) -> bool:
+    """Whether a region holds a meta buffer, or a meta parameter other than `ignored_params`
+    (names): FSDP1's test."""
+    for prefix, submodule in region:
+        if any(buffer.is_meta for buffer in submodule.buffers(recurse=False)):
+            return True
+        if any(param.is_meta and (f"{prefix}.{name}" if prefix else name) not in ignored_params
+               for name, param in submodule.named_parameters(recurse=False)):
+            return True
+    return False
 
 
 def _named_states(module: nn.Module):
@@ -69,6 +76,37 @@ def unit_regions(module: nn.Module, unit_names,
     return regions
 
 
+def materialisation_regions(module: nn.Module, unit_names,
+                            ignored_modules=()) -> dict[str, list[tuple[str, nn.Module]]]:
+    """The modules each unit materialises and initialises, breadth-first (see `unit_regions`).
+    FSDP1 skips ignored modules only in the wrapper they were given to (the root): the units
+    its auto-wrap policy makes are given the ignored parameters, not the modules, so an ignored
+    module inside such a unit is materialised with it, in its breadth-first place (and
+    `param_init_fn` is called on it), though it is then neither flattened nor cast."""
+    unit_names = list(unit_names)
+    in_root = tuple(name for name in ignored_modules
+                    if innermost_common_unit([name], unit_names) == "")
+    return unit_regions(module, unit_names, in_root)
+
+
+def still_ignored_params(module: nn.Module, unit_names, ignored_modules,
+                         ignored_params) -> tuple[str, ...]:
+    """The names of `ignored_params` that FSDP1 still leaves alone once the model is
+    materialised. FSDP1 knows ignored parameters by identity, and materialising gives a meta
+    parameter a new one (`to_empty` makes a new Parameter): an ignored parameter on meta in a
+    module its unit materialises (see `materialisation_regions`) is sharded like any other."""
+    ignored = set(ignored_params)
+    materialised: set[str] = set()
+    for region in materialisation_regions(module, unit_names, ignored_modules).values():
+        if not _needs_materialising(region, ignored):
+            continue
+        materialised.update(f"{prefix}.{name}" if prefix else name
+                            for prefix, submodule in region
+                            for name, param in submodule.named_parameters(recurse=False)
+                            if param.is_meta)
+    return tuple(name for name in ignored_params if name not in materialised)
+
+
 def _breadth_first(module: nn.Module, skipped: set[int]) -> list[nn.Module]:
     """`module` and its descendants, breadth-first, not entering the modules in `skipped`
     (ids)."""
@@ -85,7 +123,7 @@ def _breadth_first(module: nn.Module, skipped: set[int]) -> list[nn.Module]:
 
 def materialize_region(
     region: list[tuple[str, nn.Module]], device: torch.device,
-    param_init_fn: Optional[Callable[[nn.Module], None]],
+    param_init_fn: Optional[Callable[[nn.Module], None]], ignored_params=(),
 ) -> tuple[bool, Optional[Exception]]:
     """Give storage to one region whose modules hold meta parameters or buffers, as FSDP1
     does: `param_init_fn` on every module of the region, containers included, breadth-first;
@@ -93,8 +131,9 @@ def materialize_region(
     has parameters or buffers of its own (one without `reset_parameters` is refused, as FSDP1
     refuses it). Returns whether anything was materialised, and what the initialisation raised
     (not raised here: every rank first learns whether the others failed too, see
-    `agree_on_unit`)."""
-    if not any(_has_meta_state(submodule) for _, submodule in region):
+    `agree_on_unit`). As in FSDP1, meta `ignored_params` (names) alone do not call for
+    materialising."""
+    if not _needs_materialising(region, set(ignored_params)):
         return False, None
     try:
         if param_init_fn is not None:
@@ -138,11 +177,14 @@ def warn_broken_ties(broken: list[list[str]], plan: Plan) -> None:
 
 
 def region_problem(region: list[tuple[str, nn.Module]],
-                   param_init_fn: Optional[Callable[[nn.Module], None]]) -> Optional[str]:
-    """What is wrong with a region after materialising it: tensors still on meta."""
-    still_meta = [f"{prefix}.{name}" if prefix else name
-                  for prefix, submodule in region
-                  for name, tensor in _named_states(submodule) if tensor.is_meta]
+                   param_init_fn: Optional[Callable[[nn.Module], None]],
+                   ignored_params=()) -> Optional[str]:
+    """What is wrong with a region after materialising it: tensors still on meta (but for
+    `ignored_params`, by name: FSDP1 leaves them as they are)."""
+    names = ((f"{prefix}.{name}" if prefix else name, tensor)
+             for prefix, submodule in region for name, tensor in _named_states(submodule))
+    still_meta = [name for name, tensor in names
+                  if tensor.is_meta and name not in ignored_params]
     if not still_meta:
         return None
     who = (f"param_init_fn {function_name(param_init_fn)}" if param_init_fn is not None
@@ -177,6 +219,29 @@ def warn_if_reached_beyond(regions: dict, later_units: list[str], meta_before: s
             "shards one unit at a time; these stay unsharded until their own unit is sharded "
             "(with a function that materialises everything, the whole model on every rank). "
             "Expected: a function that materialises the module it is given, e.g. "
+            "`lambda m: m.to_empty(device=device, recurse=False)` followed by its init.",
+            stacklevel=5)
+
+
+def ignored_on_meta(module: nn.Module, ignored_params: set[str]) -> set[str]:
+    return {name for name, param in module.named_parameters(remove_duplicate=False)
+            if name in ignored_params and param.is_meta}
+
+
+def warn_ignored_materialised(module: nn.Module, were_on_meta: set[str], plan: Plan,
+                              param_init_fn) -> None:
+    """Ignored parameters the wrap left alone, yet a `param_init_fn` reaching beyond the module
+    it was given (`to_empty` on a container) materialised: FSDP1 would then shard them (it
+    knows ignored parameters by identity, and these are new); they stay ignored here."""
+    reached = [name for name, param in module.named_parameters(remove_duplicate=False)
+               if name in were_on_meta and not param.is_meta]
+    if reached:
+        warnings.warn(
+            f"fsdp_bridge ({plan.frontend}): param_init_fn {function_name(param_init_fn)} gave "
+            f"storage to ignored parameters of modules it was not called on: "
+            f"{', '.join(reached)}. FSDP1 would then shard them (it knows ignored parameters "
+            "by identity, and these are new Parameters); here they stay ignored, whole and "
+            "unreduced. Expected: a function that materialises the module it is given, e.g. "
             "`lambda m: m.to_empty(device=device, recurse=False)` followed by its init.",
             stacklevel=5)
 
@@ -240,7 +305,8 @@ def move_region(region: list[tuple[str, nn.Module]], ignored: set[str],
                 submodule._buffers[name] = buffer.to(device)
         for attr, param in submodule._parameters.items():
             fqn = f"{prefix}.{attr}" if prefix else attr
-            if param is not None and fqn in ignored and param.device != device:
+            if (param is not None and fqn in ignored and param.device != device
+                    and not param.is_meta):  # an ignored parameter left on meta stays there
                 param.data = param.data.to(device)
 
 

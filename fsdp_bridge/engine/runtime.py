@@ -182,14 +182,17 @@ class ShardedModel:
         then the next."""
         regions = engine_init.unit_regions(self.module, self.plan.unit_names,
                                             self.plan.ignored_modules)
+        to_materialise = engine_init.materialisation_regions(
+            self.module, self.plan.unit_names, self.plan.ignored_modules)
         meta_at_start = engine_init.meta_params(regions) if param_init_fn is not None else set()
         ignored = set(self.plan.ignored_params)
+        ignored_on_meta = engine_init.ignored_on_meta(self.module, ignored)
         seen_buffers: set[int] = set()
         units: list[Unit] = []
         for spec in self.plan.units:
             region = regions[spec.name]
-            materialised, error = engine_init.materialize_region(region, self.device,
-                                                                 param_init_fn)
+            materialised, error = engine_init.materialize_region(
+                to_materialise[spec.name], self.device, param_init_fn, ignored)
             if materialised and error is None:
                 engine_init.warn_broken_ties(split_untied(self.module, layouts, spec.name,
                                                           list(self.plan.unit_names)), self.plan)
@@ -202,7 +205,7 @@ class ShardedModel:
             for layout in unit_layouts:
                 for slot in layout.slots:
                     slot.refresh()
-            problem = (engine_init.region_problem(region, param_init_fn)
+            problem = (engine_init.region_problem(region, param_init_fn, ignored)
                        or engine_init.changed_slots(unit_layouts, param_init_fn)
                        or (self._overwritten_unit(units, spec.name, param_init_fn)
                            if materialised else None))
@@ -219,6 +222,8 @@ class ShardedModel:
             module = self.module.get_submodule(spec.name)
             units.append(Unit(spec, module, groups, spec.name == "", self.mp))
             self.init_steps.append(UnitInit(spec.name, start))
+        engine_init.warn_ignored_materialised(self.module, ignored_on_meta, self.plan,
+                                              param_init_fn)
         return units
 
     def _start_of(self, slots, materialised: bool) -> WrapStart:

@@ -7,6 +7,7 @@ world); everything that decides *what* is sharded and *how* is decided here.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -15,6 +16,7 @@ from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, ShardingStrateg
 from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 
 from fsdp_bridge import policies
+from fsdp_bridge.engine.init import still_ignored_params
 from fsdp_bridge.plan import MixedPrecision, Plan, ShardingMode, UnitSpec
 from fsdp_bridge.translation import (
     ArgumentTable,
@@ -65,11 +67,15 @@ TABLE = register_table(
                        "dim 1 shard"),
             translated("ignored_modules", "Plan.ignored_params and Plan.ignored_modules: "
                        "their parameters are neither sharded nor reduced, and the modules are "
-                       "left as they are at the wrap: not materialised from meta, moved nor "
-                       "cast; sync_module_states broadcasts their buffers only (as FSDP1)"),
+                       "left as they are at the wrap: not materialised from meta (but inside a "
+                       "unit of the auto-wrap policy, which FSDP1 hands the parameters only: "
+                       "materialised there, and then sharded, as FSDP1), moved nor cast; "
+                       "sync_module_states broadcasts their buffers only (as FSDP1)"),
             translated("ignored_states", "Plan.ignored_params (parameters, or modules' "
-                       "parameters)"),
-            translated("param_init_fn", "called on each module with meta-device state"),
+                       "parameters); one on meta that the wrap materialises is sharded, as "
+                       "FSDP1 (it knows them by identity), with a warning naming it"),
+            translated("param_init_fn", "called on every module of each unit that holds "
+                       "meta-device state, breadth-first (as FSDP1); not callable: ValueError"),
             translated("device_id", "the compute device (an int is a CUDA index)"),
             translated("sync_module_states", "Plan.sync_module_states: rank 0's parameters and "
                        "buffers are broadcast (works on CPU, unlike native FSDP1)"),
@@ -230,6 +236,23 @@ def ignored_sets(model: nn.Module, ignored_modules, ignored_states):
     return list(ignored_modules_all.values()), params
 
 
+def _still_ignored(module, units, ignored_modules, ignored_params) -> tuple[str, ...]:
+    """The ignored parameters FSDP1 still leaves alone after materialising from meta (see
+    `still_ignored_params`); those it shards instead are named in a warning."""
+    kept = still_ignored_params(module, [unit.name for unit in units], ignored_modules,
+                                ignored_params)
+    sharded = [name for name in ignored_params if name not in kept]
+    if sharded:
+        warnings.warn(
+            f"fsdp_bridge ({FRONTEND}): ignored parameters on the meta device in modules the "
+            f"wrap materialises are sharded like any other, as FSDP1 does (materialising "
+            f"gives them new Parameters, and FSDP1 knows ignored parameters by identity): "
+            f"{', '.join(sharded)}. To keep them whole and unreduced, give them storage "
+            "before wrapping (or ignore a module among the root's own, which stays as it is).",
+            stacklevel=4)
+    return kept
+
+
 def _wrapper_types():
     from fsdp_bridge.wrapper import ShardedWrapper
 
@@ -358,12 +381,15 @@ def build_plan(
         n for n, p in module.named_parameters(remove_duplicate=False)
         if any(p is q for q in skipped_params)
     )
+    units.append(UnitSpec("", reshard))
+    skipped_names = tuple(paths[id(m)] for m in skipped_modules)
+    ignored_names = _still_ignored(module, units, skipped_names, ignored_names)
     return Plan(
-        units=tuple(units) + (UnitSpec("", reshard),),
+        units=tuple(units),
         mode=mode,
         mixed_precision=mp,
         ignored_params=ignored_names,
-        ignored_modules=tuple(paths[id(m)] for m in skipped_modules),
+        ignored_modules=skipped_names,
         sync_module_states=sync_module_states,
         divide_around_reduce=True,
         cpu_offload=bool(cpu_offload and cpu_offload.offload_params),

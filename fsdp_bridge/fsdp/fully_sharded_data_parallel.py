@@ -66,7 +66,7 @@ from fsdp_bridge import devices, engine
 from fsdp_bridge.fsdp._fsdp1_translate import FRONTEND, build_plan, parse_sharding_strategy
 from fsdp_bridge.mixed_dialects import refuse_other_dialects
 from fsdp_bridge.topology import Topology, resolve_topology
-from fsdp_bridge.translation import bad_argument
+from fsdp_bridge.translation import bad_argument, check_param_init_fn
 from fsdp_bridge.wrapper import ShardedWrapper, shard_flat
 
 __all__ = ["FullyShardedDataParallel", "OptimStateKeyType"]  # torch's, name for name
@@ -154,10 +154,7 @@ class FullyShardedDataParallel(ShardedWrapper):
         refuse_other_dialects(FRONTEND, module)
         strategy = parse_sharding_strategy(sharding_strategy).strategy
         device = resolve_device(device_id)
-        if param_init_fn is not None and not callable(param_init_fn):
-            raise bad_argument(FRONTEND, "param_init_fn", param_init_fn, "None or a callable "
-                               "(module) -> None", "e.g. param_init_fn=lambda m: m.to_empty("
-                               "device=device, recurse=False).", exc=TypeError)
+        check_param_init_fn(FRONTEND, param_init_fn)
         # Validate everything that is pure before touching the world (no collective yet).
         translate_kwargs = dict(
             sharding_strategy=strategy,

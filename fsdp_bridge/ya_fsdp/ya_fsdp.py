@@ -22,7 +22,7 @@ from fsdp_bridge import devices, engine
 from fsdp_bridge.mixed_dialects import refuse_other_dialects, refuse_taken_over
 from fsdp_bridge.state_dicts import model_state
 from fsdp_bridge.state_dicts.torch_helpers import called_by_torch_helpers
-from fsdp_bridge.translation import bad_argument
+from fsdp_bridge.translation import bad_argument, check_param_init_fn
 from fsdp_bridge.wrapper import hidden_child_names, placed, shard_flat
 from fsdp_bridge.ya_fsdp._translate import FRONTEND, build_plan, ignored_notes
 
@@ -105,6 +105,7 @@ class YaFSDP(nn.Module):
         refuse_other_dialects(FRONTEND, module)
         device = devices.resolve_device(FRONTEND, device_id)
         _check_group(data_parallel_process_group)
+        check_param_init_fn(FRONTEND, param_init_fn)
         notes = ignored_notes(
             {
                 "intra_node_data_parallel_process_group": intra_node_data_parallel_process_group,
