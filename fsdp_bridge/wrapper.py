@@ -442,14 +442,28 @@ class ShardedWrapper(nn.Module):
     @staticmethod
     def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
                          optim_state_dict: Optional[dict] = None, group=None) -> dict:
+        """[Note: the optimizer of a model holding the wrapper]
+        `model` may hold the wrapper (a module around it, or torch's `checkpoint_wrapper`):
+        the optimizer then also steps parameters outside it, and native FSDP1 names every one
+        from `model`. So does this (`body.embed.weight`, `extra.weight`); the wrapper's own
+        names would leave those parameters' state out of the checkpoint."""
         root = ShardedWrapper._root(model)
         settings = root._state_dict_settings
         if settings.state_dict_type is not StateDictType.FULL_STATE_DICT:  # as native's
             return optim_state.get_optimizer_state_dict(
-                root, [optim],
+                model, [optim],
                 cpu_offload=getattr(settings.optim_state_dict_config, "offload_to_cpu", False))
         rank0_only = getattr(settings.optim_state_dict_config, "rank0_only", False)
-        return engine.full_optim_state_dict(root._sharded, optim, rank0_only=rank0_only)
+        return ShardedWrapper._full_optim(model, root, optim, rank0_only)
+
+    @staticmethod
+    def _full_optim(model: nn.Module, root: "ShardedWrapper", optim, rank0_only: bool) -> dict:
+        """FSDP1's full optimizer state dict, named from `model` (see [Note: the optimizer of
+        a model holding the wrapper])."""
+        if model is root:
+            return engine.full_optim_state_dict(root._sharded, optim, rank0_only=rank0_only)
+        full = optim_state.get_optimizer_state_dict(model, [optim], full_state_dict=True)
+        return {} if rank0_only and parts.world_rank() != 0 else full
 
     @staticmethod
     def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
@@ -459,11 +473,15 @@ class ShardedWrapper(nn.Module):
         settings = root._state_dict_settings
         if settings.state_dict_type is not StateDictType.FULL_STATE_DICT:  # as native's
             # Name-keyed DTensors (or native FSDP1's ShardedTensors) of any world size.
-            result = optim_state.optimizer_states_to_load(root, [optim], optim_state_dict)[0]
+            result = optim_state.optimizer_states_to_load(model, [optim], optim_state_dict)[0]
         else:
             if getattr(settings.optim_state_dict_config, "rank0_only", False):
                 optim_state_dict = fsdp1_optim.from_rank0(optim_state_dict, group)
-            result = engine.optim_state_dict_to_load(root._sharded, optim, optim_state_dict)
+            if model is not root:  # see [Note: the optimizer of a model holding the wrapper]
+                result = optim_state.optimizer_states_to_load(model, [optim],
+                                                              optim_state_dict)[0]
+            else:
+                result = engine.optim_state_dict_to_load(root._sharded, optim, optim_state_dict)
         if load_directly:
             optim.load_state_dict(result)
         return result
@@ -471,8 +489,7 @@ class ShardedWrapper(nn.Module):
     @staticmethod
     def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input=None,
                               rank0_only: bool = True, group=None) -> dict:
-        return engine.full_optim_state_dict(ShardedWrapper._root(model)._sharded, optim,
-                                            rank0_only=rank0_only)
+        return ShardedWrapper._full_optim(model, ShardedWrapper._root(model), optim, rank0_only)
 
     @staticmethod
     def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,

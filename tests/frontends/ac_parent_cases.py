@@ -151,6 +151,43 @@ def helpers(shape: str, directory: str) -> dict:
     return out
 
 
+def fsdp_optim(shape: str, kind: str, directory: str) -> dict:
+    """FSDP.optim_state_dict(root, optim) under `kind` (SHARDED through DCP), each side's
+    loaded into ours by FSDP.optim_state_dict_to_load; and the legacy full_optim_state_dict."""
+    state_type = StateDictType[f"{kind}_STATE_DICT"]
+    out = {}
+    for side in C.SIDES:
+        model, optim = build(side, shape, 1)
+        fsdp = fsdp_of(model)
+        with fsdp.state_dict_type(model, state_type):
+            saved = fsdp.optim_state_dict(model, optim)
+        if kind == "SHARDED":
+            dcp.save(saved, checkpoint_id=_path(directory, shape, "optim", side))
+        out[side] = {"keys": C.tensors(saved), "optim_full": _fsdp_full_optim(model, optim),
+                     "legacy": C.tensors(fsdp.full_optim_state_dict(model, optim,
+                                                                    rank0_only=False))}
+        out[side]["saved"] = saved
+    for source in C.SIDES:
+        model, optim = build("ours", shape, 2)
+        fsdp = fsdp_of(model)
+        with fsdp.state_dict_type(model, state_type):
+            state = out[source]["saved"]
+            if kind == "SHARDED":
+                state = fsdp.optim_state_dict(model, optim)
+                dcp.load(state, checkpoint_id=_path(directory, shape, "optim", source))
+            optim.load_state_dict(fsdp.optim_state_dict_to_load(model, optim, state))
+        out[f"{source}->ours"] = _fsdp_full_optim(model, optim)
+    for side in C.SIDES:
+        del out[side]["saved"]
+    return out
+
+
+def _fsdp_full_optim(model, optim) -> dict:
+    fsdp = fsdp_of(model)
+    with fsdp.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        return C.tensors(fsdp.optim_state_dict(model, optim))
+
+
 def _path(directory: str, *parts: str) -> str:
     return os.path.join(directory, "_".join(parts))
 
@@ -161,6 +198,9 @@ def cases(directory: str) -> dict:
         for kind in ("FULL", "SHARDED", "LOCAL"):
             table[f"{kind.lower()}_{shape}"] = functools.partial(own_api, shape, kind, directory)
         table[f"helpers_{shape}"] = functools.partial(helpers, shape, directory)
+        for kind in ("FULL", "SHARDED"):
+            table[f"optim_{kind.lower()}_{shape}"] = functools.partial(fsdp_optim, shape, kind,
+                                                                       directory)
     return {name: C._ranked(fn) for name, fn in table.items()}
 
 

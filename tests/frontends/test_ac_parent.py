@@ -15,7 +15,13 @@ from __future__ import annotations
 import pytest
 
 from tests.frontends import ac_parent_cases as C
-from tests.frontends.test_ac_state_dicts import same_optim, same_structure, same_values
+from tests.frontends.test_ac_optim import same_optim as same_optim_unordered
+from tests.frontends.test_ac_state_dicts import (
+    same_optim,
+    same_optim_keys,
+    same_structure,
+    same_values,
+)
 from tests.world import case_result as case
 from tests.world import run_world
 
@@ -56,3 +62,20 @@ def test_torch_get_set_state_dict_through_dcp(world, shape, rank):
     # test_ac_state_dicts.test_sharded_dcp_keys_and_loads_both_ways): both load as ours'.
     for pair in ("ours->ours", "native->ours"):
         same_optim(result[pair]["optim"], result["ours"]["optim_full"], pair)
+
+
+@pytest.mark.parametrize("shape", C.SHAPES)
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_fsdp_optim_state_dict_of_the_root(world, kind, shape, rank):
+    """Named from the root as native names them (the holder's own module's state included),
+    and loaded into ours from either side. FULL: each source as it reads itself (native's
+    FULL values on the CPU are its own, see test_ac_state_dicts.loads_optim_exactly);
+    SHARDED: as ours holds it (native's sharded state holds the same)."""
+    result = case(world, f"optim_{kind}_{shape}", rank)
+    ours, native = result["ours"], result["native"]
+    same_structure(ours["keys"]["state"], native["keys"]["state"], "optim_state_dict")
+    same_optim_keys(ours["legacy"], native["legacy"], "full_optim_state_dict")
+    for source in ("ours", "native"):
+        expected = result[source]["optim_full"] if kind == "full" else ours["optim_full"]
+        same_optim_unordered(result[f"{source}->ours"], expected, f"{source}->ours")
