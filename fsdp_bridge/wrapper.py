@@ -523,6 +523,8 @@ class ShardedWrapper(nn.Module):
         if optim is None:
             return fsdp1_optim.by_model_order(model, root._sharded, root._frontend,
                                               full_optim_state_dict)
+        if model is not root:  # see [Note: the optimizer of a model holding the wrapper]
+            return optim_state.optimizer_states_to_load(model, [optim], full_optim_state_dict)[0]
         return engine.optim_state_dict_to_load(root._sharded, optim, full_optim_state_dict)
 
     @staticmethod

@@ -153,7 +153,8 @@ def helpers(shape: str, directory: str) -> dict:
 
 def fsdp_optim(shape: str, kind: str, directory: str) -> dict:
     """FSDP.optim_state_dict(root, optim) under `kind` (SHARDED through DCP), each side's
-    loaded into ours by FSDP.optim_state_dict_to_load; and the legacy full_optim_state_dict."""
+    loaded into ours by FSDP.optim_state_dict_to_load; and the legacy full_optim_state_dict,
+    loaded by shard_full_optim_state_dict(optim=...)."""
     state_type = StateDictType[f"{kind}_STATE_DICT"]
     out = {}
     for side in C.SIDES:
@@ -177,6 +178,11 @@ def fsdp_optim(shape: str, kind: str, directory: str) -> dict:
                 dcp.load(state, checkpoint_id=_path(directory, shape, "optim", source))
             optim.load_state_dict(fsdp.optim_state_dict_to_load(model, optim, state))
         out[f"{source}->ours"] = _fsdp_full_optim(model, optim)
+        if kind == "FULL":  # the legacy full form, through shard_full_optim_state_dict
+            model, optim = build("ours", shape, 2)
+            optim.load_state_dict(fsdp.shard_full_optim_state_dict(
+                out[source]["legacy"], model, optim=optim))
+            out[f"{source}->ours legacy"] = _fsdp_full_optim(model, optim)
     for side in C.SIDES:
         del out[side]["saved"]
     return out

@@ -79,3 +79,6 @@ def test_fsdp_optim_state_dict_of_the_root(world, kind, shape, rank):
     for source in ("ours", "native"):
         expected = result[source]["optim_full"] if kind == "full" else ours["optim_full"]
         same_optim_unordered(result[f"{source}->ours"], expected, f"{source}->ours")
+        if kind == "full":
+            same_optim_unordered(result[f"{source}->ours legacy"], result[source]["legacy"],
+                                 f"{source}->ours through shard_full_optim_state_dict")
