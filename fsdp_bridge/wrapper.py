@@ -499,7 +499,8 @@ class ShardedWrapper(nn.Module):
         ShardedTensors, or DTensors with a device mesh); loads back through
         `flatten_sharded_optim_state_dict` at any world size."""
         _warn_legacy("sharded_optim_state_dict", "optim_state_dict")
-        return optim_state.get_optimizer_state_dict(ShardedWrapper._root(model), [optim])
+        ShardedWrapper._root(model)  # refuses a model without a wrapper, by name
+        return optim_state.get_optimizer_state_dict(model, [optim])
 
     @staticmethod
     def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict, model: nn.Module,
@@ -507,8 +508,8 @@ class ShardedWrapper(nn.Module):
         """What `optim.load_state_dict` takes, from `sharded_optim_state_dict`'s form (ours or
         native FSDP1's ShardedTensors). A collective; the optimizer is not loaded."""
         _warn_legacy("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
-        root = ShardedWrapper._root(model)
-        return optim_state.optimizer_states_to_load(root, [optim], sharded_optim_state_dict)[0]
+        ShardedWrapper._root(model)  # refuses a model without a wrapper, by name
+        return optim_state.optimizer_states_to_load(model, [optim], sharded_optim_state_dict)[0]
 
     @staticmethod
     def shard_full_optim_state_dict(full_optim_state_dict: dict, model: nn.Module,

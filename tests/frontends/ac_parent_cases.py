@@ -154,7 +154,8 @@ def helpers(shape: str, directory: str) -> dict:
 def fsdp_optim(shape: str, kind: str, directory: str) -> dict:
     """FSDP.optim_state_dict(root, optim) under `kind` (SHARDED through DCP), each side's
     loaded into ours by FSDP.optim_state_dict_to_load; and the legacy full_optim_state_dict,
-    loaded by shard_full_optim_state_dict(optim=...)."""
+    loaded by shard_full_optim_state_dict(optim=...), and the legacy sharded form (ours into
+    ours: native's ShardedTensors are read through DCP only)."""
     state_type = StateDictType[f"{kind}_STATE_DICT"]
     out = {}
     for side in C.SIDES:
@@ -166,7 +167,8 @@ def fsdp_optim(shape: str, kind: str, directory: str) -> dict:
             dcp.save(saved, checkpoint_id=_path(directory, shape, "optim", side))
         out[side] = {"keys": C.tensors(saved), "optim_full": _fsdp_full_optim(model, optim),
                      "legacy": C.tensors(fsdp.full_optim_state_dict(model, optim,
-                                                                    rank0_only=False))}
+                                                                    rank0_only=False)),
+                     "legacy_sharded": C.tensors(fsdp.sharded_optim_state_dict(model, optim))}
         out[side]["saved"] = saved
     for source in C.SIDES:
         model, optim = build("ours", shape, 2)
@@ -183,6 +185,11 @@ def fsdp_optim(shape: str, kind: str, directory: str) -> dict:
             optim.load_state_dict(fsdp.shard_full_optim_state_dict(
                 out[source]["legacy"], model, optim=optim))
             out[f"{source}->ours legacy"] = _fsdp_full_optim(model, optim)
+        if kind == "SHARDED" and source == "ours":  # the legacy sharded form, in memory
+            model, optim = build("ours", shape, 2)
+            optim.load_state_dict(fsdp.flatten_sharded_optim_state_dict(
+                fsdp.sharded_optim_state_dict(*build("ours", shape, 1)), model, optim))
+            out["ours->ours legacy"] = _fsdp_full_optim(model, optim)
     for side in C.SIDES:
         del out[side]["saved"]
     return out

@@ -76,6 +76,11 @@ def test_fsdp_optim_state_dict_of_the_root(world, kind, shape, rank):
     ours, native = result["ours"], result["native"]
     same_structure(ours["keys"]["state"], native["keys"]["state"], "optim_state_dict")
     same_optim_keys(ours["legacy"], native["legacy"], "full_optim_state_dict")
+    same_structure(ours["legacy_sharded"]["state"], native["legacy_sharded"]["state"],
+                   "sharded_optim_state_dict")
+    if kind == "sharded":
+        same_optim_unordered(result["ours->ours legacy"], ours["optim_full"],
+                             "through flatten_sharded_optim_state_dict")
     for source in ("ours", "native"):
         expected = result[source]["optim_full"] if kind == "full" else ours["optim_full"]
         same_optim_unordered(result[f"{source}->ours"], expected, f"{source}->ours")
