@@ -50,7 +50,14 @@ from torch.distributed.fsdp import (
 
 from fsdp_bridge import engine
 from fsdp_bridge.mixed_dialects import refuse_taken_over
-from fsdp_bridge.state_dicts import fsdp1_optim, model_state, optim_state, parts, torch_helpers
+from fsdp_bridge.state_dicts import (
+    below_root,
+    fsdp1_optim,
+    model_state,
+    optim_state,
+    parts,
+    torch_helpers,
+)
 from fsdp_bridge.state_dicts.torch_helpers import called_by_torch_helpers
 from fsdp_bridge.translation import bad_argument, check_bool
 
@@ -111,6 +118,7 @@ class ShardedWrapper(nn.Module):
     """Base of our wrapper modules; `_frontend` names the dialect in messages."""
 
     _frontend = "FullyShardedDataParallel"
+    _hidden_child = WRAPPED  # the inner attribute state-dict names leave out
 
     # -- construction -------------------------------------------------------------------------
 
@@ -121,9 +129,7 @@ class ShardedWrapper(nn.Module):
         object.__setattr__(self, "_nested_units", tuple(nested))
         self._set_state_dict_settings(StateDictSettings(StateDictType.FULL_STATE_DICT,
                                                         *_default_config(StateDictType.FULL_STATE_DICT)))
-        # See [Note: loaded through a parent module].
-        self.register_load_state_dict_pre_hook(ShardedWrapper._load_from_parent)
-        self.register_load_state_dict_post_hook(ShardedWrapper._inner_keys_loaded)
+        below_root.hook_into_parent_loads(self)
 
     @staticmethod
     def release_nested(module: nn.Module) -> tuple[tuple[str, dict], ...]:
@@ -252,41 +258,15 @@ class ShardedWrapper(nn.Module):
         engine.load_full_state_dict(self._sharded, state_dict, strict=strict)
         return nn.modules.module._IncompatibleKeys([], [])
 
-    def _load_from_parent(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                          unexpected_keys, error_msgs) -> None:
-        """[Note: loaded through a parent module]
-        A parent's `load_state_dict` (a module holding the wrapper, or torch's
-        `checkpoint_wrapper` around it) does not call ours: nn.Module loads each submodule
-        itself, and our inner modules hold 1-D pieces under names with `_fsdp_wrapped_module.`.
-        So this pre-hook takes the keys under the wrapper's prefix (the names our `state_dict()`
-        gave the parent), loads them as our `load_state_dict` does, and reports their missing
-        and unexpected keys to the parent's load; the post-hook drops the inner modules'
-        complaints about the keys loaded here. The parent's `strict` decides at the end, as it
-        does for every module (native FSDP1's load hooks do the same with its own pieces)."""
-        ours = {key[len(prefix):]: state_dict.pop(key)
-                for key in list(state_dict) if key.startswith(prefix)}
-        missing, unexpected = self._load_overlap(ours)
-        missing_keys.extend(prefix + key for key in missing)
-        unexpected_keys.extend(prefix + key for key in unexpected)
-        self.__dict__["_loaded_under"] = f"{prefix}{WRAPPED}."
-
     def _load_overlap(self, state_dict: dict) -> tuple[list, list]:
-        """Load the keys of `state_dict` this model has; return (missing, unexpected) keys."""
+        """Load what `state_dict` holds of this model through a parent's load (see [Note:
+        loaded through a parent module] in fsdp_bridge/state_dicts/below_root.py); return
+        (missing, unexpected) keys. LOCAL keys are our own: the load itself reports them."""
         local = self._state_dict_settings.state_dict_type is StateDictType.LOCAL_STATE_DICT
         if local and self._sharded.comm.shard_size > 1 and not called_by_torch_helpers():
             result = self.load_state_dict(state_dict, strict=False)
             return list(result.missing_keys), list(result.unexpected_keys)
-        expected = [entry.key for entry in parts.entries(self, parts.find_parts(self))]
-        known = set(expected)
-        self.load_state_dict({k: v for k, v in state_dict.items() if k in known}, strict=False)
-        return ([key for key in expected if key not in state_dict],
-                [key for key in state_dict if key not in known])
-
-    def _inner_keys_loaded(self, incompatible_keys) -> None:
-        inner = self.__dict__.pop("_loaded_under", None)
-        if inner is not None:
-            incompatible_keys.missing_keys[:] = [
-                key for key in incompatible_keys.missing_keys if not key.startswith(inner)]
+        return below_root.load_overlap(self, state_dict)
 
     def _local_is_full(self) -> bool:
         """With one rank per shard (NO_SHARD) native FSDP1 gives and takes the full state dict
@@ -406,21 +386,11 @@ class ShardedWrapper(nn.Module):
             yield (name.replace(WRAPPED + ".", "") if clean else name), param
 
     def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
-        """Asked by torch's state-dict helpers, the modules inside are named without the
-        wrapper's inner attribute, as `named_parameters` names parameters. This is how a
-        wrapper that is not the root (a module holding it, or `checkpoint_wrapper` around it)
-        answers: the root's `named_parameters()` reaches it through here, and torch names
-        optimizer state by those names (native FSDP1 it recognises by its class)."""
-        if not called_by_torch_helpers():
-            yield from super().named_modules(memo, prefix, remove_duplicate)
-            return
-        memo = set() if memo is None else memo
-        if remove_duplicate:
-            if self in memo:
-                return
-            memo.add(self)
-        yield prefix, self
-        yield from self._modules[WRAPPED].named_modules(memo, prefix, remove_duplicate)
+        """Asked by torch's state-dict helpers, without `_fsdp_wrapped_module` (see
+        fsdp_bridge/state_dicts/below_root.py)."""
+        clean = below_root.named_modules(self, memo, prefix, remove_duplicate)
+        return clean if clean is not None else super().named_modules(memo, prefix,
+                                                                     remove_duplicate)
 
     def named_buffers(self, *args, **kwargs):
         clean = self.__dict__.get("_summoning", 0) > 0 or called_by_torch_helpers()

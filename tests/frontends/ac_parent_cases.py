@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
     set_model_state_dict,
@@ -61,8 +62,11 @@ def _unwrapped(shape: str, seed: int, wrap=lambda net: net) -> nn.Module:
 
 
 def build(side: str, shape: str, seed: int):
-    """The shape's model around a `side` wrap of the net, stepped once (lr=0)."""
+    """The shape's model around a `side` wrap of the net ("native", "ours" or "yafsdp"),
+    stepped once (lr=0)."""
     def wrap(net):
+        if side == "yafsdp":
+            return C._wrap("yafsdp", net)
         return C.fsdp_class(side)(net, auto_wrap_policy=ModuleWrapPolicy({C.Block}),
                                   device_id=torch.device("cpu"), use_orig_params=True)
 
@@ -195,6 +199,29 @@ def fsdp_optim(shape: str, kind: str, directory: str) -> dict:
     return out
 
 
+def yafsdp(shape: str, directory: str) -> dict:
+    """YaFSDP below the root: the root's state_dict() loaded back by its load_state_dict, and
+    native FSDP1's get_state_dict checkpoint (written by `helpers`) loaded into it."""
+    model, _ = build("yafsdp", shape, 1)
+    saved = model.state_dict()
+    target, _ = build("yafsdp", shape, 2)
+    result = target.load_state_dict(saved)
+    out = {"reference": reference(shape, 1), "own": C.tensors(saved),
+           "own->": {"model": _full_model(target), "result": tuple(map(list, result))}}
+    model, optim = build("yafsdp", shape, 2)
+    model_sd, optim_sd = get_state_dict(model, optim)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=_path(directory, shape, "helpers", "native"))
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    out["native->"] = {"model": _full_model(model), "optim": _optim_full(model, optim)}
+    return out
+
+
+def _full_model(model) -> dict:
+    # YaFSDP has no summon_full_params: whole parameters through torch's gather instead.
+    return C.tensors(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)))
+
+
 def _fsdp_full_optim(model, optim) -> dict:
     fsdp = fsdp_of(model)
     with fsdp.state_dict_type(model, StateDictType.FULL_STATE_DICT):
@@ -211,6 +238,7 @@ def cases(directory: str) -> dict:
         for kind in ("FULL", "SHARDED", "LOCAL"):
             table[f"{kind.lower()}_{shape}"] = functools.partial(own_api, shape, kind, directory)
         table[f"helpers_{shape}"] = functools.partial(helpers, shape, directory)
+        table[f"yafsdp_{shape}"] = functools.partial(yafsdp, shape, directory)  # after helpers
         for kind in ("FULL", "SHARDED"):
             table[f"optim_{kind.lower()}_{shape}"] = functools.partial(fsdp_optim, shape, kind,
                                                                        directory)

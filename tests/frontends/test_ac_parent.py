@@ -87,3 +87,18 @@ def test_fsdp_optim_state_dict_of_the_root(world, kind, shape, rank):
         if kind == "full":
             same_optim_unordered(result[f"{source}->ours legacy"], result[source]["legacy"],
                                  f"{source}->ours through shard_full_optim_state_dict")
+
+
+@pytest.mark.parametrize("shape", C.SHAPES)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_yafsdp_below_the_root(world, shape, rank):
+    """YaFSDP held by another module or under `checkpoint_wrapper`: the root's state dict is
+    the reference, loads back through the root's load_state_dict, and native FSDP1's
+    get_state_dict checkpoint loads into it (model and optimizer)."""
+    result = case(world, f"yafsdp_{shape}", rank)
+    same_values(result["own"], result["reference"], "state_dict()")
+    assert result["own->"]["result"] == ([], [])
+    same_values(result["own->"]["model"], result["reference"], "loaded back")
+    same_values(result["native->"]["model"], result["reference"], "native checkpoint loaded")
+    native = case(world, f"helpers_{shape}", rank)["native"]["optim_full"]
+    same_optim(result["native->"]["optim"], native, "native optimizer loaded")
