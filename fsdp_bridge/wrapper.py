@@ -50,7 +50,14 @@ from torch.distributed.fsdp import (
 
 from fsdp_bridge import engine
 from fsdp_bridge.mixed_dialects import refuse_taken_over
-from fsdp_bridge.state_dicts import fsdp1_optim, model_state, optim_state, torch_helpers
+from fsdp_bridge.state_dicts import (
+    below_root,
+    fsdp1_optim,
+    model_state,
+    optim_state,
+    parts,
+    torch_helpers,
+)
 from fsdp_bridge.state_dicts.torch_helpers import called_by_torch_helpers
 from fsdp_bridge.translation import bad_argument, check_bool
 
@@ -111,6 +118,7 @@ class ShardedWrapper(nn.Module):
     """Base of our wrapper modules; `_frontend` names the dialect in messages."""
 
     _frontend = "FullyShardedDataParallel"
+    _hidden_child = WRAPPED  # the inner attribute state-dict names leave out
 
     # -- construction -------------------------------------------------------------------------
 
@@ -121,6 +129,7 @@ class ShardedWrapper(nn.Module):
         object.__setattr__(self, "_nested_units", tuple(nested))
         self._set_state_dict_settings(StateDictSettings(StateDictType.FULL_STATE_DICT,
                                                         *_default_config(StateDictType.FULL_STATE_DICT)))
+        below_root.hook_into_parent_loads(self)
 
     @staticmethod
     def release_nested(module: nn.Module) -> tuple[tuple[str, dict], ...]:
@@ -249,6 +258,16 @@ class ShardedWrapper(nn.Module):
         engine.load_full_state_dict(self._sharded, state_dict, strict=strict)
         return nn.modules.module._IncompatibleKeys([], [])
 
+    def _load_overlap(self, state_dict: dict) -> tuple[list, list]:
+        """Load what `state_dict` holds of this model through a parent's load (see [Note:
+        loaded through a parent module] in fsdp_bridge/state_dicts/below_root.py); return
+        (missing, unexpected) keys. LOCAL keys are our own: the load itself reports them."""
+        local = self._state_dict_settings.state_dict_type is StateDictType.LOCAL_STATE_DICT
+        if local and self._sharded.comm.shard_size > 1 and not called_by_torch_helpers():
+            result = self.load_state_dict(state_dict, strict=False)
+            return list(result.missing_keys), list(result.unexpected_keys)
+        return below_root.load_overlap(self, state_dict)
+
     def _local_is_full(self) -> bool:
         """With one rank per shard (NO_SHARD) native FSDP1 gives and takes the full state dict
         under LOCAL_STATE_DICT, and warns: so do we (the same keys and values as native's)."""
@@ -366,6 +385,13 @@ class ShardedWrapper(nn.Module):
         for name, param in super().named_parameters(*args, **kwargs):
             yield (name.replace(WRAPPED + ".", "") if clean else name), param
 
+    def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
+        """Asked by torch's state-dict helpers, without `_fsdp_wrapped_module` (see
+        fsdp_bridge/state_dicts/below_root.py)."""
+        clean = below_root.named_modules(self, memo, prefix, remove_duplicate)
+        return clean if clean is not None else super().named_modules(memo, prefix,
+                                                                     remove_duplicate)
+
     def named_buffers(self, *args, **kwargs):
         clean = self.__dict__.get("_summoning", 0) > 0 or called_by_torch_helpers()
         for name, buffer in super().named_buffers(*args, **kwargs):
@@ -386,14 +412,28 @@ class ShardedWrapper(nn.Module):
     @staticmethod
     def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
                          optim_state_dict: Optional[dict] = None, group=None) -> dict:
+        """[Note: the optimizer of a model holding the wrapper]
+        `model` may hold the wrapper (a module around it, or torch's `checkpoint_wrapper`):
+        the optimizer then also steps parameters outside it, and native FSDP1 names every one
+        from `model`. So does this (`body.embed.weight`, `extra.weight`); the wrapper's own
+        names would leave those parameters' state out of the checkpoint."""
         root = ShardedWrapper._root(model)
         settings = root._state_dict_settings
         if settings.state_dict_type is not StateDictType.FULL_STATE_DICT:  # as native's
             return optim_state.get_optimizer_state_dict(
-                root, [optim],
+                model, [optim],
                 cpu_offload=getattr(settings.optim_state_dict_config, "offload_to_cpu", False))
         rank0_only = getattr(settings.optim_state_dict_config, "rank0_only", False)
-        return engine.full_optim_state_dict(root._sharded, optim, rank0_only=rank0_only)
+        return ShardedWrapper._full_optim(model, root, optim, rank0_only)
+
+    @staticmethod
+    def _full_optim(model: nn.Module, root: "ShardedWrapper", optim, rank0_only: bool) -> dict:
+        """FSDP1's full optimizer state dict, named from `model` (see [Note: the optimizer of
+        a model holding the wrapper])."""
+        if model is root:
+            return engine.full_optim_state_dict(root._sharded, optim, rank0_only=rank0_only)
+        full = optim_state.get_optimizer_state_dict(model, [optim], full_state_dict=True)
+        return {} if rank0_only and parts.world_rank() != 0 else full
 
     @staticmethod
     def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer,
@@ -403,11 +443,15 @@ class ShardedWrapper(nn.Module):
         settings = root._state_dict_settings
         if settings.state_dict_type is not StateDictType.FULL_STATE_DICT:  # as native's
             # Name-keyed DTensors (or native FSDP1's ShardedTensors) of any world size.
-            result = optim_state.optimizer_states_to_load(root, [optim], optim_state_dict)[0]
+            result = optim_state.optimizer_states_to_load(model, [optim], optim_state_dict)[0]
         else:
             if getattr(settings.optim_state_dict_config, "rank0_only", False):
                 optim_state_dict = fsdp1_optim.from_rank0(optim_state_dict, group)
-            result = engine.optim_state_dict_to_load(root._sharded, optim, optim_state_dict)
+            if model is not root:  # see [Note: the optimizer of a model holding the wrapper]
+                result = optim_state.optimizer_states_to_load(model, [optim],
+                                                              optim_state_dict)[0]
+            else:
+                result = engine.optim_state_dict_to_load(root._sharded, optim, optim_state_dict)
         if load_directly:
             optim.load_state_dict(result)
         return result
@@ -415,8 +459,7 @@ class ShardedWrapper(nn.Module):
     @staticmethod
     def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_input=None,
                               rank0_only: bool = True, group=None) -> dict:
-        return engine.full_optim_state_dict(ShardedWrapper._root(model)._sharded, optim,
-                                            rank0_only=rank0_only)
+        return ShardedWrapper._full_optim(model, ShardedWrapper._root(model), optim, rank0_only)
 
     @staticmethod
     def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer,
@@ -426,7 +469,8 @@ class ShardedWrapper(nn.Module):
         ShardedTensors, or DTensors with a device mesh); loads back through
         `flatten_sharded_optim_state_dict` at any world size."""
         _warn_legacy("sharded_optim_state_dict", "optim_state_dict")
-        return optim_state.get_optimizer_state_dict(ShardedWrapper._root(model), [optim])
+        ShardedWrapper._root(model)  # refuses a model without a wrapper, by name
+        return optim_state.get_optimizer_state_dict(model, [optim])
 
     @staticmethod
     def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict, model: nn.Module,
@@ -434,8 +478,8 @@ class ShardedWrapper(nn.Module):
         """What `optim.load_state_dict` takes, from `sharded_optim_state_dict`'s form (ours or
         native FSDP1's ShardedTensors). A collective; the optimizer is not loaded."""
         _warn_legacy("flatten_sharded_optim_state_dict", "optim_state_dict_to_load")
-        root = ShardedWrapper._root(model)
-        return optim_state.optimizer_states_to_load(root, [optim], sharded_optim_state_dict)[0]
+        ShardedWrapper._root(model)  # refuses a model without a wrapper, by name
+        return optim_state.optimizer_states_to_load(model, [optim], sharded_optim_state_dict)[0]
 
     @staticmethod
     def shard_full_optim_state_dict(full_optim_state_dict: dict, model: nn.Module,
@@ -450,6 +494,8 @@ class ShardedWrapper(nn.Module):
         if optim is None:
             return fsdp1_optim.by_model_order(model, root._sharded, root._frontend,
                                               full_optim_state_dict)
+        if model is not root:  # see [Note: the optimizer of a model holding the wrapper]
+            return optim_state.optimizer_states_to_load(model, [optim], full_optim_state_dict)[0]
         return engine.optim_state_dict_to_load(root._sharded, optim, full_optim_state_dict)
 
     @staticmethod

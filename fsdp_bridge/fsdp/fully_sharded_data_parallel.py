@@ -31,6 +31,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noq
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
+from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
 from torch.distributed.fsdp.fully_sharded_data_parallel import (  # noqa: F401
     FLAT_PARAM,
     FSDP_PREFIX,
@@ -123,6 +124,11 @@ def check_nested_groups(module: nn.Module, shard_group, replicate_group) -> None
 
 class FullyShardedDataParallel(ShardedWrapper):
     _frontend = FRONTEND
+
+    # torch's own: it names parameters by walking the model with wrapper children left out (ours
+    # and activation checkpointing's) and numbers them as the optimizer does, which reads our
+    # models as they are; it moves no tensor and runs no collective.
+    rekey_optim_state_dict = staticmethod(TorchFSDP.rekey_optim_state_dict)
 
     def __init__(
         self,

@@ -10,4 +10,7 @@ both use it, and it uses only the engine and the Plan.
 - `optim_state`: the same for optimizer state, keyed by parameter name;
 - `torch_helpers`: how FSDP1-style models answer torch's `torch.distributed.checkpoint.
   state_dict` helpers without torch being patched.
+- `below_root`: how a wrapper of ours that is not the root (held by another module, or under
+  torch's `checkpoint_wrapper`) is loaded by the root's `load_state_dict` and named to torch's
+  helpers.
 """

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_bridge import engine
+from fsdp_bridge.engine.layout import state_dict_key
 from fsdp_bridge.translation import bad_argument
 
 
@@ -31,7 +32,9 @@ def by_model_order(model: nn.Module, sharded, frontend: str, full_osd: dict) -> 
     `model.parameters()` (how an optimizer built on them numbers them), one param group per
     saved one with its positions sorted, as FSDP1 gives it when no optimizer is passed."""
     position = {id(p): i for i, p in enumerate(model.parameters())}
-    by_name = dict(nn.Module.named_parameters(sharded.module))
+    # Saved names are state-dict keys: without activation checkpointing's wrapper child.
+    by_name = {state_dict_key(fqn): param
+               for fqn, param in nn.Module.named_parameters(sharded.module)}
     groups = []
     for saved in full_osd["param_groups"]:
         unknown = [fqn for fqn in saved["params"]

@@ -20,7 +20,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_bridge import devices, engine
 from fsdp_bridge.mixed_dialects import refuse_other_dialects, refuse_taken_over
-from fsdp_bridge.state_dicts import model_state
+from fsdp_bridge.state_dicts import below_root, model_state
 from fsdp_bridge.state_dicts.torch_helpers import called_by_torch_helpers
 from fsdp_bridge.translation import bad_argument, check_param_init_fn
 from fsdp_bridge.wrapper import hidden_child_names, placed, shard_flat
@@ -71,6 +71,7 @@ def _watch_accumulation(model: "YaFSDP") -> None:
 
 class YaFSDP(nn.Module):
     _frontend = FRONTEND  # see fsdp_bridge/mixed_dialects.py
+    _hidden_child = "_module"  # the inner attribute state-dict names leave out
 
     def __init__(
         self,
@@ -142,6 +143,7 @@ class YaFSDP(nn.Module):
             param_init_fn=param_init_fn,
         )
         _watch_accumulation(self)
+        below_root.hook_into_parent_loads(self)
 
     # -- the wrapped model --------------------------------------------------------------------
 
@@ -187,6 +189,16 @@ class YaFSDP(nn.Module):
 
     def _fqn_modifiers(self) -> dict:
         return hidden_child_names(self._modules["_module"], "_module")
+
+    # Held by another module, or under torch's checkpoint_wrapper: see
+    # fsdp_bridge/state_dicts/below_root.py.
+    def _load_overlap(self, state_dict: dict) -> tuple[list, list]:
+        return below_root.load_overlap(self, state_dict)
+
+    def named_modules(self, memo=None, prefix: str = "", remove_duplicate: bool = True):
+        clean = below_root.named_modules(self, memo, prefix, remove_duplicate)
+        return clean if clean is not None else super().named_modules(memo, prefix,
+                                                                     remove_duplicate)
 
     # FSDP-style accumulation also works on top of the declared steps.
     def no_sync(self):
