@@ -19,11 +19,12 @@ wrong values. So:
   first gather (`refuse_taken_over`). torch's FSDP1 leaves our parameters alone, since they
   carry its own mark of parameters another FSDP unit already flattened (see [Note: flattened,
   as torch's FSDP1 reads it] in engine/flat_group.py), so its gathers complete on every rank;
-  our forward then finds torch's FSDP1 forward on the call stack, around the module we shard.
-  torch's fully_shard replaces our parameters by its own, which the forward finds too.
-- Around our fully_shard, torch's wrappers fail in their own wrap on every rank with torch's
-  message (they meet our DTensor parameters); that message cannot be ours without patching
-  torch.
+  our forward then finds torch's FSDP1 forward on the call stack, around the module we shard
+  (our fully_shard looks the same way when its first forward builds the sharding). torch's
+  fully_shard replaces our flat-layout parameters by its own, which the forward finds too.
+- Around our fully_shard, torch's fully_shard fails in its own wrap on every rank with torch's
+  message (it takes our DTensor parameters for tensor-parallel ones); that message cannot be
+  ours without patching torch.
 """
 
 from __future__ import annotations
