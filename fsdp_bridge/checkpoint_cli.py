@@ -1,7 +1,7 @@
 """`fsdp-bridge convert-checkpoint SRC DST --to {torch,dcp,safetensors}`.
 
-Outside the `checkpoint` package, whose import loads torch: `--help` and argument errors stay
-fast."""
+`--help` and the checks of SRC and DST (`checkpoint.convert_checks`) run before torch is
+imported, which takes seconds: a wrong argument is answered at once."""
 
 from __future__ import annotations
 
@@ -24,8 +24,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fsdp_bridge.checkpoint.convert import convert
+    from fsdp_bridge.checkpoint import convert_checks  # no torch
     from fsdp_bridge.checkpoint.validate import CheckpointError
+
+    try:
+        convert_checks.detect(args.source)
+        convert_checks.check_destination(args.source, args.destination, args.to, args.force)
+    except CheckpointError as exc:
+        return _error(exc)
+    from fsdp_bridge.checkpoint.convert import convert
 
     try:
         with warnings.catch_warnings():
@@ -35,8 +42,12 @@ def run(args: argparse.Namespace) -> int:
             report = convert(args.source, args.destination, args.to, key=args.key,
                              force=args.force)
     except (CheckpointError, ValueError) as exc:
-        print(f"fsdp-bridge convert-checkpoint: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc)
     for line in report.lines():
         print(line)
     return 0
+
+
+def _error(exc: Exception) -> int:
+    print(f"fsdp-bridge convert-checkpoint: error: {exc}", file=sys.stderr)
+    return 2

@@ -100,11 +100,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """The subcommand's exit code; a missing optional dependency is one line on stderr."""
+    """The subcommand's exit code; a missing optional dependency, or a file-system failure no
+    command foresaw (a full disk, a read-only destination), is one line on stderr."""
     from fsdp_bridge.extras import MissingExtra, as_missing_extra
+    from fsdp_bridge.outputs import is_file_system_error, os_error_line
 
     try:
         return int(args._run(args) or 0)
+    except OSError as exc:
+        if exc.filename is None and not is_file_system_error(exc):
+            raise  # a socket, a timeout: not ours to summarise
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"fsdp-bridge {args.command}: error: {where}{os_error_line(exc)}", file=sys.stderr)
+        return 2
     except MissingExtra as exc:
         missing: MissingExtra | None = exc
     except ModuleNotFoundError as exc:  # an import of an extra that no check foresaw

@@ -1,16 +1,19 @@
 """Files fsdp-bridge writes: checked before any work starts (`check_output_file`), so a long run
 never ends in a traceback about its output path, and written atomically (`atomic_path`: a
 temporary sibling renamed into place), so an interrupted write never leaves half a file. The one
-file writer of the package: the command line's outputs (`--json`, `--plot`, `--write-docs`),
-migrate's rewrites and converted checkpoint files all go through `atomic_path`."""
+file writer of the package: the command line's outputs (`--json`, `--plot`, `--write-docs`,
+`--report`, demo's copies), migrate's rewrites and converted checkpoint files all go through
+`atomic_path`, which replaces the one file it names and nothing else. `os_error_line` says in
+one line what a failed file-system call means and what to do."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import os
 import uuid
-from typing import Callable, Optional
+from typing import BinaryIO, Callable, Optional
 
 
 def check_output_file(flag: str, path: Optional[str]) -> None:
@@ -61,8 +64,10 @@ def atomic_path(path: str, *, temporary: Optional[str] = None, durable: bool = F
 
     `temporary`: its name (default: `path` with a random infix, same extension, since writers
     infer formats from it). `durable`: fsync the file before the rename and the directory after
-    it, so that the new content survives a power loss, not only a crash."""
-    full = os.path.abspath(path)
+    it, so that the new content survives a power loss, not only a crash. A symbolic link at
+    `path` stays a link: the file it points to is replaced, as a shell's `>` would write it.
+    Only `path` is replaced; every other file in its directory stays as it was."""
+    full = os.path.realpath(path)
     root, ext = os.path.splitext(full)
     tmp = temporary or f"{root}.tmp-{uuid.uuid4().hex[:12]}{ext}"
     try:
@@ -73,6 +78,10 @@ def atomic_path(path: str, *, temporary: Optional[str] = None, durable: bool = F
         os.replace(tmp, full)
         if durable:
             fsync_dir(os.path.dirname(full))
+    except OSError as exc:
+        if exc.errno is not None and exc.filename in (None, tmp):
+            exc.filename = path  # name the file the caller asked for
+        raise
     finally:
         with contextlib.suppress(OSError):
             os.remove(tmp)
@@ -100,7 +109,47 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+# What a failed file-system call means for the one who asked for the write, and what to do.
+_ADVICE = {
+    errno.ENOSPC: "the disk is full: free some space and run again",
+    getattr(errno, "EDQUOT", errno.ENOSPC): "the disk quota is used up: free some space and run again",
+    errno.EFBIG: "a file-size limit was reached (ulimit -f): raise it, or write less",
+    errno.EROFS: "the file system is read-only: write somewhere else",
+    errno.EACCES: "permission denied: make it writable (chmod u+w) or write somewhere else",
+    errno.EPERM: "the operation is not permitted there: write somewhere else",
+    errno.ENOTDIR: "a part of the path is a file, not a directory: choose another path",
+    errno.EISDIR: "it is a directory: give a file path",
+    errno.ENOENT: "it, or a directory on the way, does not exist: create the directory first",
+    errno.EXDEV: "it lies on another file system than its temporary copy: write elsewhere",
+}
+
+
+def is_file_system_error(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in _ADVICE
+
+
+def os_error_line(exc: OSError) -> str:
+    """One line for a failed file-system call: what happened and what to do (the caller
+    names the path), e.g. "the file system is read-only: write somewhere else [Errno 30]"."""
+    said = _ADVICE.get(exc.errno or 0) or (exc.strerror or str(exc)).strip().splitlines()[0]
+    return f"{said} [Errno {exc.errno}]" if exc.errno else said
+
+
 def write_text(path: str, text: str) -> None:
     with atomic_path(path) as tmp:
-        with open(tmp, "w") as handle:
+        with open(tmp, "w", encoding="utf-8") as handle:
             handle.write(text)
+
+
+def write_with(path: str, write: Callable[[BinaryIO], None]) -> None:
+    """`write(file)` into a temporary sibling that then replaces `path`, durably: for writers
+    that take an open file (`torch.save`), whose failures then keep their errno."""
+    with atomic_path(path, durable=True) as tmp:
+        with open(tmp, "wb") as handle:
+            write(handle)
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as handle:
+            handle.write(data)

@@ -1,10 +1,12 @@
 """The command line starts without torch: `fsdp-bridge --help` imports no subcommand;
 `migrate --help`, `compare --help` and `compare-scripts --help` import only their command, and
-none imports torch (which takes seconds); the overview still lists every subcommand. Imports are
+none imports torch (which takes seconds); the overview still lists every subcommand; argument
+errors, and `convert-checkpoint`'s wrong paths, are one line before torch loads. Imports are
 read from `-X importtime`."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -75,3 +77,32 @@ def test_argument_errors_come_before_torch_and_transformers_load(argv, said):
     assert done.returncode == 2, done.stderr[-2000:]
     assert said in done.stderr
     assert _torch_modules(imported) == [] and "transformers" not in imported
+
+
+@pytest.mark.parametrize("case, said", [
+    ("missing source", "SRC '{d}/missing.pt' does not exist"),
+    ("text source", "SRC '{d}/notes.txt' is not a checkpoint: it is a text file"),
+    ("existing destination", "'{d}/exists.pt' exists; pass --force"),
+    ("missing parent", "DST '{d}/nowhere/x.pt': its parent directory '{d}/nowhere' does not "
+                       "exist"),
+])
+def test_convert_checkpoint_refuses_wrong_paths_in_one_line_before_torch_loads(tmp_path, case,
+                                                                              said):
+    (tmp_path / "a.pt").write_bytes(b"PK\x03\x04" + bytes(60))  # a zip's start: torch.save's
+    (tmp_path / "notes.txt").write_text("my notes\n")
+    (tmp_path / "exists.pt").write_bytes(b"keep me")
+    source, destination = {
+        "missing source": ("missing.pt", "out"),
+        "text source": ("notes.txt", "out"),
+        "existing destination": ("a.pt", "exists.pt"),
+        "missing parent": ("a.pt", "nowhere/x.pt"),
+    }[case]
+    done, imported = _run("-m", "fsdp_bridge", "convert-checkpoint", str(tmp_path / source),
+                          str(tmp_path / destination), "--to", "torch")
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"fsdp-bridge convert-checkpoint: error: {said.format(d=tmp_path)}")
+    assert _torch_modules(imported) == []
+    assert (tmp_path / "exists.pt").read_bytes() == b"keep me"
+    assert sorted(os.listdir(tmp_path)) == ["a.pt", "exists.pt", "notes.txt"]

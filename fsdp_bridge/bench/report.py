@@ -8,6 +8,7 @@ import os
 import statistics
 
 from fsdp_bridge.bench.models import CONFIGS
+from fsdp_bridge.outputs import write_text
 
 # The speed target: ours at most this fraction of the faster native step time.
 SPEEDUP_TARGET = 0.85
@@ -190,6 +191,5 @@ def _init_ratio(figs: dict, ours: str, native: str) -> str:
 def write_figures(path, figures: dict) -> None:
     """`--json FILE`: the figures as JSON (nothing when the option is not given)."""
     if path:
-        with open(path, "w") as handle:
-            json.dump(figures, handle, indent=2)
+        write_text(path, json.dumps(figures, indent=2))
         print(f"figures written to {path}")

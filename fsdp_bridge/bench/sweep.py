@@ -20,6 +20,7 @@ import sys
 from fsdp_bridge import tiny
 from fsdp_bridge.bench import models, schedule
 from fsdp_bridge.bench import report as bench_report
+from fsdp_bridge.outputs import atomic_path
 
 # (hidden, layers, vocab): the default tiny Llama, then two larger ones. Attention heads are
 # 64 wide at every size.
@@ -152,5 +153,6 @@ def plot_sweep(reports: list[dict], path: str, cap_mib: float | None = None) -> 
     world = reports[0]["settings"]["nproc"]
     figure.suptitle(f"fsdp-bridge bench --sweep: world {world} on gloo, CPU")
     figure.tight_layout()
-    figure.savefig(path, format="png", dpi=110)
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, format="png", dpi=110)
     plt.close(figure)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_bridge.checkpoint import atomic, manifest, save_checks, validate
+from fsdp_bridge.checkpoint import atomic, manifest, ownership, save_checks, validate
 from fsdp_bridge.state_dicts.parts import world_rank
 
 
@@ -95,7 +95,7 @@ def _checks_and_lock(state: dict, path: str, overwrite: bool, held: contextlib.E
         save_checks.check_collisions(state, f"cannot save checkpoint {path!r}")
         if world_rank() == 0:
             held.enter_context(atomic.locked_target(path, overwrite))
-            atomic.clean_before_save(path)
+            atomic.clean_before_save(path, "dcp")
     except validate.CheckpointError as exc:
         return exc
     return None
@@ -122,8 +122,11 @@ def save(state_dict: dict, path: str, *, overwrite: bool = False) -> str:
     collective when a process group exists; every rank must pass the same `path`.
 
     `path` may be missing, an empty directory or one of our checkpoints (it is replaced); any
-    other existing directory is refused unless `overwrite=True`, and a file always is. The
-    files get SHA-256 checksums in our manifest ([Note: the manifest]), verified by `load`."""
+    other existing directory is refused unless `overwrite=True`, and a file always is. Only
+    the checkpoint's own files are replaced: every other file in `path` (notes, configs,
+    symbolic links) is kept, with or without `overwrite` (see [Note: a writer owns only what
+    it wrote]). The files get SHA-256 checksums in our manifest ([Note: the manifest]),
+    verified by `load`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -161,7 +164,7 @@ def save(state_dict: dict, path: str, *, overwrite: bool = False) -> str:
         if world_rank() == 0:
             try:
                 manifest.write(tmp, {k: v for part in everyone for k, v in part.items()}, "dcp")
-                atomic.publish(tmp, path, token)
+                atomic.publish(tmp, path, token, "dcp")
             except BaseException as exc:  # noqa: BLE001
                 error = save_checks.explain(exc, path)
         _fail_together(error, f"publishing {path!r}", discard)
@@ -272,8 +275,9 @@ def _check_keep(keep) -> None:
 class CheckpointManager:
     """Numbered checkpoints `<root>/step_<n>`, each written atomically; `latest()` is the
     highest complete one (a crash during a save never leaves a partial `step_<n>`). After each
-    save, the oldest of our checkpoints beyond the newest `keep` are removed (None: keep all);
-    directories we did not write are never removed."""
+    save, the files of our checkpoints beyond the newest `keep` are removed (None: keep all),
+    and their directories with them unless they hold files of the user's; directories we did
+    not write are never touched."""
 
     PATTERN = re.compile(r"^step_(\d+)$")
 
@@ -321,11 +325,11 @@ class CheckpointManager:
             try:
                 with atomic.lock(path):
                     if step in old and manifest.is_ours(path):
-                        atomic.remove_tree(path)
+                        ownership.remove_owned(path, ownership.owner("dcp", [path]))
                     # An .old- without its step is a crash's recovery copy: obsolete once a
                     # newer step is saved.
-                    atomic.clean_leftovers(path, keep_old=not (os.path.isdir(path)
-                                                               or step < saved))
+                    atomic.clean_leftovers(path, "dcp", keep_old=not (os.path.isdir(path)
+                                                                      or step < saved))
             except validate.CheckpointError:
                 continue  # another process is saving that step right now
 

@@ -11,11 +11,17 @@ before the rename leaves `<path>` as it was (the previous checkpoint, or nothing
 directory is atomic on POSIX file systems; the parent directory is fsync'ed after each rename
 so that the new name survives a power loss too.
 
+The new directory also gets every entry of `<path>` that the writer does not own (the user's
+files, as hard links), and the `.old-` directory is taken apart rather than removed: see
+[Note: a writer owns only what it wrote] (`ownership`).
+
 Every save of `<path>` holds `lock(<path>)` (filelock) from its checks to its clean-up, so no
 other save of the same path runs meanwhile; a second one is refused with the holder's pid. Under the lock,
 any `.tmp-`/`.old-` sibling of `<path>` is a leftover of a crashed save: the next save removes
 them before it writes (`clean_before_save`, keeping an `.old-` that is the only copy) and again
-once its own checkpoint is in place (`clean_leftovers`).
+once its own checkpoint is in place (`clean_leftovers`). A `.tmp-` holds the writer's files and
+links to the user's, so it is removed whole; an `.old-` is taken apart like any replaced
+directory, its user files moved back into `<path>`.
 """
 
 from __future__ import annotations
@@ -27,12 +33,13 @@ import re
 import shutil
 import socket
 import warnings
+from typing import Optional
 
 import filelock
 
-from fsdp_bridge.checkpoint import manifest
+from fsdp_bridge.checkpoint import manifest, ownership
 from fsdp_bridge.checkpoint.validate import CheckpointError
-from fsdp_bridge.outputs import fsync_dir, fsync_file
+from fsdp_bridge.outputs import fsync_dir, fsync_file, os_error_line
 
 TMP, OLD = ".tmp-", ".old-"
 LOCK_SUFFIX = ".fsdp-bridge-lock"
@@ -62,10 +69,14 @@ def check_parent(path: str, what: str = "save to") -> None:
                               "Choose a path below a directory.")
 
 
-def check_target(path: str, overwrite: bool = False) -> None:
-    """Refuse, before anything is written, a target that a save would destroy: a file, a
-    symbolic link, or a non-empty directory that is not one of our checkpoints (no manifest,
-    see [Note: the manifest]) unless `overwrite`."""
+def check_target(path: str, overwrite: bool = False, kind: str = "dcp") -> None:
+    """Refuse, before anything is written, a target a writer of `kind` must not replace: a
+    file, a symbolic link, a mount point, the working directory (or one holding it), or a
+    non-empty directory that is not one of our checkpoints (no manifest, see [Note: the
+    manifest]) unless `overwrite`. A `save_pretrained` directory is shared with tokenizers and
+    model cards, so there only model files fsdp-bridge did not write need `overwrite`. Whatever
+    passes, only the writer's own files are replaced (see [Note: a writer owns only what it
+    wrote])."""
     check_parent(path)
     if os.path.islink(path):
         raise CheckpointError(f"cannot save to {path!r}: it is a symbolic link; save to the "
@@ -77,16 +88,45 @@ def check_target(path: str, overwrite: bool = False) -> None:
         raise CheckpointError(f"cannot save to {path!r}: it is a file, and a checkpoint is a "
                               "directory. Nothing was changed; choose another path (or move "
                               "the file away yourself).")
+    check_replaceable(path)
     entries = sorted(os.listdir(path))
     if not entries or overwrite or manifest.is_ours(path):
         return
-    shown = ", ".join(entries[:5]) + (f", ... ({len(entries) - 5} more)"
-                                      if len(entries) > 5 else "")
+    if kind == "save_pretrained":
+        models = [name for name in entries if ownership.known(kind, name)]
+        if models:
+            raise CheckpointError(
+                f"cannot save to {path!r}: it holds model files fsdp-bridge did not write "
+                f"({_shown(models)}), which saving would replace. Nothing was changed: save "
+                "to a new path, or pass overwrite=True to replace them (the directory's other "
+                "files, such as a tokenizer or a README, are kept).")
+        return
     raise CheckpointError(
         f"cannot save to {path!r}: the directory exists and is not a checkpoint written by "
-        f"fsdp-bridge (no {manifest.MANIFEST} file); it holds {shown}. Saving would replace it "
-        "and everything in it. Nothing was changed: save to a new path, or pass "
-        "overwrite=True to replace it.")
+        f"fsdp-bridge (no {manifest.MANIFEST} file); it holds {_shown(entries)}. Nothing was "
+        "changed: save to a new path, or pass overwrite=True to write the checkpoint into it "
+        f"(it replaces only files named as its own, {ownership.DESCRIBED[kind]}, and keeps "
+        "the rest).")
+
+
+def check_replaceable(path: str) -> None:
+    """A directory is replaced by renaming a new one into place: refuse one that cannot be
+    (a mount point) or must not be (the working directory, or one holding it)."""
+    if os.path.ismount(path):
+        raise CheckpointError(f"cannot replace {path!r}: it is a mount point, and a checkpoint "
+                              "is replaced by renaming a new directory into place. Nothing was "
+                              "changed; write to a directory inside it.")
+    here = os.getcwd()
+    if here == path or here.startswith(path.rstrip(os.sep) + os.sep):
+        raise CheckpointError(f"cannot replace {path!r}: it is (or holds) the working "
+                              "directory, which a replacement would leave pointing at the "
+                              "removed copy. Nothing was changed; change directory first, or "
+                              "write to another path.")
+
+
+def _shown(entries: list) -> str:
+    return ", ".join(entries[:5]) + (f", ... ({len(entries) - 5} more)"
+                                     if len(entries) > 5 else "")
 
 
 # -- one save of a path at a time ---------------------------------------------------------------
@@ -101,20 +141,26 @@ def lock_path(path: str) -> str:
 def lock(path: str):
     """Hold the save lock of checkpoint `path` (filelock's lock on a hidden sibling file, an
     flock that the kernel releases if the process dies); refuse at once if another save holds
-    it, naming the holder written in the file."""
+    it, naming the holder written in the file. A lock that cannot be taken (a read-only file
+    system, no permission, a full disk) is a CheckpointError naming the path."""
     file = lock_path(path)
-    os.makedirs(os.path.dirname(file), exist_ok=True)
     held = filelock.FileLock(file, is_singleton=False, thread_local=False)
     try:
+        os.makedirs(os.path.dirname(file), exist_ok=True)
         held.acquire(blocking=False)
     except filelock.Timeout:
         raise CheckpointError(
             f"another save to {path!r} is in progress ({_read_holder(file) or 'holder unknown'}): "
             "two saves of one path would overwrite each other. Wait for it to finish, or save "
             "to another path.") from None
+    except OSError as exc:
+        raise _lock_error(path, file, exc) from None
     try:
-        with open(file, "w") as handle:
-            handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        try:
+            with open(file, "w") as handle:
+                handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        except OSError as exc:
+            raise _lock_error(path, file, exc) from None
         yield
     finally:
         # Removed before the release: a save waiting on this file then finds it gone and
@@ -124,15 +170,20 @@ def lock(path: str):
         held.release()
 
 
+def _lock_error(path: str, file: str, exc: OSError) -> CheckpointError:
+    return CheckpointError(f"cannot write {path!r}: its lock file {file!r} cannot be created: "
+                           f"{os_error_line(exc)}. Nothing was changed.")
+
+
 @contextlib.contextmanager
-def locked_target(path: str, overwrite: bool = False):
+def locked_target(path: str, overwrite: bool = False, kind: str = "dcp"):
     """Hold `lock(path)` with `path` checked by `check_target` under it. The check must follow
     the lock: another save may be replacing `path` until then, and between its two renames
     `path` is briefly missing, which a check made then would misread (a directory listed a
     moment before, now without a manifest: "not a checkpoint")."""
     check_parent(path)  # before the lock, which creates missing directories for its file
     with lock(path):
-        check_target(path, overwrite)
+        check_target(path, overwrite, kind)
         yield
 
 
@@ -147,21 +198,28 @@ def _read_holder(file: str) -> str:
 # -- publication and leftovers ------------------------------------------------------------------
 
 
-def publish(tmp: str, path: str, token: str) -> None:
-    """Move the finished directory `tmp` to `path`, replacing what was there (the caller holds
-    `lock(path)` and has passed `check_target`), then remove crash leftovers of `path`."""
+def publish(tmp: str, path: str, token: str, kind: str) -> None:
+    """Move the finished directory `tmp` (a writer of `kind`'s files) to `path`, replacing what
+    was there (the caller holds `lock(path)` and has passed `check_target`) but keeping its
+    user's files (carried into `tmp` first), then remove crash leftovers of `path`."""
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     fsync_tree(tmp)
     if os.path.lexists(path):
+        owns = ownership.owner(kind, [path], written=manifest.data_files(tmp))
+        ownership.carry(path, tmp, owns)
+        for directory, _, _ in os.walk(tmp):
+            fsync_dir(directory)
         old = f"{path}{OLD}{token}"
         os.rename(path, old)
         fsync_dir(parent)
         os.rename(tmp, path)
+        fsync_dir(parent)
+        ownership.dismantle(old, path, owns)
     else:
         os.rename(tmp, path)
-    fsync_dir(parent)
-    clean_leftovers(path)
+        fsync_dir(parent)
+    clean_leftovers(path, kind)
 
 
 def leftovers(path: str) -> list[str]:
@@ -172,25 +230,32 @@ def leftovers(path: str) -> list[str]:
     return sorted(c for c in candidates if pattern.match(os.path.basename(c)))
 
 
-def clean_leftovers(path: str, keep_old: bool = False) -> None:
+def clean_leftovers(path: str, kind: Optional[str] = None, keep_old: bool = False) -> None:
     """Remove what crashed saves of `path` left (call with `lock(path)` held; `.old-` copies
-    too unless `keep_old`: with a complete checkpoint at `path` none is needed for recovery)."""
+    too unless `keep_old`: with a complete checkpoint at `path` none is needed for recovery).
+    An `.old-` directory is taken apart: the files a writer of `kind` (default: the kind its
+    manifest names) owns go, the user's are moved back into `path`."""
     for leftover in leftovers(path):
-        if keep_old and OLD in os.path.basename(leftover):
+        is_old = OLD in os.path.basename(leftover)
+        if keep_old and is_old:
             continue
-        if os.path.isdir(leftover) and not os.path.islink(leftover):
-            shutil.rmtree(leftover, ignore_errors=True)
-        else:
+        if not os.path.isdir(leftover) or os.path.islink(leftover):
             with contextlib.suppress(OSError):
                 os.remove(leftover)
+        elif is_old:
+            owns = ownership.owner(kind or ownership.kind_of(leftover) or "", [leftover],
+                                   written=ownership.listed(path))
+            ownership.dismantle(leftover, path, owns)
+        else:  # the writer's files and links to the user's (see [Note: atomic checkpoints])
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
-def clean_before_save(path: str) -> None:
+def clean_before_save(path: str, kind: str) -> None:
     """Under `lock(path)`, before writing: every `.tmp-` sibling is a crashed save's, and so
     is every `.old-` once `path` exists (without `path`, an `.old-` is the previous checkpoint
     and stays until this save has published its own). A run of crashes therefore never leaves
     more than one `.tmp-` and one `.old-`."""
-    clean_leftovers(path, keep_old=not os.path.isdir(path))
+    clean_leftovers(path, kind, keep_old=not os.path.isdir(path))
 
 
 def remove_tree(path: str) -> None:

@@ -10,6 +10,9 @@ Formats:
 
 Every write is atomic (temporary name, fsync, rename) and is read back and compared, tensor by
 tensor and bit for bit, with what was meant to be written before the command reports success.
+A directory written with `--force` over an earlier one keeps every file that is not the
+format's own (see [Note: a writer owns only what it wrote]). The arguments are checked by
+`convert_checks` before anything is read.
 """
 
 from __future__ import annotations
@@ -17,17 +20,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import pickle
+import re
 import shutil
 import uuid
 from typing import Any, Optional
 
 import torch
 
-from fsdp_bridge.checkpoint import atomic, manifest, save_checks, validate
+from fsdp_bridge.checkpoint import atomic, convert_checks, manifest, save_checks, validate
+from fsdp_bridge.checkpoint.convert_checks import FORMATS, check_destination, detect
 from fsdp_bridge.checkpoint.validate import CheckpointError
 from fsdp_bridge.outputs import atomic_path
-
-FORMATS = ("torch", "dcp", "safetensors")
 
 
 @dataclasses.dataclass
@@ -52,27 +56,6 @@ class Report:
         return out
 
 
-def detect(path: str) -> str:
-    if os.path.isdir(path):
-        if os.path.exists(os.path.join(path, ".metadata")):
-            return "dcp"
-        try:
-            from fsdp_bridge.checkpoint.hf import safetensors_files
-
-            safetensors_files(path)
-            return "safetensors"
-        except CheckpointError:
-            pass
-        raise CheckpointError(f"{path!r} is a directory but neither a DCP checkpoint (no "
-                              "'.metadata') nor a save_pretrained directory (no "
-                              "model.safetensors).")
-    if not os.path.exists(path):
-        raise CheckpointError(f"{path!r} does not exist.")
-    if path.endswith(".safetensors"):
-        return "safetensors"
-    return "torch"
-
-
 # -- reading ------------------------------------------------------------------------------------
 
 
@@ -88,10 +71,12 @@ def read(path: str, fmt: str) -> dict:
     if fmt == "torch":
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise _unsafe_objects(path, exc) from exc
         except Exception as exc:  # noqa: BLE001 - many types for a damaged file
             raise CheckpointError(f"{path!r} cannot be read by torch.load ({type(exc).__name__}: "
-                                  f"{exc}): the file is truncated, corrupt or not a torch "
-                                  "checkpoint.") from exc
+                                  f"{_first_line(exc)}): the file is truncated, corrupt or not a "
+                                  "torch checkpoint.") from exc
         if not isinstance(state, dict):
             raise CheckpointError(f"{path!r} holds a {type(state).__name__}, not a state dict.")
         return state
@@ -116,6 +101,29 @@ def read(path: str, fmt: str) -> dict:
             _verify_manifest(path)
         return read_safetensors(path)
     raise ValueError(f"unknown format {fmt!r}; one of {FORMATS}")
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def _unsafe_objects(path: str, exc: pickle.UnpicklingError) -> CheckpointError:
+    """torch.load(weights_only=True) refused a pickled object: say so in one line (torch's own
+    message runs to eight lines and suggests turning the check off, which would run whatever
+    code the file names)."""
+    said = str(exc)
+    if "Weights only load failed" not in said:
+        return CheckpointError(f"{path!r} cannot be read by torch.load (UnpicklingError: "
+                               f"{_first_line(exc)}): the file is truncated, corrupt or not a "
+                               "torch checkpoint.")
+    named = re.search(r"GLOBAL ([\w.]+)", said)
+    what = f"one is a {named.group(1)}" if named else "its pickle names code to run"
+    return CheckpointError(
+        f"{path!r} holds Python objects that are not tensors or plain values ({what}); "
+        "convert-checkpoint reads tensors, dicts, lists, numbers and strings only, and never "
+        "runs code a file names. Save the state dict with those alone (e.g. torch.from_numpy "
+        "for arrays) and convert that file.")
 
 
 # -- writing ------------------------------------------------------------------------------------
@@ -156,8 +164,10 @@ def write(state: dict, path: str, fmt: str) -> None:
     tmp = atomic.temporary_path(path, token)
     try:
         if fmt == "torch":
-            with _file_at(path, tmp) as out:
-                torch.save(state, out)
+            with _file_at(path, tmp) as out, open(out, "wb") as handle:
+                # Through a Python file: a failed write keeps its errno (a full disk is said
+                # as such), which torch's own file writer reports as "iostream error".
+                torch.save(state, handle)
         elif fmt == "dcp":
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint import FileSystemWriter
@@ -195,7 +205,7 @@ def _file_at(path: str, tmp: str):
 
 def _publish_with_manifest(tmp: str, path: str, token: str, kind: str) -> None:
     manifest.write(tmp, manifest.checksums(tmp, manifest.data_files(tmp)), kind)
-    atomic.publish(tmp, path, token)
+    atomic.publish(tmp, path, token, kind)
 
 
 def _compare(expected: Any, actual: Any, where: str = "") -> list[str]:
@@ -237,56 +247,6 @@ def _count(state: Any) -> tuple[int, int]:
     return sum(p[0] for p in parts), sum(p[1] for p in parts)
 
 
-DIRECTORY_OUTPUT = {"dcp": True, "torch": False}
-
-
-def _writes_directory(path: str, to: str) -> bool:
-    return DIRECTORY_OUTPUT.get(to, not path.endswith(".safetensors"))
-
-
-def _is_checkpoint_directory(path: str) -> bool:
-    try:
-        return manifest.is_ours(path) or detect(path) in ("dcp", "safetensors")
-    except CheckpointError:
-        return False
-
-
-def check_destination(source: str, target: str, to: str, force: bool) -> None:
-    """Refuse, before reading anything, a destination we cannot or must not write."""
-    source, target = os.path.abspath(source), os.path.abspath(target)
-    if source == target:
-        raise CheckpointError("source and destination are the same path.")
-    if source.startswith(target + os.sep):
-        raise CheckpointError(f"DST {target!r} contains SRC {source!r}; choose another DST.")
-    parent = os.path.dirname(target)
-    if not os.path.isdir(parent):
-        raise CheckpointError(
-            f"DST {target!r}: its parent directory {parent!r} "
-            + ("is a file" if os.path.lexists(parent) else "does not exist")
-            + ". Create the directory first (nothing was written).")
-    if not os.path.lexists(target):
-        return
-    if not force:
-        raise CheckpointError(f"{target!r} exists; pass --force to replace it (atomically).")
-    directory = _writes_directory(target, to)
-    if os.path.islink(target):
-        raise CheckpointError(f"DST {target!r} is a symbolic link: --force does not replace "
-                              "links; pass the path it points to or a new path.")
-    if not directory and os.path.isdir(target):
-        raise CheckpointError(
-            f"--force: DST {target!r} is a directory, but --to {to} writes one file. Nothing "
-            "was changed; give a file path (or remove the directory yourself).")
-    if directory and not os.path.isdir(target):
-        raise CheckpointError(
-            f"--force: DST {target!r} is a file, but --to {to} writes a directory. Nothing was "
-            "changed; give a directory path (or remove the file yourself).")
-    if directory and os.listdir(target) and not _is_checkpoint_directory(target):
-        raise CheckpointError(
-            f"--force: DST {target!r} is a directory that is not a checkpoint (no .metadata, "
-            "no safetensors, no fsdp-bridge manifest); replacing it would delete what it holds. "
-            "Nothing was changed; choose a new path (or remove it yourself).")
-
-
 def convert(source: str, target: str, to: str, *, key: Optional[str] = None,
             force: bool = False) -> Report:
     if to not in FORMATS:
@@ -306,14 +266,20 @@ def convert(source: str, target: str, to: str, *, key: Optional[str] = None,
         save_checks.check_collisions(state, f"cannot write {target!r} as DCP")
         state = {str(k): v for k, v in state.items()}
     tensors, size = _count(state)
+    kind = convert_checks.kind_written(target, to)
     with atomic.lock(target):
         # Again under the lock: a save of `target` that ran meanwhile may have changed it.
         check_destination(source, target, to, force)
-        atomic.clean_before_save(target)
+        if kind is not None and os.path.isdir(target):
+            atomic.check_replaceable(os.path.abspath(target))
+        atomic.clean_before_save(target, kind)
         try:
             write(state, target, to)
-        except Exception as exc:  # noqa: BLE001 - disk full, permissions: said clearly
-            raise save_checks.explain(exc, target) from exc
+        except BaseException as exc:  # noqa: BLE001 - disk full (DCP's CheckpointException too)
+            error = save_checks.explain(exc, target)
+            if error is exc:  # an interrupt, or already clear
+                raise
+            raise error from exc
     back = read(target, to)
     read_back, _ = _count(back)
     if read_back != tensors:

@@ -4,7 +4,8 @@
 `model.safetensors.index.json` on every rank (safetensors maps files lazily) and loads them
 into the sharded model; tied parameters that `save_pretrained` stores once (GPT-2's
 `lm_head.weight`) are filled from their twin. `save_pretrained(model, path)` gathers the full
-fp32 state dict and has rank 0 call the unwrapped model's own `save_pretrained`, atomically.
+fp32 state dict and has rank 0 call the unwrapped model's own `save_pretrained`, atomically,
+replacing only the files that writes (the directory's tokenizer, model card... are kept).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_bridge.checkpoint import atomic, manifest
+from fsdp_bridge.checkpoint import atomic, manifest, save_checks
 from fsdp_bridge.checkpoint.validate import CheckpointError
 from fsdp_bridge.state_dicts.model_state import get_model_state_dict, set_model_state_dict
 from fsdp_bridge.state_dicts.parts import entries, find_parts, world_rank
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+KIND = "save_pretrained"  # our manifest's kind for these directories
 
 
 def safetensors_files(path: str) -> list[str]:
@@ -87,8 +89,10 @@ def load_pretrained(model: nn.Module, path: str, *, strict: bool = True):
 
 def save_pretrained(model: nn.Module, path: str, *, overwrite: bool = False, **kwargs) -> str:
     """The full fp32 weights through the model's own `save_pretrained` (rank 0), atomically,
-    with our manifest. `path` is refused as `checkpoint.save` refuses it (an existing directory
-    we did not write, unless `overwrite=True`; a file)."""
+    with our manifest. The directory may hold a tokenizer, a model card, anything: only what
+    transformers' `save_pretrained` writes is replaced (the weights, `config.json`,
+    `generation_config.json`; see [Note: a writer owns only what it wrote]), and model files
+    that fsdp-bridge did not write only with `overwrite=True`; a file is refused."""
     full = get_model_state_dict(model, full_state_dict=True, cpu_offload=True)
     path = os.path.abspath(path)
     token = [uuid.uuid4().hex[:12]]
@@ -98,19 +102,19 @@ def save_pretrained(model: nn.Module, path: str, *, overwrite: bool = False, **k
     if world_rank() == 0:
         tmp = atomic.temporary_path(path, token[0])
         try:
-            with atomic.locked_target(path, overwrite):
-                atomic.clean_before_save(path)
+            with atomic.locked_target(path, overwrite, KIND):
+                atomic.clean_before_save(path, KIND)
                 try:
                     _unwrapped(model).save_pretrained(tmp, state_dict=full,
                                                       safe_serialization=True, **kwargs)
                     files = manifest.data_files(tmp)
-                    manifest.write(tmp, manifest.checksums(tmp, files), "save_pretrained")
-                    atomic.publish(tmp, path, token[0])
+                    manifest.write(tmp, manifest.checksums(tmp, files), KIND)
+                    atomic.publish(tmp, path, token[0], KIND)
                 finally:
                     if os.path.isdir(tmp):
                         shutil.rmtree(tmp, ignore_errors=True)
         except Exception as exc:  # noqa: BLE001 - every rank raises
-            error = [f"{type(exc).__name__}: {exc}"]
+            error = [str(save_checks.explain(exc, path))]
     if dist.is_initialized():
         dist.broadcast_object_list(error, src=0)
     if error[0] is not None:

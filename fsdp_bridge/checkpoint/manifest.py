@@ -4,9 +4,11 @@ of every file in it.
 [Note: the manifest]
 `save` (and `convert-checkpoint`, `hf.save_pretrained`) write `MANIFEST` last into the
 temporary directory, before it is published. It serves two purposes:
-- *Ownership.* A save replaces an existing directory only when it holds a manifest (one of our
-  checkpoints); anything else (a user's `outputs/`, a checkpoint another tool wrote) is refused
-  unless the caller passes `overwrite=True`.
+- *Ownership.* A save writes over an existing directory only when it holds a manifest (one of
+  our checkpoints); anything else (a user's `outputs/`, a checkpoint another tool wrote) is
+  refused unless the caller passes `overwrite=True`. Either way, what the manifest lists is
+  what the writer may replace; every other file there is the user's (see [Note: a writer owns
+  only what it wrote]).
 - *Integrity.* DCP's `.metadata` records where each item lies, not what it holds: one flipped
   bit in a `.distcp` payload loads as a wrong value. The manifest's checksums are verified
   before anything is read. Directories without a manifest (written by torch's own `dcp.save`)

@@ -19,6 +19,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from fsdp_bridge.checkpoint.validate import CheckpointError
+from fsdp_bridge.outputs import is_file_system_error, os_error_line
 
 _PLAIN = (int, float, str, bytes, bool, type(None))
 _FULL_ERRNOS = {errno.ENOSPC, errno.EFBIG, getattr(errno, "EDQUOT", errno.ENOSPC)}
@@ -131,6 +132,12 @@ def explain(exc: BaseException, path: str) -> BaseException:
             f"could not write checkpoint {path!r}: the disk is full or a file-size limit "
             f"(ulimit -f, a quota) was reached ({_free_space(path)}). Nothing was published: "
             f"{path!r} is as it was before this save. Free some space and save again.")
+    elif any(is_file_system_error(cause) for cause in _causes(exc)):
+        cause = next(c for c in _causes(exc) if is_file_system_error(c))
+        where = f"{cause.filename}: " if getattr(cause, "filename", None) else ""
+        error = CheckpointError(
+            f"could not write checkpoint {path!r}: {where}{os_error_line(cause)}. Nothing was "
+            f"published: {path!r} is as it was before this save.")
     else:
         inner = [c for c in _causes(exc) if c is not exc and isinstance(c, Exception)]
         detail = inner[0] if inner else exc

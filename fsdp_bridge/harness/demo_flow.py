@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import tempfile
 from typing import Callable, Optional
+
+from fsdp_bridge.outputs import write_bytes
 
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(PACKAGE, "examples", "fsdp1_train_llama.py")
@@ -27,7 +28,8 @@ def migrate_copy(example: str, target: str, out_dir: str) -> str:
 
     stem = os.path.splitext(os.path.basename(example))[0]
     path = os.path.join(out_dir, f"{stem}_to_{target}.py")
-    shutil.copyfile(example, path)
+    with open(example, "rb") as handle:
+        write_bytes(path, handle.read())  # replaces only this file of out_dir
     parser = argparse.ArgumentParser(prog="fsdp-bridge migrate")
     migrate_cli.add_arguments(parser)
     code = int(migrate_cli.run(parser.parse_args([path, "--to", target, "--write"])) or 0)

@@ -110,6 +110,10 @@ def _write_all(pending: list[FileResult]) -> list[FileResult]:
     return []
 
 
+def _shown(paths: list[str]) -> str:
+    return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         print(f"fsdp-bridge migrate: -j {args.jobs}: the number of jobs must be at least 1.", file=sys.stderr)
@@ -119,9 +123,10 @@ def run(args: argparse.Namespace) -> int:
         if args.report:  # every output path is checked before any file is touched
             report.check_path(args.report)
         skipped: list[str] = []
+        outside: list[str] = []
         unread = unsupported_files(args.paths)
         paths = list(walk([p for p in args.paths if p not in unread], args.exclude,
-                          args.default_excludes, skipped))
+                          args.default_excludes, skipped, outside))
     except (FileNotFoundError, ValueError) as exc:
         print(f"fsdp-bridge migrate: {exc}", file=sys.stderr)
         return 2
@@ -130,9 +135,12 @@ def run(args: argparse.Namespace) -> int:
               "file: skipped (migrate rewrites Python and reports YAML and notebooks)",
               file=sys.stderr)
     if skipped:
-        shown = ", ".join(skipped[:3]) + (f" and {len(skipped) - 3} more" if len(skipped) > 3 else "")
-        progress.note(f"fsdp-bridge migrate: skipped {shown} (virtual environment or build "
+        progress.note(f"fsdp-bridge migrate: skipped {_shown(skipped)} (virtual environment or build "
                       "directory); --no-default-excludes to migrate them too", args.quiet)
+    if outside:
+        progress.note(f"fsdp-bridge migrate: skipped {_shown(outside)}: symbolic links to files "
+                      "outside the directories given; migrate writes only inside them (name "
+                      "such a file itself to migrate it)", args.quiet)
     with progress.bar(len(paths), "migrate", "file", args.quiet) as files_done:
         results = run_all(paths, args.target, args.jobs, lambda: files_done.update(1))
     nothing_written = None

@@ -173,17 +173,20 @@ class _Ignores:
 
 
 def walk(paths: list[str], excludes: list[str], default_excludes: bool = True,
-         skipped: list[str] | None = None) -> Iterator[str]:
+         skipped: list[str] | None = None, outside: list[str] | None = None) -> Iterator[str]:
     """Python, YAML and notebook files under `paths`, honouring .gitignore files and `--exclude`,
     and (with `default_excludes`) skipping virtual environments and build directories, each
     skipped one appended to `skipped`.
 
     A file or directory named explicitly on the command line is always included. A file reached
     twice (a symlink and its target, or two links) is listed once, under the first path met: it
-    is rewritten through the link, which stays a link.
+    is rewritten through the link, which stays a link. A symbolic link found in a directory that
+    points outside it is not listed but appended to `outside`: migrate never writes outside the
+    trees it is given.
     """
     seen: set[str] = set()
-    for path in _walk(paths, excludes, default_excludes, skipped if skipped is not None else []):
+    for path in _walk(paths, excludes, default_excludes, skipped if skipped is not None else [],
+                      outside if outside is not None else []):
         real = os.path.realpath(path)
         if real not in seen:
             seen.add(real)
@@ -197,7 +200,7 @@ def is_default_excluded(directory: str) -> bool:
 
 
 def _walk(paths: list[str], excludes: list[str], default_excludes: bool,
-          skipped: list[str]) -> Iterator[str]:
+          skipped: list[str], outside: list[str]) -> Iterator[str]:
     for top in paths:
         if os.path.isfile(top):
             yield top
@@ -205,6 +208,7 @@ def _walk(paths: list[str], excludes: list[str], default_excludes: bool,
         if not os.path.isdir(top):
             raise FileNotFoundError(f"path {top!r} does not exist; pass files or directories to migrate.")
         ignores = _Ignores(top, excludes)
+        root = os.path.realpath(top)
         for directory, dirnames, filenames in os.walk(top):
             ignores.add_dir(directory)
             kept = []
@@ -220,4 +224,11 @@ def _walk(paths: list[str], excludes: list[str], default_excludes: bool,
             for name in sorted(filenames):
                 path = os.path.join(directory, name)
                 if name.endswith(READ_SUFFIXES) and not ignores.ignored(path, False):
-                    yield path
+                    if _inside(os.path.realpath(path), root):
+                        yield path
+                    else:
+                        outside.append(path)
+
+
+def _inside(real: str, root: str) -> bool:
+    return real == root or real.startswith(root.rstrip(os.sep) + os.sep)

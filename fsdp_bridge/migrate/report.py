@@ -9,6 +9,7 @@ from typing import Sequence
 
 from fsdp_bridge.codemods import rules
 from fsdp_bridge.migrate.driver import FileResult
+from fsdp_bridge.outputs import write_text
 
 # Sites whose rewrite calls into fsdp_bridge: a runtime helper anywhere; under --to bridge every
 # translated site (the mirrored module); under --to yafsdp the sites that name the YaFSDP class
@@ -110,5 +111,4 @@ def write(path: str, results: Sequence[FileResult], target: str) -> None:
     check_path(path)
     extension = os.path.splitext(path)[1].lower()
     text = to_json(results, target) if extension == ".json" else to_markdown(results, target)
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(text)
+    write_text(path, text)

@@ -9,6 +9,7 @@ import os
 import torch
 import torch.distributed as _dist
 
+from fsdp_bridge.outputs import write_with
 from fsdp_bridge.torchacc import dist  # noqa: F401
 from fsdp_bridge.torchacc.accelerate import AcceleratedModel, accelerate
 from fsdp_bridge.torchacc.config import (  # noqa: F401
@@ -35,8 +36,13 @@ def save(obj, path: str, master_only: bool = True, global_master: bool = False) 
     world = _dist.get_world_size() if _dist.is_initialized() else 1
     if master_only:
         if rank == 0:
-            torch.save(obj, path)
+            _save(obj, path)
         return
     if os.path.isdir(path):
         path = os.path.join(path, f"rank{rank}-of-{world}-model.pth")
-    torch.save(obj, path)
+    _save(obj, path)
+
+
+def _save(obj, path: str) -> None:
+    """torch.save, replacing `path` atomically: an interrupted save leaves the previous file."""
+    write_with(path, lambda handle: torch.save(obj, handle))

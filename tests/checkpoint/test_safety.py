@@ -65,7 +65,7 @@ def test_save_refuses_a_file_and_a_path_below_a_file(outputs):
     assert not atomic.leftovers(str(directory / "notes.txt"))
 
 
-def test_save_replaces_its_own_checkpoints_and_overwrite_replaces_on_request(outputs, tmp_path):
+def test_save_replaces_its_own_checkpoints_and_overwrite_writes_into_another_directory(outputs, tmp_path):
     directory, before = outputs
     mine = tmp_path / "ckpt"
     checkpoint.save(_state(1.0), str(mine))
@@ -75,9 +75,9 @@ def test_save_replaces_its_own_checkpoints_and_overwrite_replaces_on_request(out
     empty.mkdir()
     checkpoint.save(_state(3.0), str(empty))  # an empty directory holds nothing to lose
     other = tmp_path / "other"
-    user_files.make(other)
-    checkpoint.save(_state(4.0), str(other), overwrite=True)
-    assert _load(str(other))["step"] == 4 and not (other / "train.log").exists()
+    theirs = user_files.make(other)
+    checkpoint.save(_state(4.0), str(other), overwrite=True)  # written into, the rest kept
+    assert _load(str(other))["step"] == 4 and user_files.unchanged(other, theirs)
     assert manifest.MANIFEST in os.listdir(mine)
     assert user_files.unchanged(directory, before)
 
@@ -318,3 +318,21 @@ def test_convert_refuses_destinations_it_cannot_or_must_not_write(outputs, tmp_p
     # --force onto a checkpoint of the same kind replaces it.
     assert _convert(capsys, source, tmp_path / "d", "--to", "dcp")[0] == 0
     assert _convert(capsys, source, tmp_path / "d", "--to", "dcp", "--force")[0] == 0
+
+
+def test_convert_says_in_one_line_what_a_source_is_not(tmp_path, capsys):
+    import numpy as np
+
+    pickled = tmp_path / "arrays.pt"
+    torch.save({"model": {"w": np.ones(3)}}, pickled)  # a numpy array: pickled code to run
+    empty = tmp_path / "empty.pt"
+    empty.write_bytes(b"")
+    cases = [(pickled, "holds Python objects that are not tensors or plain values (one is a "
+                       "numpy"),
+             (empty, "is not a checkpoint: it is an empty file"),
+             (tmp_path, "is a directory but neither a DCP checkpoint")]
+    for source, words in cases:
+        code, out = _convert(capsys, source, tmp_path / "out", "--to", "dcp")
+        assert code == 2 and words in out.err, out.err
+        assert len(out.err.strip().splitlines()) == 1 and "weights_only" not in out.err
+    assert not (tmp_path / "out").exists()

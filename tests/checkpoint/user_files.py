@@ -34,3 +34,39 @@ def digests(directory, only=None) -> dict:
 
 def unchanged(directory, before: dict) -> bool:
     return digests(directory, only=set(before)) == before
+
+
+def plant(directory, outside) -> dict:
+    """A user's entries inside a writer's destination `directory`: a note, a file in a
+    sub-directory, and a relative symbolic link to a file in `outside`. Returns what `intact`
+    checks: the files' digests and inodes, the link's text, its target's digest."""
+    directory, outside = str(directory), str(outside)
+    os.makedirs(os.path.join(directory, "mine"), exist_ok=True)
+    os.makedirs(outside, exist_ok=True)
+    target = os.path.join(outside, "shared.txt")
+    with open(target, "w") as handle:
+        handle.write("another project's file\n")
+    with open(os.path.join(directory, "NOTES.md"), "w") as handle:
+        handle.write("# what this run was\n")
+    with open(os.path.join(directory, "mine", "settings.yaml"), "w") as handle:
+        handle.write("lr: 0.1\n")
+    link = os.path.join(directory, "shared.txt")
+    os.symlink(os.path.relpath(target, directory), link)
+    files = ("NOTES.md", os.path.join("mine", "settings.yaml"))
+    return {"directory": directory, "files": digests(directory, only=set(files)),
+            "inodes": {name: os.stat(os.path.join(directory, name)).st_ino for name in files},
+            "link": os.readlink(link), "target": target,
+            "target_digest": digests(outside, only={"shared.txt"})}
+
+
+def intact(planted: dict) -> bool:
+    """The planted files hold what they held (the same files, not copies), the link is still a
+    link with the same text, and its target is untouched."""
+    directory = planted["directory"]
+    link = os.path.join(directory, "shared.txt")
+    return (digests(directory, only=set(planted["files"])) == planted["files"]
+            and all(os.stat(os.path.join(directory, name)).st_ino == inode
+                    for name, inode in planted["inodes"].items())
+            and os.path.islink(link) and os.readlink(link) == planted["link"]
+            and digests(os.path.dirname(planted["target"]), only={"shared.txt"})
+            == planted["target_digest"])

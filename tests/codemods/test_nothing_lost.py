@@ -19,6 +19,25 @@ def test_symlink_is_rewritten_through_and_stays_a_link(tmp_path):
     assert "fully_shard(model)" in (tmp_path / "real.py").read_text()
 
 
+def test_a_link_to_a_file_outside_the_tree_is_skipped_and_said(tmp_path, capsys):
+    tree, other = tmp_path / "project", tmp_path / "other_project"
+    tree.mkdir()
+    other.mkdir()
+    (other / "train.py").write_text(FSDP1)
+    (tree / "real.py").write_text(FSDP1)
+    (tree / "inside.py").symlink_to("real.py")
+    (tree / "outside.py").symlink_to(other / "train.py")
+    assert main(["migrate", str(tree), "--to", "fsdp2", "--write", "-j", "1"]) == 0
+    err = capsys.readouterr().err
+    assert (other / "train.py").read_text() == FSDP1  # another project's file: untouched
+    assert (tree / "outside.py").is_symlink() and (tree / "inside.py").is_symlink()
+    assert "fully_shard(model)" in (tree / "real.py").read_text()  # once, through the link
+    assert f"skipped {tree / 'outside.py'}: symbolic links to files outside" in err, err
+    # Named on the command line, the link is followed: the user asked for that file.
+    assert main(["migrate", str(tree / "outside.py"), "--to", "fsdp2", "--write"]) == 0
+    assert "fully_shard(model)" in (other / "train.py").read_text()
+
+
 def test_read_only_file_and_unwritable_directory_are_errors_and_nothing_is_written(tmp_path, capsys):
     locked = tmp_path / "locked.py"
     locked.write_text(FSDP1)

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from fsdp_bridge.outputs import write_with
 from fsdp_bridge.translation import bad_argument
 
 
@@ -48,8 +49,9 @@ def consolidate_sharded_model_checkpoints(ckpt_dir: str, ckpt_suffix: str = "ran
             continue
         flat = torch.cat([c["model"][key].reshape(-1) for c in replica])
         full[key] = flat.view(shape).clone()
-    if save_model:
-        torch.save({"model": full}, save_path or os.path.join(
+    if save_model:  # replaces that one file, atomically; the shards and the rest stay
+        path = save_path or os.path.join(
             ckpt_dir if os.path.isdir(ckpt_dir) else os.path.dirname(ckpt_dir) or ".",
-            "consolidated.pth"))
+            "consolidated.pth")
+        write_with(path, lambda handle: torch.save({"model": full}, handle))
     return full
