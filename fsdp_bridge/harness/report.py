@@ -73,6 +73,7 @@ def _comparison_json(comparison: Comparison) -> dict:
         "ok": comparison.ok,
         "outcome": comparison.outcome,
         "sensitivity": comparison.sensitivity,
+        "advice": comparison.advice if comparison.outcome == "inconclusive" else None,
         "first_diverging_step": comparison.first_diverging_step,
         "steps": [{"step": c.step, "loss": c.loss, "baseline_loss": c.baseline_loss,
                    "loss_ratio": c.loss_ratio, "grad_norm_ratio": c.grad_norm_ratio,
