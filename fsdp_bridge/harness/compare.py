@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from fsdp_bridge.harness.arguments import check_tolerance_value
 from fsdp_bridge.harness.digest import Digest
 from fsdp_bridge.harness.names import STRICT_STEPS
 from fsdp_bridge.harness.resolution import advice, digests_identical, sensitivity
@@ -156,16 +157,6 @@ def first_nan_step(steps: Sequence) -> Optional[tuple[int, str]]:
             if value is not None and not math.isfinite(value):
                 return record.step, f"{what} {value}"
     return None
-
-
-def check_tolerance_value(name: str, value: Optional[float]) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name}={value!r}: expected a finite number >= 0 (|a-b| <= atol + "
-                         "rtol*|b|; a negative tolerance would make every comparison pass or "
-                         "fail meaninglessly). Omit it to use the dtype's default.")
 
 
 TOLERANCES = {
