@@ -116,10 +116,17 @@ def shard_on_cpu(accelerator: accelerate.Accelerator,
         logger.info("accelerate runs FSDP on accelerators only and chose CPU data parallelism; "
                     "%s shards on the CPU with the FSDP plugin instead", FRONTEND)
     elif state.distributed_type == DistributedType.NO:
-        warnings.warn(f"{FRONTEND}: an FSDP plugin was given, but this is one process without "
-                      "torch.distributed, so FSDP is off and the model is not sharded (as with "
-                      "accelerate's own Accelerator). Start one process per rank with accelerate "
-                      "launch or torchrun.", FsdpBridgeWarning, stacklevel=3)
+        if _launched_without_accelerator():  # the state was made before, without cpu=True
+            why = ("accelerate set this rank up alone, as if no other were launched: without an "
+                   "accelerator it needs cpu=True to start the CPU ranks' process group")
+            fix = ("Pass cpu=True (for the HF Trainer, TrainingArguments(use_cpu=True)), or let "
+                   "this Accelerator build accelerate's state.")
+        else:
+            why = "this is one process without torch.distributed"
+            fix = "Start one process per rank with accelerate launch or torchrun."
+        warnings.warn(f"{FRONTEND}: an FSDP plugin was given, but {why}, so FSDP is off and the "
+                      f"model is not sharded (as with accelerate's own Accelerator). {fix}",
+                      FsdpBridgeWarning, stacklevel=3)
 
 
 def _fsdp_asked(plugin) -> bool:

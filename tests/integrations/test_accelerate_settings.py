@@ -68,6 +68,9 @@ def test_fsdp_asked_on_the_cpu_shards_or_says_it_is_off(monkeypatch):
     # state (cpu=True), which a user's script on a GPU machine would not pass.
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert ours._launched_without_accelerator() == (not torch.accelerator.is_available())
+    if not torch.accelerator.is_available():  # a state made without cpu=True: say the fix
+        with pytest.warns(UserWarning, match=r"FSDP is off.*Pass cpu=True \(for the HF Trainer"):
+            ours.shard_on_cpu(alone, plugin)
     monkeypatch.delenv("LOCAL_RANK")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert not ours._launched_without_accelerator()
