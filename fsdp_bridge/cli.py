@@ -30,8 +30,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("fsdp_bridge.bench", "time native FSDP1, FSDP2 and our engine (YaFSDP and "
               "fully_shard front-ends) on a tiny Llama (CPU ranks, gloo), or on a 1B Llama on "
               "CUDA (--device cuda)"),
-    "explain": ("fsdp_bridge.explain_cli", "show the front-ends' argument tables, or the plan a "
-                "tiny demo model gets"),
+    "explain": ("fsdp_bridge.explain_cli", "show the front-ends' argument tables, or the plan "
+                "your model (or a tiny demo model) gets"),
     "migrate": ("fsdp_bridge.migrate.cli", "rewrite FSDP code between dialects (FSDP1 -> bridge "
                 "/ FSDP2 / YaFSDP) with libcst"),
     "compare": ("fsdp_bridge.harness.cli_compare", "train a recipe under several FSDP backends "
