@@ -1,6 +1,7 @@
 """`fsdp-bridge explain MODEL`: the user's own model, named as MODULE:FUNCTION or FILE.py:FUNCTION,
 and the shipped examples started without torchrun."""
 
+import json
 import os
 import subprocess
 import sys
@@ -31,10 +32,14 @@ def _explain(*argv, cwd=None):
 
 def test_explain_takes_a_script_path_and_a_module_path(tmp_path):
     (tmp_path / "mymodels.py").write_text(BUILD)
-    by_file = _explain(f"{tmp_path / 'mymodels.py'}:wrapped")
+    by_file = _explain(f"{tmp_path / 'mymodels.py'}:wrapped", "--json", "-")
     assert by_file.returncode == 0, by_file.stderr
-    assert "front-end FullyShardedDataParallel" in by_file.stdout
-    assert by_file.stdout.count("torch.float32 -> torch.float32") == 2  # one unit per Linear
+    # --json -: the plan as data on stdout, its text on stderr
+    assert "front-end FullyShardedDataParallel" in by_file.stderr
+    assert by_file.stderr.count("torch.float32 -> torch.float32") == 2  # one unit per Linear
+    plan = json.loads(by_file.stdout)
+    assert plan["frontend"] == "FullyShardedDataParallel" and len(plan["units"]) == 3
+    assert [unit["compute_dtype"] for unit in plan["units"][:2]] == ["torch.float32"] * 2
     by_module = _explain("mymodels:unwrapped", cwd=str(tmp_path))
     assert by_module.returncode == 0, by_module.stderr
     assert "returned an unwrapped Linear; it was wrapped whole" in by_module.stdout
