@@ -44,9 +44,9 @@ def _marked_processes(marker: str) -> list[int]:
     return found
 
 
-def _start(tree: pathlib.Path, marker: str) -> subprocess.Popen:
+def _start(path: pathlib.Path, marker: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "FSDP_BRIDGE_KILL_TEST": marker, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "fsdp_bridge", "migrate", str(tree), "--to", "fsdp2", "--write",
+    return subprocess.Popen([sys.executable, "-m", "fsdp_bridge", "migrate", str(path), "--to", "fsdp2", "--write",
                              "-j", "2"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -100,8 +100,8 @@ def test_sigkill_at_random_points(tmp_path):
         for left in _temporaries(tree):
             assert f"-{process.pid}-" in left.name, left
         _check_tree(tree, VARIANTS, rewrites, marker, killed=True)
-    # What the kills left is swept by the next run, which completes the migration.
+    # What the kills left in the directory is swept by the next --write there, even of one file.
     (tree / f".fsdp-bridge-f000.py-{2**22 + 7}-0.tmp").write_text("a killed run's")  # no such pid
     marker = uuid.uuid4().hex
-    assert _start(tree, marker).wait(timeout=300) == 0
-    assert _check_tree(tree, VARIANTS, rewrites, marker) == FILES * CHANGED_VARIANTS // len(VARIANTS)
+    assert _start(tree / "f003.py", marker).wait(timeout=300) == 0  # a file without FSDP
+    _check_tree(tree, VARIANTS, rewrites, marker)
