@@ -26,10 +26,13 @@ endif
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# The package (editable) with every extra, and the test suite's tools (requirements-test.txt).
+DEV_INSTALL := -e '.[hf,lightning,plot]' -r requirements-test.txt
+
+$(STAMP): pyproject.toml requirements-test.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(INSTALL_TORCH)
-	$(PIP) -e '.[test]'
+	$(PIP) $(DEV_INSTALL)
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -67,12 +70,12 @@ gpu-check:
 	$(PY) -m tests.gpu_check --out $(GPU_CHECK_OUT)
 # The suite (or TESTS=...) against another torch, in its own environment .venv-torch-X, created
 # or reused: torch $(TORCH_VERSION) from the package index (PyPI's default build is the CUDA one,
-# several GB, which runs on the CPU), then the package with the test extra beside it.
+# several GB, which runs on the CPU), then the package with its extras and the test tools.
 TORCH_ENV = .venv-torch-$(TORCH_VERSION)
 TESTS ?=
 test-torch:
 	test -x $(TORCH_ENV)/bin/python || $(PY) -m venv $(TORCH_ENV)
-	$(TORCH_ENV)/bin/python -m pip install -q torch==$(TORCH_VERSION) -e '.[test]'
+	$(TORCH_ENV)/bin/python -m pip install -q torch==$(TORCH_VERSION) $(DEV_INSTALL)
 	$(TORCH_ENV)/bin/python -c "import torch; print('torch', torch.__version__)"
 	$(TORCH_ENV)/bin/python -m pytest -q -rs $(TESTS)
 

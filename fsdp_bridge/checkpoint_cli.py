@@ -21,10 +21,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--key", default=None, help="for --to safetensors: the sub-dict whose "
                         "tensors to keep (default: 'model' when the source has one)")
     parser.add_argument("--force", action="store_true", help="replace DST if it exists")
+    parser.add_argument("--json", metavar="FILE", help="also write what was converted (formats, "
+                        "paths, tensor counts, bytes) as JSON to FILE; - for stdout (the text "
+                        "then goes to stderr)")
 
 
 def run(args: argparse.Namespace) -> int:
     from fsdp_bridge.checkpoint import convert_checks  # no torch
+    from fsdp_bridge.outputs import check_output_file
+
+    try:  # the --json output path, before the conversion starts
+        check_output_file("--json", args.json, stdout=True)
+    except ValueError as exc:
+        return _error(exc)
     from fsdp_bridge.checkpoint.validate import CheckpointError
 
     try:
@@ -43,11 +52,26 @@ def run(args: argparse.Namespace) -> int:
                              force=args.force)
     except (CheckpointError, ValueError) as exc:
         return _error(exc)
-    for line in report.lines():
-        print(line)
+    _show(report, args)
     return 0
 
 
 def _error(exc: Exception) -> int:
     print(f"fsdp-bridge convert-checkpoint: error: {exc}", file=sys.stderr)
     return 2
+
+
+def _show(report, args: argparse.Namespace) -> None:
+    """The report's lines, and with --json the same as data."""
+    import dataclasses
+
+    from fsdp_bridge.outputs import STDOUT, human_stream, write_json
+
+    text = human_stream(args.json)
+    for line in report.lines():
+        print(line, file=text)
+    if args.json:
+        write_json(args.json, {"source": args.source, "destination": args.destination,
+                               **dataclasses.asdict(report)})
+        if args.json != STDOUT:
+            print(f"wrote the summary as JSON to {args.json}", file=text)

@@ -7,12 +7,19 @@ import. A subcommand module exposes:
 
     add_arguments(parser) -> None       declares its arguments
     run(args) -> int                    does the work; the return value is the exit code
+
+Every subcommand also takes `-v/--verbose`: the package logs through `logging`, under the
+`fsdp_bridge` logger and its children named after the modules (`fsdp_bridge.harness.torchrun`,
+`fsdp_bridge.migrate.driver`, ...), as accelerate, Lightning and torchtitan do; `-v` shows its
+INFO records on stderr, `-vv` its DEBUG records too. A program using the library configures
+those loggers itself.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 
@@ -23,8 +30,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("fsdp_bridge.bench", "time native FSDP1, FSDP2 and our engine (YaFSDP and "
               "fully_shard front-ends) on a tiny Llama (CPU ranks, gloo), or on a 1B Llama on "
               "CUDA (--device cuda)"),
-    "explain": ("fsdp_bridge.explain_cli", "show the front-ends' argument tables, or the plan a "
-                "tiny demo model gets"),
+    "explain": ("fsdp_bridge.explain_cli", "show the front-ends' argument tables, or the plan "
+                "your model (or a tiny demo model) gets"),
     "migrate": ("fsdp_bridge.migrate.cli", "rewrite FSDP code between dialects (FSDP1 -> bridge "
                 "/ FSDP2 / YaFSDP) with libcst"),
     "compare": ("fsdp_bridge.harness.cli_compare", "train a recipe under several FSDP backends "
@@ -63,10 +70,12 @@ def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
         "dialects, and an equivalence harness.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    _add_verbose(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     parser.set_defaults(chosen_parser=parser)
     for name, (module_name, help_line) in available().items():
         sub_parser = sub.add_parser(name, help=help_line, description=help_line)
+        _add_verbose(sub_parser)
         if name == chosen:
             module = importlib.import_module(module_name)
             module.add_arguments(sub_parser)
@@ -75,20 +84,44 @@ def build_parser(chosen: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    # SUPPRESS: given before or after the command, neither parser overwrites the other's count.
+    parser.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                        help="log what the command does on stderr (the fsdp_bridge loggers' "
+                             "INFO records; -vv: DEBUG too)")
+
+
+def configure_logging(verbosity: int) -> None:
+    """The `fsdp_bridge` loggers' records at INFO (-v) or DEBUG (-vv) on stderr; without -v, the
+    library's warnings only (Python's own default)."""
+    if not verbosity:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+    package = logging.getLogger("fsdp_bridge")
+    package.addHandler(handler)
+    package.setLevel(logging.INFO if verbosity == 1 else logging.DEBUG)
+
+
 # The exit code of a command stopped by Ctrl-C (128 + SIGINT, as shells report it).
 EXIT_INTERRUPTED = 130
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    chosen = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    # The command is the first argument that is not an option (`fsdp-bridge -v migrate ...`).
+    first = next((arg for arg in argv if not arg.startswith("-")), None)
+    chosen = first if first in SUBCOMMANDS else None
     try:
         parser = build_parser(chosen)  # imports the chosen subcommand's module
         args, unknown = parser.parse_known_args(argv)
         if unknown:  # said with the subcommand's usage, not the overview's
             args.chosen_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-        if args.command is None:
-            parser.print_help()
+        configure_logging(getattr(args, "verbose", 0))
+        if args.command is None:  # the overview, then argparse's kind of error line
+            parser.print_help(sys.stderr)
+            print(f"{parser.prog}: error: name a command, e.g. fsdp-bridge demo (fsdp-bridge "
+                  "--help describes each)", file=sys.stderr)
             return 2
         return _run(args)
     except KeyboardInterrupt:

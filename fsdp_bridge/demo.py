@@ -108,11 +108,14 @@ def run_yafsdp(args) -> int:
     from fsdp_bridge.harness.compare import tolerance_for
 
     tolerance = tolerance_for("fp32")
-    print(f"\n{'step':>4}  {'YaFSDP x' + str(args.nproc) + ' (ours)':>18}  {'reference':>12}  "
-          f"{'|diff|':>9}  {'of tolerance':>12}")
+    from fsdp_bridge.text import table
+
     ratios = [tolerance.ratio(a, b) for a, b in zip(ours, reference)]
-    for step, (a, b, ratio) in enumerate(zip(ours, reference, ratios), start=1):
-        print(f"{step:>4}  {a:>18.6f}  {b:>12.6f}  {abs(a - b):>9.2e}  {ratio:>12.2f}")
+    rows = [[step, f"{a:.6f}", f"{b:.6f}", f"{abs(a - b):.2e}", f"{ratio:.2f}"]
+            for step, (a, b, ratio) in enumerate(zip(ours, reference, ratios), start=1)]
+    print()
+    print("\n".join(table(rows, ["step", f"YaFSDP x{args.nproc} (ours)", "reference", "|diff|",
+                                 "of tolerance"], right=range(5), indent="")))
     ok = max(ratios) <= 1.0
     print(f"\nworst step at {max(ratios):.2f} of the tolerance: "
           f"{'equivalent' if ok else 'NOT equivalent'} ({tolerance.describe()})")

@@ -1,10 +1,12 @@
 """`fsdp_bridge.explain(model)`: the Plan a model got, as text: units with their parameters and
 bytes per rank, dtypes, strategy, the memory a rank needs for a training step and while the
 model is wrapped (see `fsdp_bridge.memory`), and every setting a front-end could not honour.
-Also `render_docs()`: every front-end's argument table as Markdown (docs/frontends.md)."""
+Also `render_docs()`: every front-end's argument table as Markdown, committed as
+`fsdp_bridge/frontends.md` (what `fsdp-bridge explain` prints, without importing torch)."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 from torch import nn
@@ -36,8 +38,7 @@ def find_sharded(model: nn.Module):
     )
 
 
-def _bytes(numel: int, dtype) -> str:
-    size = numel * dtype.itemsize
+def _bytes(size: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if size < 1024 or unit == "GiB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
@@ -45,55 +46,116 @@ def _bytes(numel: int, dtype) -> str:
     return f"{size} B"
 
 
-def explain(model: nn.Module, optimizer=None) -> str:
-    """The plan of `model` as text; pass the `optimizer` to have its state counted in the
-    memory per rank."""
+def plan_summary(model: nn.Module, optimizer=None) -> dict:
+    """The plan of `model` as data (what `explain` prints, and `fsdp-bridge explain --json`
+    writes); pass the `optimizer` to have its state counted in the memory per rank."""
     from fsdp_bridge.memory import estimate_step_memory, estimate_wrap_memory
 
     sharded = find_sharded(model)
     plan = sharded.plan
-    comm = sharded.comm
+    step = estimate_step_memory(sharded, optimizer)
+    wrap = estimate_wrap_memory(sharded)
+    return {
+        "frontend": plan.frontend,
+        "mode": plan.mode.value,
+        "shard_group": sharded.comm.shard_size,
+        "replicated": sharded.comm.replicate_size,
+        "device": str(sharded.device),
+        "plan": plan.describe(),
+        "units": [row for unit in sharded.units for row in _unit_summary(unit)],
+        "ignored_params": len(sharded.ignored_params),
+        "step_memory_bytes": {**dataclasses.asdict(step), "predicted_peak": step.predicted_peak},
+        "wrap_memory_bytes": {"this_wrap": wrap.this_wrap, "this_start": wrap.this_start,
+                              "by_start": {start.value: value
+                                           for start, value in wrap.by_start.items()}},
+        "memory": [step.describe(), wrap.describe()],
+        "warnings": list(plan.notes),
+    }
+
+
+def _unit_summary(unit) -> list[dict]:
+    """One row per flat group of the unit (a unit without parameters has one, empty)."""
+    name = unit.name or "<root>"
+    return [_group_summary(name, group) for group in unit.groups] or [{"unit": name, "params": 0}]
+
+
+def _group_summary(unit: str, group) -> dict:
+    return {
+        "unit": unit,
+        "params": len(group.slots),
+        "numel_per_rank": group.shard_numel,
+        "master_bytes_per_rank": group.shard_numel * group.master.dtype.itemsize,
+        "gathered_bytes": group.padded_numel * group.compute_dtype.itemsize,
+        "master_dtype": str(group.master.dtype),
+        "compute_dtype": str(group.compute_dtype),
+        "reduce_dtype": str(group.reduce_dtype),
+        "frozen": not group.requires_grad,
+    }
+
+
+def explain(model: nn.Module, optimizer=None) -> str:
+    """The plan of `model` as text; pass the `optimizer` to have its state counted in the
+    memory per rank."""
+    return render_summary(plan_summary(model, optimizer))
+
+
+def render_summary(summary: dict) -> str:
+    """`plan_summary`'s data as the text `explain` prints."""
+    from fsdp_bridge.text import table
+
     lines = [
-        f"fsdp_bridge plan (front-end {plan.frontend}): mode {plan.mode.value}, shard group of "
-        f"{comm.shard_size}, replicated {comm.replicate_size}x, device {sharded.device}",
-        plan.describe(),
+        f"fsdp_bridge plan (front-end {summary['frontend']}): mode {summary['mode']}, shard "
+        f"group of {summary['shard_group']}, replicated {summary['replicated']}x, device "
+        f"{summary['device']}",
+        summary["plan"],
         "",
         "units (per rank):",
-        f"  {'unit':<28} {'params':>10} {'numel/rank':>11} {'master/rank':>12} "
-        f"{'gathered':>10}  dtypes (master -> compute / reduce)",
     ]
-    for unit in sharded.units:
-        for group in unit.groups:
-            master = group.master.dtype
-            lines.append(
-                f"  {unit.name or '<root>':<28} {len(group.slots):>10} {group.shard_numel:>11} "
-                f"{_bytes(group.shard_numel, master):>12} "
-                f"{_bytes(group.padded_numel, group.compute_dtype):>10}  {master} -> "
-                f"{group.compute_dtype} / {group.reduce_dtype}"
-                + ("" if group.requires_grad else "  (frozen)")
-            )
-        if not unit.groups:
-            lines.append(f"  {unit.name or '<root>':<28} {0:>10}")
-    if sharded.ignored_params:
-        lines.append(f"ignored (not sharded, not reduced): {len(sharded.ignored_params)} params")
-    lines += ["", estimate_step_memory(sharded, optimizer).describe(),
-              estimate_wrap_memory(sharded).describe(), ""]
+    rows = [[unit["unit"], unit["params"], unit.get("numel_per_rank", ""),
+             _bytes(unit["master_bytes_per_rank"]) if "master_dtype" in unit else "",
+             _bytes(unit["gathered_bytes"]) if "master_dtype" in unit else "",
+             _dtypes(unit)] for unit in summary["units"]]
+    lines += table(rows, ["unit", "params", "numel/rank", "master/rank", "gathered",
+                          "dtypes (master -> compute / reduce)"], right=(1, 2, 3, 4))
+    if summary["ignored_params"]:
+        lines.append(f"ignored (not sharded, not reduced): {summary['ignored_params']} params")
+    lines += ["", *summary["memory"], ""]
     lines.append("warnings raised while translating:")
-    lines += [f"  - {note}" for note in plan.notes] or ["  (none)"]
+    lines += [f"  - {note}" for note in summary["warnings"]] or ["  (none)"]
     return "\n".join(lines)
 
 
+def _dtypes(unit: dict) -> str:
+    if "master_dtype" not in unit:
+        return ""
+    return (f"{unit['master_dtype']} -> {unit['compute_dtype']} / {unit['reduce_dtype']}"
+            + ("  (frozen)" if unit["frozen"] else ""))
+
+
+def tables_summary() -> list[dict]:
+    """Every front-end's argument table as data (`fsdp-bridge explain --json`)."""
+    return [{"frontend": table.frontend,
+             "arguments": [{"name": argument.name, "treatment": argument.treatment.value,
+                            "detail": argument.detail} for argument in table.arguments]}
+            for table in _tables()]
+
+
+def _tables() -> list:
+    """Every front-end's table, in a fixed order whatever was imported first."""
+    return [importlib.import_module(name).TABLE for name in FRONTEND_MODULES]
+
+
 def render_docs() -> str:
-    tables = [importlib.import_module(name).TABLE for name in FRONTEND_MODULES]
+    tables = _tables()
     parts = [
         "# Front-end argument tables",
         "",
         "Generated from the tables in the code (`python -m fsdp_bridge explain --write-docs "
-        "docs/frontends.md`); do not edit by hand. Each argument of each dialect is translated "
+        "fsdp_bridge/frontends.md`); do not edit by hand. Each argument of each dialect is translated "
         "into the Plan, ignored with a warning naming it (and why), or rejected with an error "
         "naming the argument, the value and what is accepted.",
         "",
     ]
-    for table in tables:  # a fixed order, whatever was imported first
+    for table in tables:
         parts += [table.render_markdown(), ""]
     return "\n".join(parts)

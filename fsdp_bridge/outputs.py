@@ -11,17 +11,24 @@ from __future__ import annotations
 import contextlib
 import errno
 import importlib.util
+import json
+import math
 import os
+import sys
 import uuid
 from typing import BinaryIO, Callable, Optional
 
+# A `--json` path that means standard output.
+STDOUT = "-"
 
-def check_output_file(flag: str, path: Optional[str]) -> None:
-    """Raise ValueError naming `flag` unless `path` can be written as a file."""
-    if path is None:
+
+def check_output_file(flag: str, path: Optional[str], stdout: bool = False) -> None:
+    """Raise ValueError naming `flag` unless `path` can be written as a file (or, with
+    `stdout`, is "-": standard output)."""
+    if path is None or (stdout and path == STDOUT):
         return
     if not path:
-        raise ValueError(f"{flag} '': expected a file path.")
+        raise ValueError(f"{flag} '': expected a file path{' (or - for stdout)' * stdout}.")
     full = os.path.abspath(path)
     parent = os.path.dirname(full)
     if not os.path.isdir(parent):
@@ -133,6 +140,33 @@ def os_error_line(exc: OSError) -> str:
     names the path), e.g. "the file system is read-only: write somewhere else [Errno 30]"."""
     said = _ADVICE.get(exc.errno or 0) or (exc.strerror or str(exc)).strip().splitlines()[0]
     return f"{said} [Errno {exc.errno}]" if exc.errno else said
+
+
+def human_stream(json_path: Optional[str]):
+    """Where a command prints its text: stdout, unless its JSON goes there (`--json -`), which
+    then holds the JSON alone."""
+    return sys.stderr if json_path == STDOUT else sys.stdout
+
+
+def write_json(path: str, data) -> None:
+    """`data` as JSON to the file `path` (atomically) or, for "-", to stdout. inf and NaN,
+    which JSON lacks, are written as the strings "inf" and "nan", so that any reader loads it."""
+    text = json.dumps(_finite(data), indent=2) + "\n"
+    if path == STDOUT:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    else:
+        write_text(path, text)
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
 
 
 def write_text(path: str, text: str) -> None:

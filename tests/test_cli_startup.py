@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -106,3 +107,58 @@ def test_convert_checkpoint_refuses_wrong_paths_in_one_line_before_torch_loads(t
     assert _torch_modules(imported) == []
     assert (tmp_path / "exists.pt").read_bytes() == b"keep me"
     assert sorted(os.listdir(tmp_path)) == ["a.pt", "exists.pt", "notes.txt"]
+
+
+NEEDS_ARGUMENTS = "import torch\n\n\ndef build(hidden, *, layers=2):\n    return torch.nn.Linear(hidden, hidden)\n"
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["compare-scripts", "{notes}", "{notes}"], "A.py '{notes}' is not a Python script: "),
+    (["compare-scripts", "{script}", "no_such_pkg.train"], "B.py 'no_such_pkg.train' is neither a "
+     "file nor a Python module found on the path"),
+    (["explain", "{script}:build"], "build() takes arguments (hidden); explain calls it with none"),
+    (["explain", "{notes}.py:build"], "does not parse: invalid syntax (line 1)"),
+])
+def test_refusals_are_one_line_at_once(tmp_path, argv, said):
+    """Each refusal is one line on stderr, exit 2, within seconds of starting: before torch."""
+    (tmp_path / "notes.txt").write_text("Run it with torchrun.\nThen compare.\n")
+    (tmp_path / "notes.txt.py").write_text("Run it with torchrun.\n")
+    (tmp_path / "model.py").write_text(NEEDS_ARGUMENTS)
+    names = {"notes": str(tmp_path / "notes.txt"), "script": str(tmp_path / "model.py")}
+    argv = [arg.format(**names) for arg in argv]
+    started = time.perf_counter()
+    done, imported = _run("-m", "fsdp_bridge", *argv)
+    seconds = time.perf_counter() - started
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    assert lines == [f"fsdp-bridge {argv[0]}: error: " + lines[0].split(": error: ", 1)[-1]]
+    assert said.format(**names) in lines[0], lines
+    assert _torch_modules(imported) == [] and seconds < 5, seconds
+
+
+def test_no_command_is_an_error_line_after_the_overview():
+    done = subprocess.run([sys.executable, "-m", "fsdp_bridge"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("usage: fsdp-bridge ")
+    assert done.stderr.splitlines()[-1] == (
+        "fsdp-bridge: error: name a command, e.g. fsdp-bridge demo (fsdp-bridge --help "
+        "describes each)")
+    assert [name for name in SUBCOMMANDS if name not in done.stderr] == []
+
+
+def test_migrate_to_bridge_and_explain_tables_need_no_torch_and_v_logs(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nfrom torch.distributed.fsdp import FullyShardedDataParallel "
+                      "as FSDP, ShardingStrategy\n\nmodel = FSDP(torch.nn.Linear(2, 2), "
+                      "sharding_strategy=ShardingStrategy.FULL_SHARD)\n")
+    done, imported = _run("-m", "fsdp_bridge", "-v", "migrate", str(script), "--to", "bridge")
+    assert done.returncode == 1, done.stderr[-2000:]  # changes pending
+    assert "+from fsdp_bridge.fsdp import FullyShardedDataParallel" in done.stdout
+    assert _torch_modules(imported) == []
+    # -v (before or after the command): the library's INFO records, by logger name.
+    assert "[fsdp_bridge.migrate.driver] migrating 1 files to bridge" in done.stderr
+    done, imported = _run("-m", "fsdp_bridge", "explain")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| `sharding_strategy` |" in done.stdout
+    assert _torch_modules(imported) == []

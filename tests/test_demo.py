@@ -24,12 +24,13 @@ def test_demo_yafsdp_example_matches_reference():
 def test_demo_migrate_flow(tmp_path):
     completed = subprocess.run(
         [sys.executable, "-m", "fsdp_bridge", "demo", "--only", "migrate", "--migrate-steps", "2",
-         "--out", str(tmp_path)],
+         "--out", str(tmp_path), "-q"],
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert completed.returncode == 0, completed.stdout + completed.stderr
+    assert "fsdp-bridge migrate" not in completed.stderr  # -q: no inner summary either
     assert "migrated --to bridge" in completed.stdout and "migrated --to fsdp2" in completed.stdout
     assert (tmp_path / "compare.png").stat().st_size > 0
     assert (tmp_path / "fsdp1_train_llama_to_fsdp2.py").read_text().count("fully_shard(") >= 1

@@ -1,6 +1,7 @@
 """`fsdp-bridge explain MODEL`: the user's own model, named as MODULE:FUNCTION or FILE.py:FUNCTION,
 and the shipped examples started without torchrun."""
 
+import json
 import os
 import subprocess
 import sys
@@ -31,10 +32,14 @@ def _explain(*argv, cwd=None):
 
 def test_explain_takes_a_script_path_and_a_module_path(tmp_path):
     (tmp_path / "mymodels.py").write_text(BUILD)
-    by_file = _explain(f"{tmp_path / 'mymodels.py'}:wrapped")
+    by_file = _explain(f"{tmp_path / 'mymodels.py'}:wrapped", "--json", "-")
     assert by_file.returncode == 0, by_file.stderr
-    assert "front-end FullyShardedDataParallel" in by_file.stdout
-    assert by_file.stdout.count("torch.float32 -> torch.float32") == 2  # one unit per Linear
+    # --json -: the plan as data on stdout, its text on stderr
+    assert "front-end FullyShardedDataParallel" in by_file.stderr
+    assert by_file.stderr.count("torch.float32 -> torch.float32") == 2  # one unit per Linear
+    plan = json.loads(by_file.stdout)
+    assert plan["frontend"] == "FullyShardedDataParallel" and len(plan["units"]) == 3
+    assert [unit["compute_dtype"] for unit in plan["units"][:2]] == ["torch.float32"] * 2
     by_module = _explain("mymodels:unwrapped", cwd=str(tmp_path))
     assert by_module.returncode == 0, by_module.stderr
     assert "returned an unwrapped Linear; it was wrapped whole" in by_module.stdout
@@ -60,3 +65,22 @@ def test_an_example_started_without_torchrun_says_how_to_run_it(example):
     assert done.stderr.strip().splitlines() == [
         f"{example}: run it under torchrun, one process per rank, e.g. torchrun "
         f"--nproc_per_node 2 {os.path.join(ROOT, 'fsdp_bridge', 'examples', example)}"]
+
+
+def test_a_function_that_returns_no_model_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    from fsdp_bridge import explain_cli
+
+    monkeypatch.setattr(explain_cli, "_one_rank_world", lambda: None)  # no model to wrap here
+    script = tmp_path / "builders.py"
+    script.write_text("def settings():\n    return {'hidden': 64}\n\n"
+                      "def needs(hidden, layers=2):\n    return hidden\n")
+    assert main(["explain", f"{script}:settings"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"fsdp-bridge explain: error: MODEL '{script}:settings': "
+                                "settings() returned a dict, not a torch.nn.Module: return the "
+                                "model (wrapped by one of fsdp_bridge's front-ends, or not)."]
+    # A function bound by other means than a def (read from the file) is checked once imported.
+    script.write_text("from functools import partial\n\ndef _build(hidden):\n    return hidden\n\n"
+                      "build = lambda hidden: hidden\n")
+    assert main(["explain", f"{script}:build"]) == 2
+    assert "build() takes arguments (hidden)" in capsys.readouterr().err

@@ -30,7 +30,8 @@ LAYERS = (
                "fsdp_bridge.codemods", "fsdp_bridge.memory", "fsdp_bridge.explanation",
                "fsdp_bridge.explain_cli", "fsdp_bridge.checkpoint_cli", "fsdp_bridge.outputs", "fsdp_bridge.bench",
                "fsdp_bridge.tiny", "fsdp_bridge.demo", "fsdp_bridge.examples",
-               "fsdp_bridge.extras", "fsdp_bridge.progress", "fsdp_bridge.integrations")),
+               "fsdp_bridge.extras", "fsdp_bridge.progress", "fsdp_bridge.text",
+               "fsdp_bridge.integrations")),
     ("command line", ("fsdp_bridge.cli", "fsdp_bridge.__main__", "fsdp_bridge")),
 )
 

@@ -93,20 +93,29 @@ def built(tmp_path_factory) -> dict:
 def test_the_sdist_holds_what_make_test_needs(built):
     in_sdist = _sources(built["unpacked"])
     wanted = {f for f in _sources(built["source"]) if f.split(os.sep)[0] in
-              ("tests", "fsdp_bridge", "codemods", "docs", "benchmarks", ".ci")}
+              ("tests", "fsdp_bridge", "codemods", "docs", "benchmarks", "examples", ".ci")}
     wanted |= {"LICENSE", "README.md", "CHANGELOG.md", "Makefile", "pyproject.toml",
-               ".libcst.codemod.yaml"}
+               ".libcst.codemod.yaml", "requirements-test.txt"}
     assert sorted(wanted - in_sdist) == []
     assert (built["unpacked"] / "LICENSE").read_text().startswith(
         (ROOT / "LICENSE").read_text()[:200])
 
 
 def test_the_wheel_holds_the_license_and_the_examples(built):
-    names = zipfile.ZipFile(built["wheel"]).namelist()
+    wheel = zipfile.ZipFile(built["wheel"])
+    names = wheel.namelist()
     assert any(name.endswith(".dist-info/licenses/LICENSE") for name in names), names
     assert "fsdp_bridge/examples/yafsdp_llama.py" in names
     assert "fsdp_bridge/examples/fsdp1_train_llama.py" in names
-    assert not any(name.startswith(("tests/", "codemods/")) for name in names)
+    assert "fsdp_bridge/frontends.md" in names  # what `fsdp-bridge explain` prints
+    assert not any(name.startswith(("tests/", "codemods/", "examples/")) for name in names)
+    # The metadata a package index shows: Python versions, the extras a user installs, and no
+    # extra of the test suite's own tools.
+    metadata = wheel.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert "Classifier: Programming Language :: Python :: 3.11" in metadata
+    extras = sorted(line.split(": ", 1)[1] for line in metadata.splitlines()
+                    if line.startswith("Provides-Extra: "))
+    assert extras == ["hf", "lightning", "plot"], extras
 
 
 def test_the_installed_wheel_runs_outside_the_repository(built):

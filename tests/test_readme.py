@@ -31,3 +31,16 @@ def test_the_short_example_runs_as_written(tmp_path):
     losses = [float(x) for x in re.findall(r"^step \d loss (\S+)$", output, re.MULTILINE)]
     assert len(losses) == 3, output
     assert losses[-1] < losses[0], losses
+
+
+def test_the_dialect_snippets_are_the_examples_lines():
+    """Each README block headed `# examples/NAME.py` is in that file, line for line and in order
+    (the examples themselves train in tests/frontends/test_seed_examples.py)."""
+    blocks = re.findall(r"```python\n# (examples/\w+\.py)\n(.*?)```", README.read_text(), re.DOTALL)
+    assert {path for path, _ in blocks} >= {"examples/zeta_llama.py", "examples/torchacc_llama.py"}
+    for path, block in blocks:
+        lines = (README.parent / path).read_text().splitlines()
+        at = 0
+        for line in block.splitlines():
+            assert line in lines[at:], f"{path} has no line {line!r} (in the README's order)"
+            at = lines.index(line, at) + 1 if line else at

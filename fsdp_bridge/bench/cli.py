@@ -6,6 +6,7 @@ from __future__ import annotations
 from fsdp_bridge.bench.options import settings
 from fsdp_bridge.bench.report import format_report, summarize, write_figures
 from fsdp_bridge.bench.schedule import run_world
+from fsdp_bridge.outputs import check_output_file, human_stream
 
 DEFAULT_PLOT = "bench_sweep.png"  # where --sweep draws its plot unless --plot says otherwise
 DEFAULT_CAP_MIB = 512.0  # --sweep's per-rank cap: below the largest size's 573 MiB of fp32 weights
@@ -22,7 +23,8 @@ def add_arguments(parser) -> None:
                         help="comma-separated param dtypes: fp32, bf16 (default: both on cpu, "
                              "bf16 on cuda)")
     parser.add_argument("--nproc", type=int, help="ranks (default: 2 on cpu, 1 on cuda)")
-    parser.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    parser.add_argument("--json", metavar="FILE", help="also write the figures to FILE (- for "
+                        "stdout, the report then going to stderr)")
     parser.add_argument("-q", "--quiet", action="store_true",
                         help="no progress lines on stderr (one per repeat), only the report")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -88,13 +90,14 @@ def _run_sweep(args, s: dict) -> int:
 
     cap = _cap(args)
     reports = sweep.run_sweep(s)
+    text = human_stream(args.json)
     for report in reports:
-        print(format_report(report), end="\n\n")
-    print(sweep.format_sweep(reports))
-    print(sweep.format_cap(reports, cap))
+        print(format_report(report), end="\n\n", file=text)
+    print(sweep.format_sweep(reports), file=text)
+    print(sweep.format_cap(reports, cap), file=text)
     plot = args.plot or DEFAULT_PLOT
     sweep.plot_sweep(reports, plot, cap)
-    print(f"plot written to {plot}")
+    print(f"plot written to {plot}", file=text)
     write_figures(args.json, {"sweep": reports})
     return 0
 
@@ -116,6 +119,7 @@ def run(args) -> int:
                              "--device cuda, or drop --profile")
         s = settings(args)
         s["quiet"] = bool(getattr(args, "quiet", False))
+        check_output_file("--json", args.json, stdout=True)
         _check_sweep_options(args, s)
     except ValueError as exc:
         print(f"fsdp-bridge bench: error: {exc}", file=sys.stderr)
@@ -123,6 +127,6 @@ def run(args) -> int:
     if args.sweep:
         return _run_sweep(args, s)
     report = summarize(s, run_world(s))
-    print(format_report(report))
+    print(format_report(report), file=human_stream(args.json))
     write_figures(args.json, report)
     return 0

@@ -33,8 +33,9 @@ import time
 from fsdp_bridge import tiny
 from fsdp_bridge.bench import models, schedule
 from fsdp_bridge.bench.options import settings as checked_settings
-from fsdp_bridge.bench.report import verdict, write_figures
+from fsdp_bridge.bench.report import timing_caveat, verdict, write_figures
 from fsdp_bridge.harness.world import RankSetup
+from fsdp_bridge.outputs import check_output_file, human_stream
 
 CONFIGS = ("plain", "fsdp1", "fsdp2", "ours")
 SHARDED = ("fsdp1", "fsdp2", "ours")
@@ -274,6 +275,8 @@ def _profile_cells(profile) -> tuple[str, str]:
 
 
 def format_report(report: dict) -> str:
+    from fsdp_bridge.text import table
+
     s = report["settings"]
     lines = [
         f"Llama {s['parameters'] / 1e9:.2f}B: hidden {s['hidden']}, {s['layers']} layers, "
@@ -286,18 +289,17 @@ def format_report(report: dict) -> str:
     ]
     for dtype_name, entry in report["dtypes"].items():
         figs, targets = entry["configs"], entry["targets"]
-        lines += ["", f"{dtype_name}:",
-                  f"  {'config':7s}{'median ms':>11s}{'x plain':>9s}{'ours/this':>11s}"
-                  f"{'peak GiB':>10s}{'start GiB':>11s}{'comm ms':>9s}{'overlap':>9s}"]
-        ours = figs["ours"]["median_step_ms"]
+        rows = []
         for config in CONFIGS:
             f = figs[config]
-            comm_ms, overlap = _profile_cells(f.get("profile"))
-            lines.append(
-                f"  {config:7s}{f['median_step_ms']:11.1f}{f['ratio_to_plain']:9.3f}"
-                f"{ours / f['median_step_ms']:11.3f}{_gib(f['peak_bytes']):>10s}"
-                f"{_gib(f['step_start_bytes']):>11s}{comm_ms:>9s}{overlap:>9s}"
-            )
+            rows.append([config, f"{f['median_step_ms']:.1f}", f"{f['ratio_to_plain']:.3f}",
+                         f"{figs['ours']['median_step_ms'] / f['median_step_ms']:.3f}",
+                         _gib(f["peak_bytes"]), _gib(f["step_start_bytes"]),
+                         *_profile_cells(f.get("profile"))])
+        lines += ["", f"{dtype_name}:",
+                  *table(rows, ["config", "median ms", "x plain", "ours/this", "peak GiB",
+                                "start GiB", "comm ms", "overlap"], right=range(1, 8)),
+                  *timing_caveat(s)]
         lines.append(
             f"  targets: ours <= {OVERHEAD_TARGET} x plain {verdict(targets['overhead_met'])} "
             f"({targets['overhead_vs_plain']:.3f}); step time <= fsdp2 "
@@ -316,6 +318,7 @@ def run(args) -> int:
         if getattr(args, "sweep", False) or getattr(args, "plot", None):
             raise ValueError("--sweep/--plot: the size sweep runs on the CPU bench only; drop "
                              "--device cuda, or drop --sweep/--plot")
+        check_output_file("--json", args.json, stdout=True)
         problem = cuda_problem(s["nproc"])
         if problem:
             raise ValueError(problem)
@@ -326,6 +329,6 @@ def run(args) -> int:
         print(f"fsdp-bridge bench: error: {exc}", file=sys.stderr)
         return 2
     report = summarize(s, schedule.run_world(s, _rank_program, CUDA_RANKS))
-    print(format_report(report))
+    print(format_report(report), file=human_stream(args.json))
     write_figures(args.json, report)
     return 0

@@ -8,7 +8,7 @@ import os
 import statistics
 
 from fsdp_bridge.bench.models import CONFIGS
-from fsdp_bridge.outputs import write_text
+from fsdp_bridge.outputs import STDOUT, write_json, write_text
 
 # The speed target: ours at most this fraction of the faster native step time.
 SPEEDUP_TARGET = 0.85
@@ -98,8 +98,26 @@ def format_report(report: dict) -> str:
     lines = _header(report["settings"])
     for dtype_name, entry in report["dtypes"].items():
         lines += ["", f"{dtype_name}:", *_table(entry["configs"]),
-                  *_counts(entry["configs"]), *_verdicts(entry["configs"], entry["targets"])]
+                  *_counts(entry["configs"]), *timing_caveat(report["settings"]),
+                  *_verdicts(entry["configs"], entry["targets"])]
     return "\n".join(lines)
+
+
+# Timed steps per config from which the speed targets' MET / MISSED are said without a caveat:
+# on a shared machine step times scatter by several percent, so the median of a handful of
+# steps cannot place a ratio against a target a few percent away.
+ENOUGH_TIMED_STEPS = 10
+
+
+def timing_caveat(s: dict) -> list[str]:
+    """A line saying the speed verdicts are indicative only, when too few steps were timed."""
+    timed = s["steps"] * s["repeats"]
+    if timed >= ENOUGH_TIMED_STEPS:
+        return []
+    return [f"  caveat: {timed} timed step{'s' * (timed != 1)} per config (--steps x --repeats) "
+            f"are too few for the speed verdicts below to mean much (step times scatter by "
+            f"several percent): take them as indicative, or time at least {ENOUGH_TIMED_STEPS} "
+            "(the defaults time 30); the memory and call counts are exact"]
 
 
 def _header(s: dict) -> list[str]:
@@ -121,21 +139,19 @@ def _header(s: dict) -> list[str]:
 
 
 def _table(figs: dict) -> list[str]:
-    lines = [f"  {'config':7s}{'median ms':>11s}{'ours/this':>11s}{'paired':>8s}{'peak MiB':>10s}"
-             f"{'start MiB':>11s}{'init MiB':>10s}{'calls/step':>12s}{'MiB/step':>10s}"]
+    from fsdp_bridge.text import table
+
     ours = figs["ours"]["median_step_ms"]
+    rows = []
     for config in CONFIGS:
         f = figs[config]
-        paired = figs["ours"].get(f"paired_ratio_to_{config}", 1.0)
-        lines.append(
-            f"  {config:7s}{f['median_step_ms']:11.1f}{ours / f['median_step_ms']:11.2f}"
-            f"{paired:8.2f}"
-            f"{mib(max(f['peak_bytes_per_rank'])):>10s}"
-            f"{mib(max(f['step_start_bytes_per_rank'])):>11s}"
-            f"{mib(max(f['init_peak_bytes_per_rank'])):>10s}"
-            f"{f['collective_calls_per_step']:12d}{mib(f['collective_bytes_per_step']):>10s}"
-        )
-    return lines
+        rows.append([config, f"{f['median_step_ms']:.1f}", f"{ours / f['median_step_ms']:.2f}",
+                     f"{figs['ours'].get(f'paired_ratio_to_{config}', 1.0):.2f}",
+                     mib(max(f["peak_bytes_per_rank"])), mib(max(f["step_start_bytes_per_rank"])),
+                     mib(max(f["init_peak_bytes_per_rank"])), f["collective_calls_per_step"],
+                     mib(f["collective_bytes_per_step"])])
+    return table(rows, ["config", "median ms", "ours/this", "paired", "peak MiB", "start MiB",
+                        "init MiB", "calls/step", "MiB/step"], right=range(1, 9))
 
 
 def _counts(figs: dict) -> list[str]:
@@ -189,7 +205,9 @@ def _init_ratio(figs: dict, ours: str, native: str) -> str:
 
 
 def write_figures(path, figures: dict) -> None:
-    """`--json FILE`: the figures as JSON (nothing when the option is not given)."""
-    if path:
+    """`--json FILE`: the figures as JSON (nothing when the option is not given; "-": stdout)."""
+    if path == STDOUT:
+        write_json(path, figures)
+    elif path:
         write_text(path, json.dumps(figures, indent=2))
         print(f"figures written to {path}")

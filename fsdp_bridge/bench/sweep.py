@@ -65,29 +65,30 @@ def run_sweep(s: dict, run_world=schedule.run_world) -> list[dict]:
 
 
 def format_sweep(reports: list[dict]) -> str:
-    lines = ["sweep: ratios measured side by side within each size's run",
-             f"  {'size':16s}{'params':>8s}{'dtype':>6s}{'ours/faster native':>20s}"
-             f"{'ours/plain':>12s}{'peak ours/fsdp2':>17s}{'peak MiB fsdp2':>16s}"
-             f"{'peak MiB ours':>15s}{'weights MiB':>13s}{'init MiB fsdp1':>16s}"
-             f"{'init MiB ours':>15s}"]
+    from fsdp_bridge.text import table
+
+    rows = []
     for report in reports:
         s = report["settings"]
-        size = f"{s['hidden']}x{s['layers']} v{s['vocab']}"
         for dtype_name, entry in report["dtypes"].items():
             targets, figs = entry["targets"], entry["configs"]
             peak_ratio = targets["peak_ratio_to_fsdp2"]
-            lines.append(
-                f"  {size:16s}{report['parameters'] / 1e6:7.1f}M{dtype_name:>6s}"
-                f"{targets['speed_ratio_to_faster_native']:20.2f}"
-                f"{targets['compute_only_ratio']:12.2f}"
-                f"{'n/a' if peak_ratio is None else f'{peak_ratio:.3f}':>17s}"
-                f"{bench_report.mib(max(figs['fsdp2']['peak_bytes_per_rank'])):>16s}"
-                f"{bench_report.mib(max(figs['ours']['peak_bytes_per_rank'])):>15s}"
-                f"{bench_report.mib(report['parameters'] * 4):>13s}"
-                f"{bench_report.mib(max(figs['fsdp1']['init_peak_bytes_per_rank'])):>16s}"
-                f"{bench_report.mib(max(figs['ours']['init_peak_bytes_per_rank'])):>15s}"
-            )
-    return "\n".join(lines)
+            rows.append([
+                f"{s['hidden']}x{s['layers']} v{s['vocab']}", f"{report['parameters'] / 1e6:.1f}M",
+                dtype_name, f"{targets['speed_ratio_to_faster_native']:.2f}",
+                f"{targets['compute_only_ratio']:.2f}",
+                "n/a" if peak_ratio is None else f"{peak_ratio:.3f}",
+                bench_report.mib(max(figs["fsdp2"]["peak_bytes_per_rank"])),
+                bench_report.mib(max(figs["ours"]["peak_bytes_per_rank"])),
+                bench_report.mib(report["parameters"] * 4),
+                bench_report.mib(max(figs["fsdp1"]["init_peak_bytes_per_rank"])),
+                bench_report.mib(max(figs["ours"]["init_peak_bytes_per_rank"])),
+            ])
+    headers = ["size", "params", "dtype", "ours/faster native", "ours/plain", "peak ours/fsdp2",
+               "peak MiB fsdp2", "peak MiB ours", "weights MiB", "init MiB fsdp1",
+               "init MiB ours"]
+    return "\n".join(["sweep: ratios measured side by side within each size's run",
+                      *table(rows, headers, right=range(1, len(headers)))])
 
 
 def _mib_cell(mib: float, cap_mib: float) -> str:
@@ -103,18 +104,21 @@ def _peaks_cell(figures: dict, cap_mib: float) -> str:
 def format_cap(reports: list[dict], cap_mib: float) -> str:
     """Per size and dtype: the unsharded fp32 weights and each config's wrap / step peak per rank,
     with * on every figure above the cap."""
+    from fsdp_bridge.text import table
+
     world = reports[0]["settings"]["nproc"]
-    lines = [f"per-rank cap {cap_mib:g} MiB at world {world}: wrap peak / step peak per rank in MiB, "
-             "* above the cap",
-             f"  {'size':16s}{'dtype':>6s}{'fp32 weights':>14s}"
-             + "".join(f"{config:>14s}" for config in PLOTTED)]
+
+    rows = []
     for report in reports:
         s = report["settings"]
-        size = f"{s['hidden']}x{s['layers']} v{s['vocab']}"
         weights = _mib_cell(4 * report["parameters"] / 2**20, cap_mib)
         for dtype_name, entry in report["dtypes"].items():
-            cells = "".join(f"{_peaks_cell(entry['configs'][c], cap_mib):>14s}" for c in PLOTTED)
-            lines.append(f"  {size:16s}{dtype_name:>6s}{weights:>14s}{cells}")
+            rows.append([f"{s['hidden']}x{s['layers']} v{s['vocab']}", dtype_name, weights,
+                         *(_peaks_cell(entry["configs"][c], cap_mib) for c in PLOTTED)])
+    lines = [f"per-rank cap {cap_mib:g} MiB at world {world}: wrap peak / step peak per rank in "
+             "MiB, * above the cap",
+             *table(rows, ["size", "dtype", "fp32 weights", *PLOTTED],
+                    right=range(1, 3 + len(PLOTTED)))]
     return "\n".join(lines)
 
 

@@ -56,7 +56,8 @@ def mirrored(module: str) -> str | None:
 @functools.lru_cache(maxsize=None)
 def _mirror_names(module: str) -> frozenset[str]:
     """The names our mirror module `module` offers: its `__all__`, private names it defines
-    (`_or_policy`), and its subpackages."""
+    (`_or_policy`), and its subpackages. Importing it loads torch (seconds); see
+    `_names_in_source` for what is known without."""
     mirror = importlib.import_module(module)
     names = set(getattr(mirror, "__all__", ()))
     names.update(n for n in vars(mirror) if n.startswith("_") and not n.startswith("__"))
@@ -65,10 +66,46 @@ def _mirror_names(module: str) -> frozenset[str]:
     return frozenset(names)
 
 
+@functools.lru_cache(maxsize=None)
+def _names_in_source(module: str) -> frozenset[str]:
+    """The names the mirror's source shows it offers without running it: the string items of
+    a literal `__all__`, the private names bound at its top level, its subpackages. A subset of
+    `_mirror_names` (names added at run time, e.g. for a newer torch, are not seen), so that a
+    file importing only these needs no import of the mirror, hence none of torch."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)  # imports the parent packages only
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return frozenset()
+    with open(spec.origin, "rb") as handle:
+        tree = ast.parse(handle.read(), spec.origin)
+    names: set[str] = set()
+    for node in tree.body:
+        bound = []
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound = [(alias.asname or alias.name).split(".")[0] for alias in node.names]
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            bound = [node.name]
+        elif isinstance(node, ast.Assign):
+            bound = [target.id for target in node.targets if isinstance(target, ast.Name)]
+            if "__all__" in bound and isinstance(node.value, (ast.List, ast.Tuple)):
+                names.update(item.value for item in node.value.elts
+                             if isinstance(item, ast.Constant) and isinstance(item.value, str))
+        names.update(n for n in bound if n.startswith("_") and not n.startswith("__"))
+    if spec.submodule_search_locations:
+        names.update(info.name for info in pkgutil.iter_modules(spec.submodule_search_locations))
+    return frozenset(names)
+
+
 def missing_in_mirror(module: str, names) -> list[str]:
-    """Which of `names` our mirror `module` lacks (sorted)."""
+    """Which of `names` our mirror `module` lacks (sorted). The mirror is imported only when its
+    source does not show them all."""
+    unseen = set(names) - _names_in_source(module)
+    if not unseen:
+        return []
     offered = _mirror_names(module)
-    return sorted(n for n in set(names) if n not in offered)
+    return sorted(n for n in unseen if n not in offered)
 
 
 # Frameworks that wrap the model in torch's own FSDP1 themselves (HF Trainer, accelerate, Lightning).

@@ -7,12 +7,14 @@ two and compares them step by step.
 
 [Note: FSDP on a CPU-only machine]
 On a GPU the frameworks take their FSDP path as configured and nothing here changes them. On a
-CPU-only machine they do not: accelerate (and so the HF Trainer) silently falls back to
-multi-CPU data parallelism without FSDP, and Lightning refuses its FSDP strategy and hands
-torch's FSDP1 no device. So that the examples shard on the CPU too (the way the tests prove
-them), `on_this_machine` sets accelerate's shared state to FSDP with the plugin, as a GPU launch
-has it, and gives Lightning's own FSDPStrategy the CPU as its device. Only the frameworks'
-objects are touched, never torch; fsdp_bridge's classes need nothing.
+CPU-only machine the native ones do not: accelerate (and so the HF Trainer) silently falls back
+to multi-CPU data parallelism without FSDP, and Lightning refuses its FSDP strategy and hands
+torch's FSDP1 no device. fsdp_bridge's Accelerator, Trainer and Lightning strategy shard on the
+CPU as they are (see fsdp_bridge.integrations.accelerate, [Note: FSDP on the CPU]). So that the
+native twins shard on the CPU too, for the comparison, `on_this_machine` and `fsdp_accelerator`
+set accelerate's shared state to FSDP with the plugin as ours does, and give Lightning's own
+FSDPStrategy the CPU as its device. Only the frameworks' objects are touched, never torch; our
+classes are passed through untouched.
 """
 
 from __future__ import annotations
@@ -83,16 +85,20 @@ def global_mean(value: torch.Tensor) -> float:
 
 
 def on_this_machine(cls):
-    """`cls` (an HF Trainer, accelerate Accelerator or Lightning FSDPStrategy class) as it runs
-    FSDP here: itself on a GPU; on a CPU-only machine, a subclass set to FSDP (see
-    [Note: FSDP on a CPU-only machine])."""
-    if torch.cuda.is_available():
+    """`cls` (an HF Trainer or Lightning FSDPStrategy class) as it runs FSDP here: itself on a
+    GPU, or when it is fsdp_bridge's; a native one on a CPU-only machine, a subclass set to FSDP
+    (see [Note: FSDP on a CPU-only machine])."""
+    if torch.cuda.is_available() or _ours(cls):
         return cls
     if _is_subclass(cls, "transformers", "Trainer"):
         return _trainer_on_cpu(cls)
     if _is_subclass(cls, "lightning.pytorch.strategies", "FSDPStrategy"):
         return _lightning_strategy_on_cpu(cls)
-    return cls  # accelerate: see fsdp_accelerator
+    return cls
+
+
+def _ours(cls) -> bool:
+    return cls.__module__.startswith("fsdp_bridge.")
 
 
 def _is_subclass(cls, module: str, name: str) -> bool:
@@ -110,36 +116,30 @@ def fsdp_plugin():
 
 
 def fsdp_accelerator(accelerator_class, mixed_precision: str):
-    """`accelerator_class` with an FSDP2 plugin wrapping each Llama layer."""
+    """`accelerator_class` with an FSDP2 plugin wrapping each Llama layer, built as a user
+    builds it (fsdp_bridge's shards on a CPU-only machine as it is); a native one on a CPU-only
+    machine is told `cpu=True` and set to FSDP (see [Note: FSDP on a CPU-only machine])."""
     plugin = fsdp_plugin()
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or _ours(accelerator_class):
         return accelerator_class(fsdp_plugin=plugin, mixed_precision=mixed_precision)
+    from fsdp_bridge.integrations.accelerate import shard_on_cpu
+
     accelerator = accelerator_class(fsdp_plugin=plugin, mixed_precision=mixed_precision,
                                     cpu=True)
-    _accelerate_state_to_fsdp(accelerator, plugin)
+    shard_on_cpu(accelerator, plugin)
     return accelerator
-
-
-def _accelerate_state_to_fsdp(accelerator, plugin) -> None:
-    """accelerate's shared state as a GPU launch with `plugin` has it."""
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType
-
-    accelerator.state.distributed_type = DistributedType.FSDP
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    accelerator.state.fsdp_plugin = plugin
-    if accelerator.mixed_precision != "no":
-        plugin.set_mixed_precision(accelerator.mixed_precision)
 
 
 def _trainer_on_cpu(trainer_class):
     from accelerate import FullyShardedDataParallelPlugin
 
+    from fsdp_bridge.integrations.accelerate import shard_on_cpu
+
     class TrainerOnCpuFsdp(trainer_class):
         def create_accelerator_and_postprocess(self):
             super().create_accelerator_and_postprocess()
-            plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
-            _accelerate_state_to_fsdp(self.accelerator, plugin)
+            shard_on_cpu(self.accelerator,
+                         FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args))
             self.is_fsdp_enabled = True
 
     return TrainerOnCpuFsdp
@@ -148,7 +148,7 @@ def _trainer_on_cpu(trainer_class):
 def _lightning_strategy_on_cpu(strategy_class):
     from lightning.pytorch.strategies import FSDPStrategy
 
-    if strategy_class is not FSDPStrategy:  # fsdp_bridge's strategy runs on the CPU as it is
+    if strategy_class is not FSDPStrategy:  # another subclass: left as it is
         return strategy_class
 
     class FSDPStrategyOnCpu(FSDPStrategy):

@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--atol", type=float, help="override the dtype's atol")
     parser.add_argument("--tolerance-growth", default="window", choices=TOLERANCE_GROWTH,
                         help=TOLERANCE_GROWTH_HELP)
-    parser.add_argument("--json", metavar="FILE", help="write the full report as JSON")
+    parser.add_argument("--json", metavar="FILE", help="write the full report as JSON (- for "
+                        "stdout, the table then going to stderr)")
     parser.add_argument("--plot", metavar="FILE.png", help="write loss and deviation curves")
     parser.add_argument("-q", "--quiet", action="store_true",
                         help="no progress lines on stderr (what is trained, each backend done)")
@@ -148,5 +149,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 130
     show(report, args.json, args.plot, error_prefix="error in ")
-    print(f"({report.seconds:.1f} s)")
+    from fsdp_bridge.outputs import human_stream
+
+    print(f"({report.seconds:.1f} s)", file=human_stream(args.json))
     return report.exit_code

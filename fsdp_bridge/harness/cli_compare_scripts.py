@@ -35,8 +35,11 @@ class _SplitAtDoubleDash(argparse.ArgumentParser):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.__class__ = _SplitAtDoubleDash
     parser.usage = "%(prog)s A.py B.py [--nproc N] [options] [-- ARGS for both scripts]"
-    parser.add_argument("script_a", metavar="A.py", help="the baseline script (run twice)")
-    parser.add_argument("script_b", metavar="B.py", help="the script to compare with it")
+    parser.add_argument("script_a", metavar="A.py", help="the baseline script (run twice): a "
+                        "file, or a module's name as python -m takes it (e.g. "
+                        "fsdp_bridge.examples.accelerate_llama_native)")
+    parser.add_argument("script_b", metavar="B.py", help="the script to compare with it (a file "
+                        "or a module's name)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks per script (default 2)")
     parser.add_argument("--loss-pattern", default=None,
                         help="regex with named groups 'step' and 'loss' (default matches "
@@ -57,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-determinism-check", action="store_true",
                         help="do not run A twice (faster; a non-deterministic A goes unnoticed)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per script run")
-    parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    parser.add_argument("--json", metavar="FILE", help="write the report as JSON (- for stdout, "
+                        "the table then going to stderr)")
     parser.add_argument("--plot", metavar="FILE.png", help="write loss and deviation curves")
     parser.add_argument("-q", "--quiet", action="store_true",
                         help="no progress bar (it is drawn on stderr, and only on a terminal)")
@@ -65,19 +69,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fsdp_bridge.harness import arguments
-    from fsdp_bridge.harness.compare import tolerance_for
-    from fsdp_bridge.harness.report import show
-    from fsdp_bridge.harness.scripts import DEFAULT_LOSS_PATTERN, check_arguments, compare_scripts
+    from fsdp_bridge.harness.names import DEFAULT_LOSS_PATTERN
 
     pattern = args.loss_pattern or DEFAULT_LOSS_PATTERN
-    try:  # every argument and output path, before any script runs
+    try:  # every argument and output path, before any script runs or torch loads
         arguments.tolerances(args.rtol, args.atol)
         arguments.outputs(args.json, args.plot)
-        check_arguments(args.script_a, [args.script_b], args.nproc, pattern, args.timeout)
-        tolerance = tolerance_for(args.dtype, args.rtol, args.atol, args.tolerance_growth)
+        arguments.scripts(args.script_a, [args.script_b], args.nproc, pattern, args.timeout)
     except ValueError as exc:
         print(f"fsdp-bridge compare-scripts: error: {exc}", file=sys.stderr)
         return 2
+    from fsdp_bridge.harness.compare import tolerance_for
+    from fsdp_bridge.harness.report import show
+    from fsdp_bridge.harness.scripts import compare_scripts
+
+    tolerance = tolerance_for(args.dtype, args.rtol, args.atol, args.tolerance_growth)
     from fsdp_bridge import progress
 
     runs = 2 if args.no_determinism_check else 3

@@ -21,9 +21,10 @@ from typing import Optional, Sequence
 
 import torch
 
+from fsdp_bridge.harness.arguments import check_tolerance_value
 from fsdp_bridge.harness.digest import Digest
 from fsdp_bridge.harness.names import STRICT_STEPS
-from fsdp_bridge.harness.resolution import digests_identical, sensitivity
+from fsdp_bridge.harness.resolution import advice, digests_identical, sensitivity
 
 EXIT_AGREE, EXIT_DISAGREE, EXIT_ERROR, EXIT_INCONCLUSIVE = 0, 1, 2, 3
 EQUIVALENT, DIFFERENT, INCONCLUSIVE = "equivalent", "different", "inconclusive"
@@ -158,16 +159,6 @@ def first_nan_step(steps: Sequence) -> Optional[tuple[int, str]]:
     return None
 
 
-def check_tolerance_value(name: str, value: Optional[float]) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name}={value!r}: expected a finite number >= 0 (|a-b| <= atol + "
-                         "rtol*|b|; a negative tolerance would make every comparison pass or "
-                         "fail meaninglessly). Omit it to use the dtype's default.")
-
-
 TOLERANCES = {
     "fp32": Tolerance("fp32", rtol=1.3e-6, atol=1e-5),
     "bf16": Tolerance("bf16", rtol=1.6e-2, atol=1e-5),
@@ -229,6 +220,8 @@ class Comparison:
     # None: not judged (no steps compared).
     sensitivity: Optional[float] = None
     identical_digests: bool = False  # every parameter digest equal: no resolution needed
+    # Why a 1 % change could not be seen, and the fix (resolution.advice); said when inconclusive.
+    advice: str = ""
 
     @property
     def first_diverging_step(self) -> Optional[int]:
@@ -268,9 +261,7 @@ class Comparison:
             return (f"cannot tell whether {self.candidate} is equivalent to {self.baseline}: "
                     f"{agree}, but a 1 % "
                     f"learning-rate change would have stayed within it too (it would reach "
-                    f"{self.sensitivity:.2g} of the tolerance): step a torch optimizer (for "
-                    "parameter digests), train until the loss measurably falls, or compare in "
-                    "fp32")
+                    f"{self.sensitivity:.2g} of the tolerance): {self.advice}")
         if self.ok:
             return (f"{self.candidate} agrees with {self.baseline} "
                     f"(worst deviation {worst:.3g} of tolerance{self._resolution()})")
@@ -325,6 +316,7 @@ def compare_steps(baseline_steps: Sequence, candidate_steps: Sequence, tol: Tole
         comparison.problems.append(f"{len(candidate_steps)} steps vs {len(baseline_steps)} in "
                                    f"{comparison.baseline}")
     comparison.sensitivity = sensitivity(baseline_steps, tol)
+    comparison.advice = advice(baseline_steps, tol, TOLERANCES["fp32"])
     comparison.identical_digests = bool(digests_identical(baseline_steps, candidate_steps))
     for base, cand in zip(baseline_steps, candidate_steps):
         at = tol.at_step(base.step)

@@ -22,8 +22,9 @@ EXAMPLE = os.path.join(PACKAGE, "examples", "fsdp1_train_llama.py")
 TARGETS = ("bridge", "fsdp2")
 
 
-def migrate_copy(example: str, target: str, out_dir: str) -> str:
-    """A copy of `example` rewritten by `fsdp-bridge migrate --to target --write`."""
+def migrate_copy(example: str, target: str, out_dir: str, quiet: bool = False) -> str:
+    """A copy of `example` rewritten by `fsdp-bridge migrate --to target --write` (`-q`: without
+    migrate's summary line)."""
     from fsdp_bridge.migrate import cli as migrate_cli
 
     stem = os.path.splitext(os.path.basename(example))[0]
@@ -32,7 +33,8 @@ def migrate_copy(example: str, target: str, out_dir: str) -> str:
         write_bytes(path, handle.read())  # replaces only this file of out_dir
     parser = argparse.ArgumentParser(prog="fsdp-bridge migrate")
     migrate_cli.add_arguments(parser)
-    code = int(migrate_cli.run(parser.parse_args([path, "--to", target, "--write"])) or 0)
+    argv = [path, "--to", target, "--write"] + (["-q"] if quiet else [])
+    code = int(migrate_cli.run(parser.parse_args(argv)) or 0)
     if code not in (0, 1):  # 1: migrated with sites to review, still a runnable file
         raise RuntimeError(f"fsdp-bridge migrate --to {target} {path} failed with exit {code}")
     return path
@@ -48,7 +50,7 @@ def run_demo_flow(example: str = EXAMPLE, nproc: int = 2, steps: int = 3,
 
     out_dir = out_dir or tempfile.mkdtemp(prefix="fsdp-bridge-demo-")
     os.makedirs(out_dir, exist_ok=True)
-    rewrites = [migrate_copy(example, target, out_dir) for target in TARGETS]
+    rewrites = [migrate_copy(example, target, out_dir, quiet) for target in TARGETS]
     for target, path in zip(TARGETS, rewrites):
         show(f"migrated --to {target}: {path}")
     # The original runs twice (its determinism is checked), then each rewrite once.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Optional, Sequence, Union
 
@@ -18,6 +19,8 @@ from fsdp_bridge.harness.compare import (
 from fsdp_bridge.harness.launcher import run_backends
 from fsdp_bridge.harness.recipes import Recipe
 from fsdp_bridge.harness.runner import RunRecord
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -76,7 +79,10 @@ def check_equivalence(recipe: Recipe, backends: Sequence[Union[str, Backend]], n
                          "(the first is the baseline), e.g. reference,torch-fsdp2.")
     started = time.perf_counter()
     tolerance = tolerance_for(recipe.mp, rtol, atol, growth)
+    logger.info("training %s under %s in one world of %d ranks (device %s); tolerance %s",
+                recipe.name, ", ".join(map(str, backends)), nproc, device, tolerance.describe())
     runs = run_backends(recipe, backends, nproc=nproc, device=device, announce=announce)
+    logger.info("trained every backend in %.1f s", time.perf_counter() - started)
     return Report(title=f"{recipe.name}, {nproc} ranks, {recipe.steps} steps",
                   settings=recipe_settings(recipe, nproc), tolerance=tolerance, runs=runs,
                   comparisons=judge(runs, tolerance), seconds=time.perf_counter() - started)

@@ -19,3 +19,12 @@ TOLERANCE_GROWTH_HELP = (
     "none: the one-step tolerance at every step (default window)")
 # A built-in recipe's size (`recipes.Size`) unless `--layers`, `--hidden`, ... say otherwise.
 SIZE_DEFAULTS = {"layers": 2, "hidden": 64, "vocab": 128, "seq": 16, "batch": 8, "heads": 4}
+
+# compare-scripts' loss lines: `step 3 loss 4.21` (also `step: 3, loss = 4.21`, ...).
+_NUMBER = r"(?P<loss>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"
+DEFAULT_LOSS_PATTERN = r"step\s*[:=#]?\s*(?P<step>\d+).*?loss\s*[:=]?\s*" + _NUMBER
+# The Hugging Face Trainer's log lines, `{'loss': 2.31, 'grad_norm': ..., 'epoch': 0.1}` (recent
+# transformers quote the values: `{'loss': '2.31', ...}`): no step in them, so the k-th such line
+# is taken as step k (right for `logging_steps=1`, said in the report). Tried when the default
+# pattern matches no line.
+HF_TRAINER_LOSS_PATTERN = r"""^\s*\{['"]loss['"]:\s*['"]?""" + _NUMBER

@@ -7,13 +7,13 @@ Works for both kinds of report: `equivalence.Report` (backends of a recipe) and
 
 from __future__ import annotations
 
-import json
 import math
+import sys
 import textwrap
 from typing import Optional
 
+from fsdp_bridge import outputs
 from fsdp_bridge.harness.compare import Comparison
-from fsdp_bridge.outputs import atomic_path, write_text
 
 TOP_PARAMS = 5
 
@@ -29,23 +29,24 @@ def _ratio(value: float) -> str:
 
 
 def comparison_table(comparison: Comparison) -> list[str]:
+    from fsdp_bridge.text import table
+
     lines = [f"{comparison.candidate} vs {comparison.baseline}  (columns *_tol: deviation / "
              "tolerance, ok <= 1)"]
-    if comparison.steps:
-        lines.append(f"{'step':>5} {'loss':>12} {'baseline':>12} {'loss_tol':>9} "
-                     f"{'gnorm_tol':>9} {'digest_tol':>10}  verdict")
     first = comparison.first_diverging_step
-    for check in comparison.steps:
-        verdict = "ok" if check.ok else ("DIVERGES (first)" if check.step == first
-                                         else "differs")
-        lines.append(f"{check.step:>5} {_num(check.loss):>12} {_num(check.baseline_loss):>12} "
-                     f"{_ratio(check.loss_ratio):>9} {_ratio(check.grad_norm_ratio):>9} "
-                     f"{_ratio(check.digest_ratio):>10}  {verdict}")
+    rows = [[check.step, _num(check.loss), _num(check.baseline_loss), _ratio(check.loss_ratio),
+             _ratio(check.grad_norm_ratio), _ratio(check.digest_ratio),
+             "ok" if check.ok else ("DIVERGES (first)" if check.step == first else "differs")]
+            for check in comparison.steps]
+    if rows:
+        lines += table(rows, ["step", "loss", "baseline", "loss_tol", "gnorm_tol", "digest_tol",
+                              "verdict"], right=range(6), indent="")
     if comparison.params:
         lines.append(f"final state dict ({len(comparison.params)} tensors), most different:")
-        for diff in comparison.params[:TOP_PARAMS]:
-            lines.append(f"    {diff.name:<48} max|diff| {diff.max_abs:.3g}  "
-                         f"tol {_ratio(diff.ratio)}{'  DIFFERS' if diff.ratio > 1 else ''}")
+        lines += table([[diff.name, f"{diff.max_abs:.3g}", _ratio(diff.ratio),
+                         "DIFFERS" if diff.ratio > 1 else ""]
+                        for diff in comparison.params[:TOP_PARAMS]],
+                       ["tensor", "max|diff|", "tol", ""], right=(1, 2), indent="    ")
     lines += [f"  ! {problem}" for problem in comparison.problems]
     label = {"equivalent": "AGREE  ", "different": "DIFFER ", "inconclusive": "CANNOT TELL "}
     lines.append(label[comparison.outcome] + comparison.summary())
@@ -73,6 +74,7 @@ def _comparison_json(comparison: Comparison) -> dict:
         "ok": comparison.ok,
         "outcome": comparison.outcome,
         "sensitivity": comparison.sensitivity,
+        "advice": comparison.advice if comparison.outcome == "inconclusive" else None,
         "first_diverging_step": comparison.first_diverging_step,
         "steps": [{"step": c.step, "loss": c.loss, "baseline_loss": c.baseline_loss,
                    "loss_ratio": c.loss_ratio, "grad_norm_ratio": c.grad_norm_ratio,
@@ -96,18 +98,8 @@ def to_json(report) -> dict:
 
 
 def write_json(report, path: str) -> None:
-    # inf and NaN are not JSON; write them as strings so any JSON reader can load the file.
-    write_text(path, json.dumps(_finite(to_json(report)), indent=2))
-
-
-def _finite(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_finite(item) for item in value]
-    return value
+    """The report as JSON to `path` ("-": stdout)."""
+    outputs.write_json(path, to_json(report))
 
 
 def save_plot(report, path: str) -> None:
@@ -115,9 +107,24 @@ def save_plot(report, path: str) -> None:
     import matplotlib.pyplot as plt
 
     figure = plot_figure(report)
-    with atomic_path(path) as tmp:
+    with outputs.atomic_path(path) as tmp:
         figure.savefig(tmp, dpi=100)
     plt.close(figure)
+
+
+# [Note: curves that coincide]
+# Equivalent runs draw the same curve: drawn alike, the last one hides the others. Each run gets
+# its own marker and dash pattern, and later runs are drawn thinner with smaller markers, so a
+# curve under another still shows around it.
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_DASHES = ("-", "--", "-.", ":")
+
+
+def _style(index: int) -> dict:
+    return {"marker": _MARKERS[index % len(_MARKERS)],
+            "linestyle": _DASHES[index % len(_DASHES)],
+            "markersize": max(3.0, 9.0 - 1.5 * index), "linewidth": max(0.8, 2.6 - 0.5 * index),
+            "markerfacecolor": "none" if index else None}
 
 
 def plot_figure(report):
@@ -129,13 +136,14 @@ def plot_figure(report):
     from matplotlib.ticker import MaxNLocator
 
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
-    # One colour per run in both panels: a run keeps the colour of its loss curve below.
+    # One colour and one style per run in both panels: a run keeps its loss curve's look below.
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    colour_of = {name: colours[i % len(colours)] for i, name in enumerate(report.curves())}
+    names = list(report.curves())
+    look = {name: {"color": colours[i % len(colours)], **_style(i)}
+            for i, name in enumerate(names)}
     for name, curve in report.curves().items():
         points = [(step, loss) for step, loss in curve if loss is not None]
-        top.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name,
-                 color=colour_of[name])
+        top.plot([p[0] for p in points], [p[1] for p in points], label=name, **look[name])
     top.set_ylabel("loss")
     # Long titles (script paths) are wrapped rather than cut at the figure's edge.
     top.set_title(textwrap.fill(report.title, 70), fontsize=10)
@@ -144,8 +152,8 @@ def plot_figure(report):
         steps = [c.step for c in comparison.steps]
         ratios = [max(c.ratio, 1e-12) if math.isfinite(c.ratio) else 1e12
                   for c in comparison.steps]
-        bottom.semilogy(steps, ratios, marker="o", label=comparison.candidate,
-                        color=colour_of.get(comparison.candidate))
+        bottom.semilogy(steps, ratios, label=comparison.candidate,
+                        **look.get(comparison.candidate, _style(len(names))))
     bottom.axhline(1.0, color="red", linestyle="--", label="tolerance")
     bottom.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     bottom.set_xlabel("step")
@@ -157,14 +165,17 @@ def plot_figure(report):
 
 
 def show(report, json_path: Optional[str], plot_path: Optional[str], error_prefix: str) -> None:
-    """What the compare commands print and write once a report is in: the table, each error
-    (on stderr, after `error_prefix`), and the --json / --plot files asked for."""
-    import sys
-
-    print(render_table(report))
+    """What the compare commands print and write once a report is in: the table (on stderr when
+    the JSON goes to stdout, `--json -`), each error (on stderr, after `error_prefix`), the
+    --json / --plot files asked for, and where they were written."""
+    text = outputs.human_stream(json_path)
+    print(render_table(report), file=text)
     for error in report.errors:
         print(f"{error_prefix}{error}", file=sys.stderr)
     if json_path:
         write_json(report, json_path)
+        if json_path != outputs.STDOUT:
+            print(f"wrote the report as JSON to {json_path}", file=text)
     if plot_path:
         save_plot(report, plot_path)
+        print(f"wrote the plot to {plot_path}", file=text)

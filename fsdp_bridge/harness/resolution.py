@@ -30,6 +30,8 @@ import math
 import statistics
 from typing import Optional, Sequence
 
+from fsdp_bridge.harness.names import STRICT_STEPS
+
 LR_CHANGE = 0.01  # the smallest learning-rate change a verdict must be able to see
 LOSS_WINDOW = 10  # W above: steps averaged at each end of the loss's progress
 STANDARD_ERRORS = 4.0  # Z above
@@ -85,3 +87,72 @@ def digests_identical(baseline: Sequence, candidate: Sequence) -> Optional[bool]
     if not pairs or any(a is None or b is None for a, b in pairs):
         return None
     return all(a == b for a, b in pairs) and len(baseline) == len(candidate)
+
+
+# [Note: why a comparison cannot tell]
+# An inconclusive verdict is only useful with the reason this comparison could not resolve a 1 %
+# change, since each reason has its own fix: a tolerance coarser than fp32's (compare in fp32),
+# losses alone because no torch optimizer step was recorded (step one, or train at least two loss
+# windows, on data whose loss falls), or parameters that moved too little in the steps given
+# (train longer; how long is extrapolated from how far they moved per step, since with a steady
+# optimizer the reach grows about linearly with the updates, while the allowance stays the
+# one-step tolerance inside the strict window).
+
+
+def advice(baseline: Sequence, tolerance, finest) -> str:
+    """Why a comparison against this baseline could not see a 1 % learning-rate change, and what
+    would let it (see [Note: why a comparison cannot tell]); `finest` is fp32's default
+    tolerance."""
+    if tolerance.rtol > finest.rtol or tolerance.atol > finest.atol:
+        return _coarse_tolerance(tolerance, finest)  # more steps would not help
+    recorded = [row for row in baseline if row.digest is not None]
+    if recorded:
+        return _few_updates(baseline, recorded, tolerance)
+    return _loss_only([row for row in baseline if row.step >= 1])
+
+
+def _coarse_tolerance(tolerance, finest) -> str:
+    if tolerance.dtype != finest.dtype:
+        return (f"the {tolerance.dtype} tolerance ({tolerance.rtol:g} of each value) is wider "
+                "than 1 % of what training moved: compare fp32 runs (--dtype fp32, the scripts "
+                "training in fp32) to tell")
+    return (f"the tolerance given (rtol {tolerance.rtol:g}, atol {tolerance.atol:g}) is wider "
+            f"than fp32's default (rtol {finest.rtol:g}, atol {finest.atol:g}): leave out "
+            "--rtol / --atol to tell")
+
+
+def _loss_only(rows: Sequence) -> str:
+    steps = len(rows)
+    said = ("no torch optimizer step was recorded (a hand-written update?), so only the printed "
+            "losses were compared")
+    fix = "or step a torch.optim optimizer, whose parameter digests resolve far better"
+    if steps < 2 * LOSS_WINDOW:
+        return (f"{said}, and a loss's progress is told from its batch-to-batch scatter only "
+                f"over {2 * LOSS_WINDOW} steps or more ({steps} here): train at least "
+                f"{2 * LOSS_WINDOW} steps, {fix}")
+    return (f"{said}, and the loss did not fall measurably over {steps} steps (by more than "
+            f"{STANDARD_ERRORS:g} standard errors of its scatter): train on data the model can "
+            f"learn, or longer, {fix}")
+
+
+def _few_updates(baseline: Sequence, recorded: Sequence, tolerance) -> str:
+    """Parameters that moved too little: how many steps would do, extrapolated."""
+    start, last = recorded[0], recorded[-1]
+    updates = last.step - start.step  # the updates the reach was measured over
+    steps = last.step
+    if updates < 1:
+        return (f"one step only: parameter movement is measured from step {start.step}'s "
+                "digest, so there is none to measure; train more steps")
+    reach = sensitivity(baseline, tolerance)
+    if reach <= 0.0:
+        return (f"the parameters did not move in {steps} steps (a learning rate of 0, or every "
+                "parameter frozen?): check that the optimizer steps them")
+    needed = start.step + math.ceil(updates / reach)
+    said = (f"too few steps: in {steps} the parameters moved too little for a 1 % learning-rate "
+            f"change to leave the tolerance")
+    if needed > STRICT_STEPS:
+        return (f"{said}, and at the pace they moved it would take more than {STRICT_STEPS} "
+                "steps, after which the tolerance grows as fast: train with a larger learning "
+                "rate, or accept the runs as not distinguishable from a 1 % change")
+    return (f"{said}: train about {needed} steps or more (extrapolated from how far they moved "
+            "per step)")

@@ -6,7 +6,8 @@ Two sources per run:
   through PYTHONPATH (`_site/sitecustomize.py` -> `step_hook.py`); the script is not modified.
 
 Row k of the comparison holds the loss printed as step k and the digest after the k-th
-optimizer step (digests count from 1).
+optimizer step (digests count from 1); for a script that numbers its steps from 0, row k holds
+the loss it printed as step k - 1.
 
 [Note: losses per rank]
 Scripts may print their loss on every rank (TorchAcc's example loop does), and each rank's
@@ -45,16 +46,10 @@ from fsdp_bridge.harness.compare import (
     first_nan_step,
 )
 from fsdp_bridge.harness.digest import Digest
+from fsdp_bridge.harness.names import DEFAULT_LOSS_PATTERN, HF_TRAINER_LOSS_PATTERN
 from fsdp_bridge.harness.runner import StepRecord
 from fsdp_bridge.harness.torchrun import run_torchrun
 
-_NUMBER = r"(?P<loss>[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"
-DEFAULT_LOSS_PATTERN = r"step\s*[:=#]?\s*(?P<step>\d+).*?loss\s*[:=]?\s*" + _NUMBER
-# The Hugging Face Trainer's log lines, `{'loss': 2.31, 'grad_norm': ..., 'epoch': 0.1}` (recent
-# transformers quote the values: `{'loss': '2.31', ...}`): no step in them, so the k-th such line
-# is taken as step k (right for `logging_steps=1`, said in the report). Tried when the default
-# pattern matches no line.
-HF_TRAINER_LOSS_PATTERN = r"""^\s*\{['"]loss['"]:\s*['"]?""" + _NUMBER
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OUTPUT_TAIL = 3000
@@ -88,14 +83,26 @@ class ScriptRun:
                     "and stepped no torch optimizer: nothing to compare")
         return None
 
+    @property
+    def counts_from_zero(self) -> bool:
+        """Whether the script numbers its steps from 0 (its first loss line is step 0)."""
+        return bool(self.losses) and min(self.losses) == 0
+
+    def step_losses(self) -> dict[int, float]:
+        """Loss by optimizer step counted from 1, as digests count: a script that numbers its
+        steps from 0 printed step k's loss as k - 1."""
+        shift = 1 if self.counts_from_zero else 0
+        return {step + shift: loss for step, loss in self.losses.items()}
+
     def records(self) -> list[StepRecord]:
-        """Rows keyed by step: loss printed as step k, digest after optimizer step k."""
-        keys = sorted(set(self.losses) | set(range(1, len(self.digests) + 1)))
-        quantum = printed_quantum(self.losses.values())
+        """Rows keyed by step: the loss of optimizer step k and the digest after it."""
+        losses = self.step_losses()
+        keys = sorted(set(losses) | set(range(1, len(self.digests) + 1)))
+        quantum = printed_quantum(losses.values())
         rows = []
         for key in keys:
             digest = self.digests[key - 1] if 1 <= key <= len(self.digests) else None
-            rows.append(StepRecord(key, self.losses.get(key),
+            rows.append(StepRecord(key, losses.get(key),
                                    digest.grad_norm if digest else None, digest, quantum))
         return rows
 
@@ -190,9 +197,9 @@ def run_script(label: str, script: str, nproc: int, args: Sequence[str], pattern
                timeout: float) -> ScriptRun:
     """Run `script` under torchrun on `nproc` local ranks with the step hook injected. On a
     timeout or Ctrl-C, torchrun and every rank it started are stopped."""
-    arguments.script("script", script)
+    target = arguments.script("script", script)  # a path, or -m and a module's name
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--tee", "3",
-               f"--nproc_per_node={nproc}", script, *args]
+               f"--nproc_per_node={nproc}", *target, *args]
     with tempfile.TemporaryDirectory(prefix="fsdp-bridge-script-") as out_dir:
         started = time.perf_counter()
         retried = False
@@ -237,7 +244,7 @@ class ScriptReport(Verdict):
 
 
     def curves(self) -> dict[str, list]:
-        return {run.label: sorted(run.losses.items()) for run in self.runs}
+        return {run.label: sorted(run.step_losses().items()) for run in self.runs}
 
 
 DETERMINISM = ("requirement: each script seeds everything it draws (weights, data order, "
@@ -259,17 +266,6 @@ def _determinism_check(first: ScriptRun, repeat: ScriptRun, tolerance: Tolerance
                      f"(worst {worst:.2g} of tolerance)")
     else:
         notes.append(f"{first.script} is deterministic: a second run repeats it bit for bit")
-
-
-def check_arguments(baseline: str, candidates: Sequence[str], nproc: int, pattern: str,
-                    timeout: float) -> None:
-    """Every argument, before any script runs (ValueError naming the first bad one)."""
-    arguments.script("A.py", baseline)
-    for index, candidate in enumerate(candidates):
-        arguments.script(f"{chr(ord('B') + index)}.py", candidate)
-    arguments.positive_int("--nproc", nproc)
-    arguments.positive_seconds("--timeout", timeout)
-    arguments.loss_pattern("--loss-pattern", pattern)
 
 
 def _nan_notes(runs: Sequence[ScriptRun]) -> list[str]:
@@ -298,6 +294,9 @@ def _run_notes(runs: Sequence[ScriptRun]) -> list[str]:
             notes.append(f"{run.label}: losses read from the Hugging Face Trainer's log lines "
                          "({'loss': ...}); the k-th line is taken as step k, which holds for "
                          "logging_steps=1")
+        if run.counts_from_zero:
+            notes.append(f"{run.label}: numbers its steps from 0; its step k is row k + 1 (the "
+                         "k + 1-th optimizer step)")
         if run.retried:
             notes.append(f"{run.label} was run again: a previous run printed everything, then "
                          "exited with torch's gloo teardown abort (a known race at exit, not a "
@@ -345,7 +344,7 @@ def compare_scripts(baseline: str, candidates: Sequence[str], nproc: int = 2,
         return done
 
     tolerance = tolerance or tolerance_for("fp32")
-    check_arguments(baseline, candidates, nproc, pattern, timeout)
+    arguments.scripts(baseline, candidates, nproc, pattern, timeout)
     first = run_one("A", baseline, nproc, args, pattern, timeout)
     runs, notes, errors = [first], [DETERMINISM], []
     if check_determinism and not first.error:

@@ -18,6 +18,16 @@ optimizer would hold one of them twice and never step the other. This happens to
 natively before `prepare` as well. Here the optimizer is pointed at the parameters by name,
 before and again after accelerate's `prepare`.
 
+[Note: FSDP on the CPU]
+accelerate takes its FSDP path on accelerators only. On a CPU-only machine a launch with an FSDP
+plugin (given, or from `accelerate launch`'s config) becomes plain multi-CPU data parallelism
+with `cpu=True`, the plugin dropped without a word, and without it every rank runs alone, as if
+it were the only process: either way each rank trains an unsharded copy. Our engine shards on
+the CPU (gloo) as on GPUs, so under a launcher (torchrun, accelerate launch) on a machine without
+an accelerator this Accelerator asks accelerate for its CPU distributed state (`cpu=True`), then
+sets that state where a GPU launch has it (FSDP, with the plugin), and shards. One process
+without a launcher cannot shard on any device; a warning says so.
+
 Without an FSDP plugin this is accelerate's Accelerator, unchanged.
 """
 
@@ -27,9 +37,14 @@ from fsdp_bridge.extras import require_for
 
 require_for(__name__, "accelerate")
 
+import logging  # noqa: E402
+import os  # noqa: E402
+import warnings  # noqa: E402
+
 import accelerate  # noqa: E402
 import torch  # noqa: E402
-from accelerate.utils import DistributedType, DynamoBackend  # noqa: E402
+from accelerate.state import PartialState  # noqa: E402
+from accelerate.utils import DistributedType, DynamoBackend, FullyShardedDataParallelPlugin  # noqa: E402
 from accelerate.utils.fsdp_utils import (  # noqa: E402
     fsdp2_apply_ac,
     fsdp2_canonicalize_names,
@@ -41,9 +56,10 @@ from torch import nn  # noqa: E402
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule  # noqa: E402
 
 from fsdp_bridge.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard  # noqa: E402
-from fsdp_bridge.translation import bad_argument  # noqa: E402
+from fsdp_bridge.translation import FsdpBridgeWarning, bad_argument  # noqa: E402
 
 FRONTEND = "fsdp_bridge.integrations.accelerate.Accelerator"
+logger = logging.getLogger(__name__)
 
 
 class Accelerator(accelerate.Accelerator):
@@ -51,7 +67,10 @@ class Accelerator(accelerate.Accelerator):
     (see the module's docstring)."""
 
     def __init__(self, *args, **kwargs):
+        if _fsdp_asked(kwargs.get("fsdp_plugin")) and _launched_without_accelerator():
+            kwargs["cpu"] = True  # see [Note: FSDP on the CPU]
         super().__init__(*args, **kwargs)
+        shard_on_cpu(self, kwargs.get("fsdp_plugin"))
         check_fsdp_version(self)
 
     def prepare(self, *args, device_placement=None):
@@ -77,6 +96,49 @@ class Accelerator(accelerate.Accelerator):
             plugin.activation_checkpointing = checkpointing
         _restore_params(optimizers, params)  # see [Note: optimizer by name]
         return result
+
+
+def shard_on_cpu(accelerator: accelerate.Accelerator,
+                 plugin: FullyShardedDataParallelPlugin | None = None) -> None:
+    """When FSDP was asked for (`plugin`, or `accelerate launch`'s config) and accelerate fell
+    back to CPU data parallelism, set its state to FSDP with the plugin, as a GPU launch has it
+    (see [Note: FSDP on the CPU]); one process without torch.distributed gets a warning."""
+    state = accelerator.state
+    if not _fsdp_asked(plugin) or state.distributed_type == DistributedType.FSDP:
+        return
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        plugin = plugin or FullyShardedDataParallelPlugin()  # from accelerate launch's config
+        state.distributed_type = DistributedType.FSDP
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        state.fsdp_plugin = plugin
+        if accelerator.mixed_precision != "no":
+            plugin.set_mixed_precision(accelerator.mixed_precision)
+        logger.info("accelerate runs FSDP on accelerators only and chose CPU data parallelism; "
+                    "%s shards on the CPU with the FSDP plugin instead", FRONTEND)
+    elif state.distributed_type == DistributedType.NO:
+        if _launched_without_accelerator():  # the state was made before, without cpu=True
+            why = ("accelerate set this rank up alone, as if no other were launched: without an "
+                   "accelerator it needs cpu=True to start the CPU ranks' process group")
+            fix = ("Pass cpu=True (for the HF Trainer, TrainingArguments(use_cpu=True)), or let "
+                   "this Accelerator build accelerate's state.")
+        else:
+            why = "this is one process without torch.distributed"
+            fix = "Start one process per rank with accelerate launch or torchrun."
+        warnings.warn(f"{FRONTEND}: an FSDP plugin was given, but {why}, so FSDP is off and the "
+                      f"model is not sharded (as with accelerate's own Accelerator). {fix}",
+                      FsdpBridgeWarning, stacklevel=3)
+
+
+def _fsdp_asked(plugin) -> bool:
+    """An FSDP plugin given, or `accelerate launch`'s config asking for FSDP."""
+    return plugin is not None or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+
+
+def _launched_without_accelerator() -> bool:
+    """Started by a launcher (one process per rank) on a machine without a GPU or other
+    accelerator torch can use."""
+    launched = "LOCAL_RANK" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return launched and not torch.accelerator.is_available()
 
 
 def check_fsdp_version(accelerator: accelerate.Accelerator) -> None:
@@ -140,6 +202,8 @@ def shard_model(accelerator: accelerate.Accelerator, model: nn.Module) -> nn.Mod
     # The root resolves reshard_after_forward=None itself (False), as accelerate leaves it.
     kwargs.pop("reshard_after_forward")
     fully_shard(model, **kwargs)
+    logger.info("%s: %s sharded by fsdp_bridge's fully_shard (auto-wrap policy %s)", FRONTEND,
+                type(model).__name__, "none" if policy is None else "from the plugin")
     return model
 
 

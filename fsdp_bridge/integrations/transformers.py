@@ -2,12 +2,13 @@
 
     from fsdp_bridge.integrations.transformers import Trainer  # was: from transformers import Trainer
 
-With FSDP2 in the training arguments (`fsdp="full_shard"`, `fsdp_config={"version": 2, ...}`,
-or an `accelerate launch` FSDP2 config), the Trainer's Accelerator is
+With FSDP2 in the training arguments (`fsdp=True`, `fsdp_config={"version": 2, ...}`, or an
+`accelerate launch` FSDP2 config), the Trainer's Accelerator is
 `fsdp_bridge.integrations.accelerate.Accelerator`: it shards the model with our `fully_shard`
 using the same settings accelerate would pass to torch's. Everything else is the Trainer's own:
 `generate` after training (through torch's `register_fsdp_forward_method`), checkpoints,
-`resume_from_checkpoint`. For a Trainer subclass of another library, put the mixin first:
+`resume_from_checkpoint`. On a CPU-only machine, where accelerate would drop FSDP for data
+parallelism, it shards all the same. For a Trainer subclass of another library, put the mixin first:
 `class MyTrainer(BridgeTrainerMixin, SFTTrainer)`.
 """
 
@@ -20,7 +21,11 @@ require_for(__name__, "transformers", "accelerate")
 import accelerate  # noqa: E402
 import transformers  # noqa: E402
 
-from fsdp_bridge.integrations.accelerate import Accelerator, check_fsdp_version  # noqa: E402
+from fsdp_bridge.integrations.accelerate import (  # noqa: E402
+    Accelerator,
+    check_fsdp_version,
+    shard_on_cpu,
+)
 from fsdp_bridge.translation import bad_argument  # noqa: E402
 
 
@@ -31,6 +36,14 @@ class BridgeTrainerMixin:
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
         use_bridge_accelerator(self.accelerator)
+        if self.args.fsdp_plugin_args is not None and not self.is_fsdp_enabled:
+            # accelerate dropped FSDP on a CPU-only machine: shard there too (see
+            # [Note: FSDP on the CPU] in fsdp_bridge.integrations.accelerate).
+            from accelerate.utils import FullyShardedDataParallelPlugin
+
+            shard_on_cpu(self.accelerator,
+                         FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args))
+            self.is_fsdp_enabled = getattr(self.accelerator.state, "fsdp_plugin", None) is not None
 
 
 class Trainer(BridgeTrainerMixin, transformers.Trainer):

@@ -14,7 +14,6 @@ import sys
 import time
 
 from fsdp_bridge import progress
-from fsdp_bridge.codemods import rules
 from fsdp_bridge.migrate import report
 from fsdp_bridge.migrate.driver import (
     TARGETS,
@@ -23,9 +22,11 @@ from fsdp_bridge.migrate.driver import (
     Writer,
     check_unchanged,
     run_all,
+    sweep_temporaries,
     write_problem,
 )
 from fsdp_bridge.migrate.files import READ_SUFFIXES, unsupported_files, walk
+from fsdp_bridge.text import plural
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +79,7 @@ def _write(results: list[FileResult]) -> tuple[list[FileResult], str | None]:
     read) before any is written, and if a rename still fails midway, the files already rewritten
     get their original bytes back. Returns the results (errors set, and nothing marked changed
     when nothing was written) and a line saying why nothing was written (None: all were)."""
+    sweep_temporaries(result.path for result in results)  # what a killed run left
     pending = [r for r in results if r.changed]
     for result in pending:
         result.error = _write_problem(result)
@@ -112,6 +114,25 @@ def _write_all(pending: list[FileResult]) -> list[FileResult]:
 
 def _shown(paths: list[str]) -> str:
     return ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+
+
+# Sites the user has to look at: a TODO left in the code, or a construct only reported
+# (codemods.base.TODO and INFO, named here without importing libcst, as report.py does).
+_TO_REVIEW = ("left with TODO", "report only")
+
+
+def _list_sites_to_review(results: list[FileResult]) -> None:
+    """Every site left with a TODO or only reported, as `path:line: FBxxx what: why` on stderr
+    (the lines of the file as it was read), so that they are found without --report."""
+    sites = [(result.path, site) for result in results for site in result.sites
+             if site["status"] in _TO_REVIEW]
+    if not sites:
+        return
+    print(f"fsdp-bridge migrate: {plural(len(sites), 'site')} to review (left with a TODO, or "
+          "reported only):", file=sys.stderr)
+    for path, site in sorted(sites, key=lambda item: (item[0], item[1]["line"])):
+        print(f"  {path}:{site['line']}: {site['rule']} {site['what']}: {site['reason']}",
+              file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -153,9 +174,8 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(_diff(result))
         elif result.changed and args.mode == "check":
             print(f"would rewrite {result.path}")
-        for site in result.sites:
-            if site["rule"] == rules.NOTEBOOK:
-                print(f"note: {result.path}: {site['what']}; {site['reason']}", file=sys.stderr)
+    if not args.quiet:
+        _list_sites_to_review(results)
     if nothing_written:
         print(f"fsdp-bridge migrate: {nothing_written}", file=sys.stderr)
     if args.report:
@@ -165,9 +185,10 @@ def run(args: argparse.Namespace) -> int:
     by_status = ", ".join(f"{n} {status}" for status, n in totals["by_status"].items())
     verb = "rewritten" if args.mode == "write" else "to change"
     progress.note(
-        f"fsdp-bridge migrate --to {args.target}: {totals['files']} files, {totals['parsed']} parsed, "
-        f"{totals['changed']} {verb}, {totals['sites']} sites" + (f" ({by_status})" if by_status else "")
-        + f", {errors} errors in {time.perf_counter() - started:.2f}s",
+        f"fsdp-bridge migrate --to {args.target}: {plural(totals['files'], 'file')}, "
+        f"{totals['parsed']} parsed, {totals['changed']} {verb}, {plural(totals['sites'], 'site')}"
+        + (f" ({by_status})" if by_status else "")
+        + f", {plural(errors, 'error')} in {time.perf_counter() - started:.2f}s",
         args.quiet,
     )
     if errors:

@@ -13,23 +13,26 @@ the tree keeps of FSDP1]).
 [Note: nothing half-done survives a kill]
 A file is replaced by `os.replace` of a complete temporary file (`fsdp_bridge.outputs.atomic_path`),
 so readers see the original or the full rewrite. SIGKILL leaves no chance to clean up in the
-process itself, so two things do it from outside: pool workers ask the kernel to kill them when
-their parent dies (PR_SET_PDEATHSIG), and a small guard process, in its own session, is told each
-temporary file's name before it is created and removes any that are left when the migrating
-process goes away.
+process itself, so what it leaves is cleaned up from outside, as the checkpoint code does with a
+killed save's leftovers: a temporary file is named `.fsdp-bridge-<file>-<pid>-<n>.tmp`, with the
+id of the process writing it, and `migrate --write` removes, in the directory of every file it
+migrates, the temporary files of processes no longer running before it writes (prefix and
+sweep). Pool workers watch their parent and end when it is gone.
 """
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import dataclasses
 import hashlib
 import itertools
+import logging
 import os
-import signal
+import re
 import stat
-import subprocess
-import sys
+import threading
+import time
+from ast import PyCF_ONLY_AST
 from concurrent.futures import ProcessPoolExecutor
 from typing import Callable, Iterable, Iterator
 
@@ -45,6 +48,7 @@ from fsdp_bridge.migrate.files import (
 from fsdp_bridge.outputs import atomic_path
 
 TARGETS = ("bridge", "fsdp2", "yafsdp")
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -149,6 +153,7 @@ def process(path: str, target: str, kept_elsewhere: tuple[str, ...] = ()) -> Fil
         result.sites = _notebook_sites(data, target)
         return result
     if not may_use_fsdp(data, target):
+        logger.debug("%s: no FSDP name in it, not parsed", path)
         return result
     result.parsed = True
     # Decoded as Python decodes it (UTF-8, a PEP 263 declaration such as latin-1, a kept
@@ -166,9 +171,23 @@ def process(path: str, target: str, kept_elsewhere: tuple[str, ...] = ()) -> Fil
     except UnicodeEncodeError as exc:
         result.error = f"the rewrite holds a character the file's encoding cannot write: {exc}"
     except Exception as exc:  # a parse error (libcst.ParserSyntaxError) or a codemod bug
-        message = str(exc).strip().splitlines()
-        result.error = f"{type(exc).__name__}: {message[0] if message else ''}"
+        result.error = _error_line(exc, source, path)
+    logger.debug("%s: parsed, %d sites%s", path, len(result.sites),
+                 ", rewritten" if result.changed else "")
     return result
+
+
+def _error_line(exc: Exception, source: str, path: str) -> str:
+    """One line for a file that could not be rewritten. For a syntax error, Python's own account
+    of it (libcst reports where its parser gave up, often lines later than the mistake: an
+    unclosed bracket is found at the end of the file)."""
+    if type(exc).__name__ == "ParserSyntaxError":
+        try:
+            compile(source, path, "exec", flags=PyCF_ONLY_AST, dont_inherit=True)
+        except SyntaxError as python:
+            return f"SyntaxError: {python.msg} (line {python.lineno})"
+    message = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {message[0] if message else ''}"
 
 
 def _process_star(args: tuple) -> FileResult:
@@ -214,6 +233,9 @@ def _map(paths: list[str], target: str, jobs: int, kept: tuple[str, ...] = ()) -
 def run_all(paths: Iterable[str], target: str, jobs: int, on_done: Callable[[], None]) -> list[FileResult]:
     """Process files in order (those that need parsing in `jobs` worker processes), then settle
     the type checks over the whole tree."""
+    paths = list(paths)
+    logger.info("migrating %d files to %s with %d worker process%s", len(paths), target, jobs,
+                "es" * (jobs != 1))
     return settle_type_checks(list(_first_pass(paths, target, jobs, on_done)), target, jobs)
 
 
@@ -248,12 +270,14 @@ def _passes_prefilter(path: str, target: str) -> bool:
 
 
 def _die_with_parent(parent: int) -> None:
-    """Pool worker start-up: be killed with the parent, even by SIGKILL (Linux)."""
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before the request took effect
+    """Pool worker start-up: end when the parent process is gone, even killed by SIGKILL (which
+    it cannot pass on): a daemon thread looks every 0.2 s."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
         os._exit(1)
+
+    threading.Thread(target=watch, name="fsdp-bridge-parent-watch", daemon=True).start()
 
 
 def write_problem(path: str) -> str | None:
@@ -272,19 +296,42 @@ def write_problem(path: str) -> str | None:
     return None
 
 
-# Run by the guard process: remember announced temporary files, remove those left at EOF.
-_GUARD = """
-import os, sys
-pending = set()
-for line in sys.stdin.buffer:
-    path = bytes.fromhex(line[1:].strip().decode())
-    (pending.add if line[:1] == b"+" else pending.discard)(path)
-for path in pending:
+# A rewrite's temporary file: `.fsdp-bridge-<file>-<pid of the writer>-<n>.tmp` (see
+# [Note: nothing half-done survives a kill]).
+_TEMPORARY = re.compile(r"^\.fsdp-bridge-.+-(?P<pid>\d+)-\d+\.tmp$")
+
+
+def sweep_temporaries(paths: Iterable[str]) -> list[str]:
+    """Remove, in the directories of `paths` (files, symlinks followed), the rewrites' temporary
+    files whose writer is no longer running (a killed migrate's); returns their paths."""
+    removed = []
+    for directory in sorted({os.path.dirname(os.path.realpath(path)) for path in paths}):
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in names:
+            match = _TEMPORARY.match(name)
+            if match is None or _running(int(match.group("pid"))):
+                continue
+            path = os.path.join(directory, name)
+            with contextlib.suppress(FileNotFoundError):  # another sweep got there first
+                os.unlink(path)
+                removed.append(path)
+                logger.info("removed %s, left by a migrate that was killed", path)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
     try:
-        os.unlink(path)
-    except OSError:
-        pass
-"""
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 class ChangedOnDisk(OSError):
@@ -313,24 +360,13 @@ class Writer:
     by the rename, so the file is refused by name instead."""
 
     def __init__(self) -> None:
-        self._guard: subprocess.Popen | None = None
         self._count = itertools.count()
 
     def __enter__(self) -> "Writer":
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._guard is not None:
-            self._guard.stdin.close()
-            self._guard.wait()
-
-    def _announce(self, sign: str, path: str) -> None:
-        if self._guard is None:
-            self._guard = subprocess.Popen([sys.executable, "-c", _GUARD], stdin=subprocess.PIPE,
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                           start_new_session=True)
-        self._guard.stdin.write(f"{sign}{os.fsencode(path).hex()}\n".encode())
-        self._guard.stdin.flush()
+        pass
 
     def write(self, path: str, data: bytes, expected: bytes | None = None,
               read_stat: tuple[int, int] | None = None) -> None:
@@ -345,15 +381,11 @@ class Writer:
             if expected is not None:
                 check_unchanged(real, expected, read_stat)
 
-        self._announce("+", temp)
-        try:
-            with atomic_path(real, temporary=temp, durable=True, before_replace=still_expected):
-                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "wb") as handle:
-                    handle.write(data)
-                os.chmod(temp, mode)
-        finally:
-            self._announce("-", temp)
+        with atomic_path(real, temporary=temp, durable=True, before_replace=still_expected):
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+            os.chmod(temp, mode)
 
 
 def write_atomic(path: str, data: bytes) -> None:

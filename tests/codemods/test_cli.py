@@ -45,14 +45,19 @@ def test_diff_check_write_and_exit_codes(tmp_path, capsys):
 
 
 def test_parse_error_is_reported_and_others_continue(tmp_path, capsys):
-    (tmp_path / "bad.py").write_text("import torch.distributed.fsdp\ndef f(:\n")
+    # Python's account of the error: the bracket left open on line 2, not the end of the file,
+    # where libcst's parser gives up.
+    (tmp_path / "bad.py").write_text("import torch.distributed.fsdp\nx = {\n    'a': 1,\n\n"
+                                     "def f():\n    return 1\n")
     (tmp_path / "good.py").write_text(FSDP1)
     report = tmp_path / "report.json"
     assert main(["migrate", str(tmp_path), "--to", "fsdp2", "--write", "--report", str(report)]) == 2
     assert "fully_shard" in (tmp_path / "good.py").read_text()
     data = json.loads(report.read_text())
     entries = {pathlib.Path(e["path"]).name: e for e in data["files"]}
-    assert "Syntax" in entries["bad.py"]["error"]
+    assert entries["bad.py"]["error"] == "SyntaxError: '{' was never closed (line 2)"
+    assert f"error: {tmp_path / 'bad.py'}: SyntaxError: '{{' was never closed (line 2)" \
+        in capsys.readouterr().err
     assert entries["good.py"]["sites"][0]["rule"] == "FB100"
     assert data["summary"]["errors"] == 1
 
@@ -70,6 +75,11 @@ def test_markdown_report_lists_todos_and_config_lines(tmp_path, capsys):
     text = report.read_text()
     assert "| FB201 | left with TODO |" in text
     assert "| FB400 | report only |" in text and "| FB401 | report only |" in text
+    # Without --report too, each site to review is listed on stderr, path:line first.
+    listed = capsys.readouterr().err.splitlines()
+    assert "fsdp-bridge migrate: 3 sites to review (left with a TODO, or reported only):" in listed
+    assert any(line.startswith(f"  {tmp_path / 'sub.py'}:3: FB201 ") for line in listed), listed
+    assert any(line.startswith(f"  {tmp_path / 'accelerate.yaml'}:2: FB401 ") for line in listed)
 
 
 def test_prefilter():
@@ -154,7 +164,7 @@ def test_virtual_environments_and_build_dirs_are_skipped_by_default(tmp_path, ca
     out, err = capsys.readouterr()
     assert out.splitlines() == [f"would rewrite {tmp_path / 'src' / 'train.py'}"]
     assert "skipped" in err and "--no-default-excludes" in err
-    assert "1 files" in err.splitlines()[-1]
+    assert "1 file," in err.splitlines()[-1]
 
     assert main(["migrate", str(tmp_path), "--to", "fsdp2", "--check", "-j", "1",
                  "--no-default-excludes"]) == 1
@@ -180,7 +190,7 @@ def test_a_named_file_migrate_does_not_read_is_an_error_not_a_silent_skip(tmp_pa
     out, err = capsys.readouterr()
     assert f"error: {notes}: not a Python (.py, .pyi), YAML or notebook file: skipped" in err
     assert "+model = fully_shard(model)" in out  # the other files are still migrated
-    assert "1 errors" in err.splitlines()[-1]
+    assert "1 error in" in err.splitlines()[-1]
 
 
 def test_quiet_silences_the_summary_lines_but_not_errors(tmp_path, capsys):

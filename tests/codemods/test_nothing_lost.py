@@ -127,7 +127,7 @@ def test_notebook_is_reported(tmp_path, capsys):
     (tmp_path / "nb.ipynb").write_text(json.dumps(notebook))
     report = tmp_path / "r.json"
     main(["migrate", str(tmp_path), "--to", "fsdp2", "--report", str(report)])
-    assert "nb.ipynb: notebook mentions FSDP" in capsys.readouterr().err
+    assert "nb.ipynb:1: FB402 notebook mentions FSDP" in capsys.readouterr().err  # listed, path:line
     sites = json.loads(report.read_text())["files"][0]["sites"]
     assert sites[0]["rule"] == "FB402"
 

@@ -14,7 +14,9 @@ Each example also trains a single-process reference on the global batch where th
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 import warnings
 from functools import partial
 
@@ -226,8 +228,32 @@ def seed003_torchacc(rank, world, tmp_dir):
             "model_keys": list(full_before), "extra_loss": float(loss)}
 
 
+# -- the repository's examples/ of each dialect -------------------------------------------------
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "examples")
+DIALECT_EXAMPLES = ("fsdp1_llama", "fsdp2_llama", "zeta_llama", "torchacc_llama")
+
+
+def repository_examples(rank, world):
+    """Each dialect example's `shard` on the examples' shared model, data and training loop
+    (examples/common.py): the global losses, by example."""
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    import common
+
+    out = {}
+    for name in DIALECT_EXAMPLES:
+        shard = importlib.import_module(name).shard
+        out[name] = common.train(shard(common.tiny_llama()))
+        dist.barrier()
+    return out
+
+
 def run_all(rank, world, tmp_dir):
-    out = {"seed000": seed000_fsdp1(rank, world)}
+    out = {"examples": repository_examples(rank, world)}
+    dist.barrier()
+    out["seed000"] = seed000_fsdp1(rank, world)
     dist.barrier()
     out["seed001"] = seed001_zeta(rank, world)
     dist.barrier()

@@ -14,11 +14,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_committed_docs_equal_the_rendering():
-    with open(os.path.join(ROOT, "docs", "frontends.md")) as handle:
+    with open(os.path.join(ROOT, "fsdp_bridge", "frontends.md")) as handle:
         committed = handle.read()
     assert committed == render_docs(), (
-        "docs/frontends.md is stale: run `python -m fsdp_bridge explain --write-docs "
-        "docs/frontends.md`")
+        "fsdp_bridge/frontends.md is stale: run `python -m fsdp_bridge explain --write-docs "
+        "fsdp_bridge/frontends.md`")
 
 
 def test_every_frontend_has_a_table():

@@ -1,5 +1,6 @@
 """Upstream FSDP1, Zeta and TorchAcc examples run with only the import changed, on 2 CPU ranks,
-and train (seed_cases.py; one spawned world)."""
+and train (seed_cases.py; one spawned world); so do the repository's examples of each dialect
+(examples/), to the losses of one process on the global batch."""
 
 from __future__ import annotations
 
@@ -54,3 +55,25 @@ def test_seed003_torchacc_trains_and_checkpoints(ranks):
         for key, value in result["before"].items():
             assert torch.equal(result["after"][key], value), key
     assert torch.isfinite(torch.tensor(out["extra_loss"]))
+
+
+def test_the_repository_examples_of_each_dialect_train_the_reference_losses(ranks):
+    import sys
+
+    if C.EXAMPLES not in sys.path:
+        sys.path.insert(0, C.EXAMPLES)
+    import common
+
+    model = common.tiny_llama()  # one process on the global batch, the examples' optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    reference = []
+    for ids in common.global_batches():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        reference.append(loss.item())
+    assert sorted(ranks[0]["examples"]) == sorted(C.DIALECT_EXAMPLES)
+    for name, losses in ranks[0]["examples"].items():
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), **FP32,
+                                   msg=lambda text, name=name: f"{name}: {text}")

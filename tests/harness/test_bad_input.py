@@ -203,3 +203,15 @@ def test_hf_trainer_log_lines_are_read_when_the_default_pattern_finds_nothing():
         {1: 0.5}, scripts.DEFAULT_LOSS_PATTERN, None)
     # A pattern of the user's own is never replaced.
     assert scripts.read_losses(output, r"step (?P<step>\d+) loss (?P<loss>\S+)")[0] == {}
+
+
+def test_a_script_counting_steps_from_zero_lines_up_with_its_optimizer_steps():
+    # Printed as steps 0, 1, 2: the loss of the k-th optimizer step sits beside the digest after
+    # it, row k (from 1), not one row off with a loss-only row 0 and a digest-only row 3.
+    zero_based = _run("A", {0: 0.5, 1: 0.4, 2: 0.3}, [1.0, 0.9, 0.8])
+    rows = zero_based.records()
+    assert [(row.step, row.loss, row.digest.sum) for row in rows] == [
+        (1, 0.5, 1.0), (2, 0.4, 0.9), (3, 0.3, 0.8)]
+    one_based = _run("B", {1: 0.5, 2: 0.4, 3: 0.3}, [1.0, 0.9, 0.8])
+    assert compare_script_runs(zero_based, one_based, tolerance_for("fp32")).ok
+    assert any("A: numbers its steps from 0" in note for note in scripts._run_notes([zero_based]))

@@ -127,7 +127,7 @@ def test_the_command_lines_choices_are_the_implemented_names():
     assert names.SIZE_DEFAULTS == dataclasses.asdict(Size())
 
 
-def test_the_plot_gives_each_run_one_colour_and_whole_steps():
+def test_the_plot_gives_each_run_one_look_and_whole_steps():
     import matplotlib.pyplot as plt
 
     from fsdp_bridge.harness.compare import Comparison, StepCheck, tolerance_for
@@ -146,11 +146,17 @@ def test_the_plot_gives_each_run_one_colour_and_whole_steps():
         comparison.steps = [StepCheck(s, 1.0, 1.0, 0.5, 0.1, 0.2) for s in (1, 2, 3)]
     figure = plot_figure(report)
     top, bottom = figure.axes
-    colour = {line.get_label(): line.get_color() for line in top.get_lines()}
-    assert len(set(colour.values())) == 3
+    look = {line.get_label(): (line.get_color(), line.get_marker(), line.get_linestyle())
+            for line in top.get_lines()}
+    # The three curves coincide: each keeps a colour, marker and dashes of its own, and later
+    # ones are drawn thinner, so that none hides another.
+    assert all(len({each[i] for each in look.values()}) == 3 for i in range(3)), look
+    widths = [line.get_linewidth() for line in top.get_lines()]
+    assert widths == sorted(widths, reverse=True) and len(set(widths)) == 3
     for line in bottom.get_lines():
         if line.get_label() in ("b", "c"):
-            assert line.get_color() == colour[line.get_label()]
+            assert (line.get_color(), line.get_marker(), line.get_linestyle()) \
+                == look[line.get_label()]
     assert all(float(tick).is_integer() for tick in bottom.get_xticks())
     plt.close(figure)
 
@@ -196,3 +202,24 @@ def test_compare_says_on_stderr_what_it_trains_and_each_backend_done_unless_quie
     assert any("bridge-fsdp2 trained (2/2 backends" in line for line in lines), lines
     assert "RESULT: equivalent" in loud.stdout and "trained" not in loud.stdout
     assert quiet.stderr == "" and "RESULT: equivalent" in quiet.stdout
+
+
+def test_the_injected_sitecustomize_hands_over_to_the_one_it_shadows(tmp_path, monkeypatch):
+    """compare-scripts' children start with the harness's sitecustomize first on the path; the
+    environment's own still runs, and is the module `sitecustomize` names."""
+    import subprocess
+    import sys
+
+    from fsdp_bridge.harness.scripts import child_env
+
+    users = tmp_path / "site"
+    users.mkdir()
+    (users / "sitecustomize.py").write_text("import os\nMARK = 'the environment'\n"
+                                            "os.environ['FROM_USERS_SITECUSTOMIZE'] = '1'\n")
+    monkeypatch.setenv("PYTHONPATH", str(users))
+    env = child_env(str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", "import os, sitecustomize; print("
+                           "sitecustomize.MARK, os.environ.get('FROM_USERS_SITECUSTOMIZE'))"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["the", "environment", "1"]

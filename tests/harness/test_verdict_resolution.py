@@ -171,3 +171,37 @@ def test_printed_losses_are_compared_to_their_last_digit():
     coarse = [round(x, 1) for x in printed]
     assert sensitivity(rows(coarse), tolerance_for("fp32")) < 1.0
     assert sensitivity(rows(printed), tolerance_for("fp32")) > 1.0
+
+
+def _moving(steps: int, per_step: float, offset: float = 0.0) -> list[Digest]:
+    return _digests([0.5 + per_step * k + offset for k in range(1, steps + 1)])
+
+
+def _cannot_tell(base, cand, dtype="fp32") -> str:
+    comparison = _judge(base, cand, dtype=dtype)
+    assert comparison.outcome == INCONCLUSIVE, comparison.summary()
+    return comparison.summary()
+
+
+def test_cannot_tell_says_why_and_what_would_tell():
+    # Parameters recorded in fp32, but 3 steps moved them too little: the advice is to train
+    # longer (an estimate from the pace they moved), not what already holds (a torch optimizer
+    # steps, the runs are fp32).
+    flat = [4.85, 4.84, 4.86]
+    said = _cannot_tell(_records(flat, _moving(3, 0.01)),
+                        _records(list(flat), _moving(3, 0.01, offset=1e-9)))
+    assert "too few steps" in said and "train about 12 steps" in said, said
+    assert "optimizer" not in said and "fp32" not in said
+    longer = [4.85] * 12
+    assert _judge(_records(longer, _moving(12, 0.01)),
+                  _records(list(longer), _moving(12, 0.01, offset=1e-9))).outcome == EQUIVALENT
+    # Losses alone (no optimizer step hooked): too few steps to tell progress from scatter...
+    said = _cannot_tell(_records(flat), _records(list(flat)))
+    assert "no torch optimizer step was recorded" in said and "train at least 20 steps" in said
+    # ...or enough steps of a loss that does not fall.
+    said = _cannot_tell(_records(_losses(4.85, 4.85, 0.05)), _records(_losses(4.85, 4.85, 0.05)))
+    assert f"did not fall measurably over {STEPS} steps" in said and "20 steps" not in said
+    # A coarse tolerance is the reason whatever else holds.
+    falling = _losses(4.0, 2.0, scatter=0.05)
+    said = _cannot_tell(_records(falling), _records(list(falling)), dtype="bf16")
+    assert "bf16 tolerance" in said and "compare fp32 runs" in said and "steps" not in said

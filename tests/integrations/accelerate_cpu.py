@@ -1,9 +1,10 @@
 """A test-only switch that runs accelerate's FSDP path on the CPU.
 
 On a CPU-only machine stock accelerate drops the FSDP plugin (its state says MULTI_CPU), so
-neither native FSDP2 nor ours would be reached. `switch_to_fsdp` sets accelerate's shared state
-of an Accelerator as a GPU launch would have it: distributed type FSDP with the plugin (and its
-mixed precision) installed. It touches accelerate's state object only, never torch.
+native FSDP2 would not be reached; fsdp_bridge's Accelerator shards there all the same, by
+setting accelerate's shared state as a GPU launch would have it (distributed type FSDP with the
+plugin and its mixed precision installed: `shard_on_cpu`). `switch_to_fsdp` does the same to a
+native Accelerator, for the comparison. It touches accelerate's state object only, never torch.
 """
 
 from __future__ import annotations
@@ -26,16 +27,10 @@ def fresh_accelerate_state() -> None:
     GradientState._reset_state()
 
 
-def switch_to_fsdp(accelerator, plugin, mixed_precision: str = "no") -> None:
-    from accelerate.state import PartialState
-    from accelerate.utils import DistributedType
+def switch_to_fsdp(accelerator, plugin) -> None:
+    from fsdp_bridge.integrations.accelerate import shard_on_cpu
 
-    state = accelerator.state
-    state.distributed_type = DistributedType.FSDP
-    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
-    state.fsdp_plugin = plugin
-    if mixed_precision != "no":
-        plugin.set_mixed_precision(mixed_precision)
+    shard_on_cpu(accelerator, plugin)  # nothing left to do for fsdp_bridge's Accelerator
 
 
 def accelerator_on_cpu_fsdp(accelerator_class, plugin, mixed_precision: str = "no", **kwargs):
@@ -43,7 +38,7 @@ def accelerator_on_cpu_fsdp(accelerator_class, plugin, mixed_precision: str = "n
     fresh_accelerate_state()
     accelerator = accelerator_class(fsdp_plugin=plugin, mixed_precision=mixed_precision,
                                     cpu=True, **kwargs)
-    switch_to_fsdp(accelerator, plugin, mixed_precision)
+    switch_to_fsdp(accelerator, plugin)
     return accelerator
 
 
@@ -57,7 +52,7 @@ def trainer_on_cpu_fsdp(trainer_class):
 
             super().create_accelerator_and_postprocess()
             plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
-            switch_to_fsdp(self.accelerator, plugin, self.accelerator.mixed_precision)
+            switch_to_fsdp(self.accelerator, plugin)
             self.is_fsdp_enabled = True
 
     return OnCpuFsdp

@@ -118,11 +118,13 @@ def test_example_saves_resumes_and_trains_equal_to_its_native_twin(name, tmp_pat
 
 
 def test_the_compare_scripts_command_proves_a_pair(capsys):
-    # The command as the README shows it (one pair: the runs above use its runner directly).
+    # The command as the README shows it (one pair: the runs above use its runner directly),
+    # with the examples named as modules, as an install without the repository names them.
     pytest.importorskip("accelerate")
     from fsdp_bridge.cli import main
 
-    code = main(["compare-scripts", _path("accelerate_llama_native"), _path("accelerate_llama"),
+    code = main(["compare-scripts", "fsdp_bridge.examples.accelerate_llama_native",
+                 "fsdp_bridge.examples.accelerate_llama",
                  "--nproc", "2", "--dtype", "bf16", "--no-determinism-check", "-q", "--",
                  "--steps", str(STEPS), "--bf16"])
     out = capsys.readouterr().out
