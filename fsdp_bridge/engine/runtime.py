@@ -336,6 +336,7 @@ class ShardedModel:
         its own: see [Note: a module run on its own]."""
         active: list = []
 
+        @torch.compiler.disable  # see [Note: hooks outside the compiler]
         def pre_forward(_module, args, kwargs):
             if unit.in_use:  # inside the unit's own forward or backward: already gathered
                 return None
@@ -346,6 +347,7 @@ class ShardedModel:
             self._install_views(unit)
             return None
 
+        @torch.compiler.disable
         def post_forward(_module, args, output):
             if not active:
                 return None
@@ -370,7 +372,16 @@ class ShardedModel:
     # its views and hook its backward, without starting a new step (the root's pre-forward
     # would: its gathered copies and forward order belong to the step still under way).
 
+    # [Note: hooks outside the compiler] A module compiled in place (`block.compile(
+    # fullgraph=True)`, torchtitan's per-block compile) runs its forward hooks inside the
+    # compiled call. The hooks wait on collectives, swap parameters on modules and keep the
+    # step's bookkeeping: Python the compiler must not trace (with fullgraph it cannot: it
+    # fails on the gather's wait). Every hook the engine registers on a module or a tensor is
+    # left to run eagerly, as FSDP2 leaves its own (`_dynamo_disable`); the compiled graph holds
+    # the module's own computation only.
+
     def _make_pre_forward(self, unit: Unit):
+        @torch.compiler.disable
         def pre_forward(module, args, kwargs):
             recomputing = self.phase is StepPhase.BACKWARD
             if unit.is_root and not recomputing:
@@ -388,6 +399,7 @@ class ShardedModel:
         return pre_forward
 
     def _make_post_forward(self, unit: Unit):
+        @torch.compiler.disable
         def post_forward(module, args, output):
             # A unit kept gathered after forward (the root) keeps computing with its gathered
             # parameters until the end of backward, as FSDP2 keeps its unsharded parameters
@@ -514,6 +526,7 @@ class ShardedModel:
     # -- backward -----------------------------------------------------------------------------
 
     def _make_pre_backward(self, unit: Unit):
+        @torch.compiler.disable  # see [Note: hooks outside the compiler]
         def pre_backward(grads):
             self._queue_end_of_backward()
             unit.in_use = True

@@ -272,6 +272,7 @@ class ForwardHooks:
         self._began = False
         self._forwards = 0
 
+    @torch.compiler.disable  # see [Note: hooks outside the compiler] in engine/runtime.py
     def _pre_forward(self, module: nn.Module, args, kwargs):
         sharded = module._fsdp_root_state()
         path = _path_in_root(module, sharded)
@@ -282,6 +283,7 @@ class ForwardHooks:
         self._forwards = engine.forwards_begun(sharded, path)
         return args, kwargs
 
+    @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args, output):
         if not self._began:
             return output
@@ -532,13 +534,15 @@ def _cast_like_fsdp2(module: nn.Module, policy: MixedPrecisionPolicy, inputs: bo
     see the cast outputs, as natively. `inputs`: a module of a list call, which runs inside
     the unit that gathers it, also gets FSDP2's cast of its inputs (the engine casts the
     inputs of units)."""
+    # Eager, as FSDP2's own casts (see [Note: hooks outside the compiler] in engine/runtime.py).
     if inputs and policy.param_dtype is not None and policy.cast_forward_inputs:
         dtype = policy.param_dtype
-        module.register_forward_pre_hook(
-            lambda _, args, kwargs: cast_floating((args, kwargs), dtype), with_kwargs=True)
+        module.register_forward_pre_hook(torch.compiler.disable(
+            lambda _, args, kwargs: cast_floating((args, kwargs), dtype)), with_kwargs=True)
     if policy.output_dtype is not None:
         out_dtype = policy.output_dtype
-        module.register_forward_hook(lambda _, args, output: cast_floating(output, out_dtype))
+        module.register_forward_hook(torch.compiler.disable(
+            lambda _, args, output: cast_floating(output, out_dtype)))
 
 
 def _state(module: nn.Module) -> Optional[FullyShardCall]:
