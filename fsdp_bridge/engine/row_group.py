@@ -108,6 +108,11 @@ class RowGroup(FlatGroup):
                 "distribute_tensor(full, param.device_mesh, param.placements)).")
         return local.detach()
 
+    def _values_of(self, index: int, local: torch.Tensor) -> torch.Tensor:
+        """The tensor holding parameter `index`'s values in its local tensor `local` (here the
+        local tensor itself)."""
+        return local
+
     def _register_local_params(self) -> list[torch.nn.Parameter]:
         for index in range(len(self.slots)):
             self._point_at_master(index)
@@ -140,7 +145,7 @@ class RowGroup(FlatGroup):
             local = getattr(current, "_local_tensor", None)
             # `module.to(...)` keeps the Parameter object but may swap its local tensor.
             if (current is slot.param and local is not None
-                    and local.untyped_storage().data_ptr() == master_ptr):
+                    and self._values_of(index, local).untyped_storage().data_ptr() == master_ptr):
                 continue
             slot.param = current  # type: ignore[assignment]  # checked just below
             local = self._checked_local(index)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_leaves
 
 from fsdp_bridge.engine import init as engine_init
@@ -40,6 +41,7 @@ from fsdp_bridge.engine.device import (
     has_streams,
     select_device,
 )
+from fsdp_bridge.engine.extension_group import ExtensionGroup
 from fsdp_bridge.engine.flat_group import FlatGroup, local_part
 from fsdp_bridge.engine.layout import assign_groups, describe_layout, split_untied
 from fsdp_bridge.engine.norms import clip_coefficient, fsdp1_grad_norm, scale_
@@ -103,8 +105,9 @@ class Unit:
         self.module = module
         self.groups = groups
         self.is_root = is_root
-        # The root is never resharded after forward: backward starts with it.
-        self.reshard_after_forward = spec.reshard_after_forward and not is_root
+        # The root is not resharded after forward unless asked: backward starts with it.
+        self.reshard_after_forward = spec.reshard_after_forward and (
+            not is_root or spec.reshard_as_root)
         self.in_use = False
         self.forwards = 0  # forwards begun (see [Note: the end of a forward method])
         self.backward_groups_left = 0
@@ -245,7 +248,8 @@ class ShardedModel:
         """One flat group, sharded now: its parameters become views of this rank's shard and
         their full tensors are freed (the rollback record lets go of them too)."""
         row_layout = self.plan.param_layout is ParamLayout.ROWS
-        group_class = RowGroup if row_layout else FlatGroup
+        group_class = (ExtensionGroup if row_layout and layout.extension
+                       else RowGroup if row_layout else FlatGroup)
         group = group_class(
             layout,
             self.comm,
@@ -254,6 +258,9 @@ class ShardedModel:
             reduce_dtype=mp.effective_reduce_dtype(layout.dtype),
             sync_module_states=self.plan.sync_module_states,
         )
+        if isinstance(group, ExtensionGroup):  # the pre-hook's `mp_policy`
+            group.mp_policy = MixedPrecisionPolicy(mp.param_dtype, mp.reduce_dtype,
+                                                   mp.output_dtype, mp.cast_forward_inputs)
         if self.plan.cpu_offload and not row_layout:
             group.offload_to_host()  # see [Note: CPU offload]
         if record is not None and not row_layout:  # row groups keep DTensor shards: small

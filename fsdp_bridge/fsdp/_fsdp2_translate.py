@@ -40,8 +40,9 @@ TABLE = register_table(
             translated("mesh", "None -> all ranks (mode shard); 1-D -> the shard group; 2-D -> "
                        "mode hybrid (dim 0 replicate, dim 1 shard; names optional)"),
             translated("reshard_after_forward", "None -> True except the root (FSDP1 "
-                       "FULL_SHARD); True / False -> UnitSpec.reshard_after_forward; int: 1 -> "
-                       "False, the shard size -> True"),
+                       "FULL_SHARD); True / False -> UnitSpec.reshard_after_forward (a root "
+                       "given True or an int reshards too, as FSDP2); int: 1 -> False, the "
+                       "shard size -> True"),
             ignored("reshard_after_forward=<int>", "hpZ (resharding to a smaller group after "
                     "forward) is a memory / communication trade-off; units reshard fully, "
                     "numerics are identical"),
@@ -117,6 +118,11 @@ TABLE = register_table(
 )
 
 
+class InvalidShardDim(ValueError, AssertionError):
+    """A `shard_placement_fn` placement on a dim the parameter does not have: a ValueError like
+    our other refusals, and the AssertionError FSDP2 raises there."""
+
+
 def bad(name, value, accepted, fix, exc=ValueError):
     return bad_argument(FRONTEND, name, value, accepted, fix, exc)
 
@@ -175,9 +181,11 @@ def check_call(module, mesh, reshard_after_forward, shard_placement_fn, mp_polic
         if not isinstance(mesh, DeviceMesh):
             raise bad("mesh", mesh, "None or a DeviceMesh", "Build one with "
                       "torch.distributed.device_mesh.init_device_mesh.", exc=TypeError)
-        if mesh.ndim not in (1, 2):
+        if mesh.ndim not in (1, 2) and dp_mesh_dims is None:
             raise bad("mesh", mesh, "a 1-D mesh (FSDP) or a 2-D mesh (HSDP: replicate, shard)",
-                      "Slice the data-parallel dimensions out of the mesh first.")
+                      f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh} (FSDP2's "
+                      "words): slice the data-parallel dimensions out of the mesh first, or "
+                      "name them with dp_mesh_dims.")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
         raise bad("reshard_after_forward", reshard_after_forward, "None, True, False or an int "
                   "dividing the shard-group size", "e.g. reshard_after_forward=True.",
@@ -227,18 +235,26 @@ def shard_dim(shard_placement_fn, param: nn.Parameter, name: str, shape: tuple,
     placement = shard_placement_fn(param) if shard_placement_fn is not None else None
     if placement is None:
         return 0
-    if type(placement) is not Shard or not -len(shape) <= placement.dim < len(shape):
+    if type(placement) is not Shard:
         raise bad("shard_placement_fn", shard_placement_fn, f"a function returning None or "
                   f"Shard(d) with d a dim of the parameter (it returned {placement!r} for "
                   f"{name!r}, of shape {tuple(param.shape)})", "Return Shard(d) for a dim d "
                   "of each parameter, or None for Shard(0).")
+    if not -len(shape) <= placement.dim < len(shape):
+        # FSDP2 asserts here: the error is both, so code catching either kind finds it.
+        raise bad("shard_placement_fn", shard_placement_fn, f"a function returning None or "
+                  f"Shard(d) with d a dim of the parameter (it returned {placement!r} for "
+                  f"{name!r}, of shape {tuple(param.shape)})", f"Shard dim {placement.dim} is "
+                  f"invalid for {len(shape)}D tensor (FSDP2's words): return Shard(d) for a "
+                  "dim d of each parameter, or None for Shard(0).", exc=InvalidShardDim)
     dim = placement.dim % len(shape)
     if dim > 0 and shape[dim] % ranks:
         raise bad("shard_placement_fn", shard_placement_fn, f"Shard(d) on a dim whose size "
                   f"divides the shard-group size {ranks} when d > 0, as FSDP2 requires (it "
                   f"returned {placement!r} for {name!r}, of shape {tuple(shape)})",
-                  "Split that parameter on dim 0, or on a dim whose size is a multiple of "
-                  "the shard group.", exc=NotImplementedError)
+                  f"FSDP does not support uneven sharding on dim {dim} (FSDP2's words): split "
+                  "that parameter on dim 0, or on a dim whose size is a multiple of the shard "
+                  "group.", exc=NotImplementedError)
     return dim
 
 
@@ -315,7 +331,9 @@ def build_plan(root: nn.Module, calls: list[tuple[str, Any]]):
             continue
         reshard, more = _reshard(call.reshard_after_forward, path == "", shard_size)
         notes += more
-        units.append(UnitSpec(path, reshard, _precision(call.mp_policy)))
+        # FSDP2 keeps only a root left at the default (None) gathered after forward.
+        explicit = path == "" and call.reshard_after_forward is not None
+        units.append(UnitSpec(path, reshard, _precision(call.mp_policy), reshard_as_root=explicit))
     offload = any(isinstance(call.offload_policy, CPUOffloadPolicy) for _, call in calls)
     names = {id(p): n for n, p in root.named_parameters(remove_duplicate=False)}
     ignored_names = sorted({names[id(p)] for _, call in calls for p in call.ignored_params

@@ -397,7 +397,7 @@ def _lazy_init(module: nn.Module) -> None:
         _restore_ties(module)
         calls = [(path, _call_of(sub)) for path, sub in below]
         _retie(calls)
-        _check_materialised(module)
+        _check_materialised(module, below)
         _attach_forms(module)
         plan, topology = T.build_plan(module, calls)
         sharded = engine.shard_model(module, plan, shard_group=topology.shard_group,
@@ -420,20 +420,31 @@ def _hook_list_call_modules(sharded, below) -> None:
             engine.hook_module_inside(sharded, path, member)
 
 
-def _check_materialised(root: nn.Module) -> None:
+def _check_materialised(root: nn.Module, below) -> None:
     """Parameters still on meta when the model is first used were never initialised (no
     `to_empty()` + init, no `load_state_dict(assign=True)`): refuse, as FSDP2 does, rather than
-    train on values nobody chose."""
-    on_meta = [name for name, param in root.named_parameters()
-               if isinstance(param, DTensor) and param.to_local().is_meta]
-    if on_meta:
-        shown = ", ".join(repr(name) for name in on_meta[:8])
-        more = f" and {len(on_meta) - 8} more" if len(on_meta) > 8 else ""
-        raise RuntimeError(
-            f"fully_shard: parameters are still on the meta device at the model's first use: "
-            f"{shown}{more}. Materialise and initialise them before the first forward (or "
-            "unshard()), e.g. model.to_empty(device=device) then reset_parameters() on each "
-            "module, or load_state_dict(full_state, assign=True).")
+    train on values nobody chose. As FSDP2, the error names the parameters of the first
+    fully_shard call, in the model's module order (the root first), that has any; each call
+    manages what its modules hold outside inner calls. `below` as `_fully_sharded_below`."""
+    names = {id(param): name for name, param in root.named_parameters()}
+    claimed: set[int] = set()
+    managed = {}
+    for _, module in below:  # inner calls first
+        call = _call_of(module)
+        mine = [p for m in call.modules for p in m.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in mine)
+        managed.setdefault(id(call), mine)
+    for module in root.modules():
+        call = _call_of(module)
+        on_meta = [names[id(p)] for p in managed.get(id(call), ()) if id(p) in names
+                   and isinstance(p, DTensor) and p.to_local().is_meta] if call else []
+        if on_meta:
+            raise RuntimeError(
+                "fully_shard: FSDP parameters should be materialized from meta device before "
+                f"training, but the following were still on meta device: {on_meta}\n"
+                "Materialise and initialise them before the first forward (or unshard()), "
+                "e.g. model.to_empty(device=device) then reset_parameters() on each module, "
+                "or load_state_dict(full_state, assign=True).")
 
 
 def _building() -> bool:
@@ -655,32 +666,14 @@ def _attach_forms(root: nn.Module) -> None:
 
 
 def _sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, shard_placement_fn, device=None):
-    """(the DTensor parameter replacing `param`, its GatheredForm)."""
-    _check_no_all_gather_extension(param, name)
+    """(the DTensor parameter replacing `param`, its GatheredForm). A tensor subclass (FSDP2's
+    all-gather extension point) stays one: its row chunk is cut by its own operations, as
+    FSDP2 cuts it, and the engine runs its hooks (see [Note: all-gather extensions] in
+    fsdp_bridge/engine/extension_group.py)."""
     if isinstance(param, DTensor):
         return _sharded_tensor_parallel(param, name, mesh, shard_placement_fn)
     dim = T.shard_dim(shard_placement_fn, param, name, tuple(param.shape), mesh.size(-1))
     return _row_sharded(param, name, mesh, dim, device), GatheredForm(param.shape, dim)
-
-
-# FSDP2's all-gather extension point: a tensor subclass (torchao's float8 and NF4 weights) that
-# defines these methods chooses what is gathered and how the gathered pieces become the
-# parameter the module computes with.
-_ALL_GATHER_EXTENSIONS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
-
-
-def _check_no_all_gather_extension(param: nn.Parameter, name: str) -> None:
-    """The engine gathers flat buffers of plain values and would skip the subclass's hooks: the
-    module would compute with other values than under FSDP2, silently. Refuse by name."""
-    local = param.to_local() if isinstance(param, DTensor) else param
-    hooks = [hook for hook in _ALL_GATHER_EXTENSIONS if hasattr(local, hook)]
-    if hooks:
-        raise T.bad(f"parameter {name!r}", f"a {type(local).__name__} tensor defining FSDP2's "
-                    f"all-gather extension ({', '.join(hooks)})", "plain tensors: fsdp_bridge "
-                    "gathers flat buffers of values and cannot run a tensor subclass's gather "
-                    "hooks (float8 / NF4 training)", "Shard this model with torch's own "
-                    "torch.distributed.fsdp.fully_shard, or convert the parameter to a plain "
-                    "tensor before fully_shard.", exc=NotImplementedError)
 
 
 def _check_not_shared_with_earlier_call(param: nn.Parameter, name: str) -> None:
@@ -694,21 +687,24 @@ def _check_not_shared_with_earlier_call(param: nn.Parameter, name: str) -> None:
 
 
 def _check_one_dtype(modules, mp_policy: MixedPrecisionPolicy, ignored_params) -> None:
-    """Without a param_dtype, one call's parameters must share a dtype (FSDP2 refuses mixed
-    dtypes too: they are gathered as one buffer)."""
+    """Without a param_dtype, one call's trainable parameters must share a dtype (FSDP2
+    refuses mixed dtypes too: their gradients are reduced as one buffer). Frozen parameters
+    may differ (an fp8 frozen weight beside fp32 trainable ones), as natively: the engine
+    groups them by dtype."""
     if mp_policy.param_dtype is not None:
         return
     ignored = {id(p) for p in ignored_params}
     dtypes = {}
     for module in modules:
         for name, param in module.named_parameters():
-            if id(param) not in ignored and not getattr(param, SHARDED, False):
+            if (id(param) not in ignored and not getattr(param, SHARDED, False)
+                    and param.requires_grad):
                 dtypes.setdefault(param.dtype, name)
     if len(dtypes) > 1:
         found = ", ".join(f"{dtype} ({name!r})" for dtype, name in dtypes.items())
-        raise T.bad("module", f"parameters of several dtypes: {found}", "parameters of one "
-                    "dtype per fully_shard call", "Cast the module to one dtype, or set "
-                    "mp_policy=MixedPrecisionPolicy(param_dtype=...).")
+        raise T.bad("module", f"trainable parameters of several dtypes: {found}",
+                    "trainable parameters of one dtype per fully_shard call", "Cast the module "
+                    "to one dtype, or set mp_policy=MixedPrecisionPolicy(param_dtype=...).")
 
 
 def _placements(mesh: DeviceMesh, dim: int) -> tuple:
@@ -756,14 +752,19 @@ def _sharded_tensor_parallel(param: DTensor, name: str, mesh: DeviceMesh, shard_
 
 def _row_sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, dim: int,
                  device: Optional[torch.device] = None) -> nn.Parameter:
+    # FSDP2's own words are kept in each message, for code that matches them.
     if param.dim() == 0:
         raise T.bad(f"parameter {name!r}", "a scalar (shape ())", "parameters of at least one "
-                    "dimension (they are split by rows)", "Give the parameter shape (1,), or "
-                    "pass it in ignored_params.")
+                    "dimension (they are split by rows)", f"fully_shard doesn't support scalar "
+                    f"parameters. Change {name} to a 1D tensor with numel equal to 1. (Or pass "
+                    "it in ignored_params.)")
     if not param.is_contiguous():
         raise T.bad(f"parameter {name!r}", f"a non-contiguous tensor of shape "
-                    f"{tuple(param.shape)}", "contiguous parameters",
-                    "Make the parameter contiguous before fully_shard.")
+                    f"{tuple(param.shape)}, strides {param.stride()}", "contiguous parameters",
+                    "FSDP does not support non-contiguous parameters yet: make the parameter "
+                    "contiguous before fully_shard (e.g. a channels_last Conv2d: "
+                    "module.to(memory_format=torch.contiguous_format)).",
+                    exc=NotImplementedError)
     shard_dim = mesh.ndim - 1
     start, rows = chunk_rows(param.shape[dim], mesh.size(shard_dim),
                              mesh.get_local_rank(shard_dim))

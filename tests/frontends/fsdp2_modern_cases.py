@@ -1,6 +1,7 @@
 """What the modern FSDP2 training stacks (torchtitan, torchtune) turn on, checked against native
 `fully_shard` in one CPU/gloo world (see test_fsdp2_modern.py): transformer blocks compiled in
-place with `fullgraph=True` before `fully_shard`."""
+place with `fullgraph=True` before `fully_shard`; a root resharded after forward; a frozen
+parameter of another dtype; the errors of `fully_shard`'s checks."""
 
 from __future__ import annotations
 
@@ -90,6 +91,200 @@ def per_block_compile(which, backend: str = "aot_eager"):
     return _train(model)
 
 
+# -- torchao's float8 weights, gathered in float8 ------------------------------------------------
+
+
+def _float8_model():
+    """Two float8 linears (torchao, emulated on the CPU) with float8 all-gather, beside a
+    plain layer norm."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.LayerNorm(16))
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
+    convert_to_float8_training(model.to(device_type()), config=config)
+    return model
+
+
+def float8_all_gather(which, precompute: bool = False):
+    """Each float8 linear fully_shard-ed, then the root; three AdamW steps (with torchtitan's
+    `precompute_float8_dynamic_scale_for_fsdp` after each optimizer step if `precompute`)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    model = _float8_model()
+    fully_shard = _fsdp(which).fully_shard
+    fully_shard(model[0])
+    fully_shard(model[2])
+    fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(STEPS):
+        loss = model(_inputs(step, rank, world, 16)).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        if precompute:
+            precompute_float8_dynamic_scale_for_fsdp(model)
+        losses.append(loss.item())
+    local = model[0].weight.to_local()
+    out = {"losses": losses, "local_type": type(local).__name__,
+           "full": {n: _full(p) for n, p in model.named_parameters()}}
+    if which == "ours":  # the bytes one forward gathers, against the parameters' fp32 bytes
+        from fsdp_bridge import engine
+
+        stats = engine.get_sharded(model).collective_stats()
+        stats.reset()
+        with torch.no_grad():
+            model(_inputs(0, rank, world, 16))
+        out["gathered_bytes"] = stats.bytes["all_gather"]
+        out["fp32_bytes"] = sum(p.numel() * 4 for p in model.parameters())
+    return out
+
+
+# -- hooks attached to a parameter's local tensor after fully_shard ----------------------------------
+
+
+def monkey_patched_hooks(which):
+    """torch's own "monkey patch" recipe: after fully_shard and materialisation, each weight's
+    local tensor gets pre/post-all-gather functions that gather it in bf16; three steps."""
+    from torch.autograd import _unsafe_preserve_version_counter
+
+    calls = []
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        calls.append("pre")
+        return (self.to(torch.bfloat16),), None
+
+    @torch.no_grad()
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        calls.append("post")
+        (tensor,) = outputs
+        if out is not None:
+            with _unsafe_preserve_version_counter(out):
+                out.copy_(tensor)
+            return None
+        upcast = tensor.to(param_dtype)
+        return upcast, (tensor, upcast)
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Stack()
+    fully_shard = _fsdp(which).fully_shard
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    model.to_empty(device=device_type())
+    torch.manual_seed(0)
+    for param in model.parameters():
+        nn.init.trunc_normal_(param)
+    for name, param in model.named_parameters():
+        if "weight" in name and param.ndim == 2:
+            local = param._local_tensor
+            local.fsdp_pre_all_gather = fsdp_pre_all_gather.__get__(local)
+            local.fsdp_post_all_gather = fsdp_post_all_gather.__get__(local)
+    out = _train(model)
+    out["calls"] = sorted(set(calls))
+    return out
+
+
+# -- a root given reshard_after_forward explicitly -------------------------------------------------
+
+
+class ScaledStack(Stack):
+    """A root with a parameter of its own (used by its forward) around the blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(WIDTH))
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+def root_reshard(which, value):
+    """The root's own parameters right after a forward (sharded DTensors when it resharded),
+    then three steps."""
+    torch.manual_seed(0)
+    model = ScaledStack().to(device_type())
+    fully_shard = _fsdp(which).fully_shard
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model, reshard_after_forward=value)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model(_inputs(0, rank, world)).sum().backward()
+    model.zero_grad()
+    output = model(_inputs(0, rank, world))
+    after = {name: type(param).__name__ for name, param in
+             (("scale", model.scale), ("out.weight", model.out.weight))}
+    output.sum().backward()
+    model.zero_grad()
+    return {"after_forward": after, **_train(model)}
+
+
+# -- a frozen parameter of another dtype --------------------------------------------------------------
+
+
+class FrozenLowPrecision(nn.Module):
+    """A trainable fp32 linear beside a frozen bf16 weight (a frozen quantised base weight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.frozen = nn.Parameter(torch.randn(WIDTH, WIDTH).to(torch.bfloat16),
+                                   requires_grad=False)
+
+    def forward(self, x):
+        return self.lin(x) + x @ self.frozen.float()
+
+
+def frozen_other_dtype(which):
+    torch.manual_seed(0)
+    model = FrozenLowPrecision().to(device_type())
+    _fsdp(which).fully_shard(model)
+    return _train(model)
+
+
+# -- the errors of fully_shard's checks -----------------------------------------------------------------
+
+
+def _raised(fn) -> dict:
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - the error is the result
+        return {"types": [cls.__name__ for cls in type(error).__mro__], "message": str(error)}
+    return {"types": [], "message": None}
+
+
+def init_errors(which):
+    """What each refused fully_shard raises (natively and ours), by check."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+
+    fsdp = _fsdp(which)
+    world = dist.get_world_size()
+    out = {}
+    mesh_3d = init_device_mesh(device_type(), (world, 1, 1))
+    out["mesh_ndim"] = _raised(lambda: fsdp.fully_shard(nn.Linear(4, 4), mesh=mesh_3d))
+    scalar = nn.Sequential(nn.Linear(4, 4))
+    scalar.register_parameter("scalar_p", nn.Parameter(torch.tensor(1.0)))
+    out["scalar"] = _raised(lambda: fsdp.fully_shard(scalar))
+    conv = nn.Conv2d(8, 8, 3).to(memory_format=torch.channels_last)
+    out["non_contiguous"] = _raised(lambda: fsdp.fully_shard(conv))
+    # Split on the last dim: the weight's 3 columns do not divide over the ranks.
+    out["uneven_dim1"] = _raised(lambda: fsdp.fully_shard(
+        nn.Sequential(nn.Linear(3, 16)), shard_placement_fn=lambda p: Shard(p.ndim - 1)))
+    out["invalid_shard_dim"] = _raised(lambda: fsdp.fully_shard(
+        nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 8)), shard_placement_fn=lambda p: Shard(1)))
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    fsdp.fully_shard(meta[0])
+    fsdp.fully_shard(meta[1])
+    fsdp.fully_shard(meta)
+    out["meta_forward"] = _raised(lambda: meta(torch.randn(2, 8, device=device_type())))
+    return out
+
+
 def _both(fn, *args):
     def run(rank, world):
         out = {}
@@ -104,6 +299,14 @@ def _both(fn, *args):
 def cases() -> dict:
     return {
         "per_block_compile": _both(per_block_compile),
+        "root_reshard_true": _both(root_reshard, True),
+        "root_reshard_int": _both(root_reshard, 2),
+        "root_reshard_default": _both(root_reshard, None),
+        "frozen_other_dtype": _both(frozen_other_dtype),
+        "init_errors": _both(init_errors),
+        "float8_all_gather": _both(float8_all_gather),
+        "float8_precomputed_scale": _both(float8_all_gather, True),
+        "monkey_patched_hooks": _both(monkey_patched_hooks),
     }
 
 

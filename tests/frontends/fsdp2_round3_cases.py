@@ -1,6 +1,6 @@
 """FSDP2 edges checked against native `fully_shard` in one CPU/gloo world of four ranks (see
 test_fsdp2_round3.py): tensor parallelism whose split is uneven across tensor-parallel ranks,
-parameters that use FSDP2's all-gather extension point, parameters left on meta, and a tied
+parameters that use FSDP2's all-gather extension point (trained), parameters left on meta, and a tied
 weight after meta init and `load_state_dict(assign=True)`, a module of a list call run on
 its own, fully_shard inside torch's composable `replicate()`, and fp16 gradient reduction."""
 
@@ -122,18 +122,24 @@ def _extension_model():
 
 
 def all_gather_extension(which, mesh_shape):
-    """The first forward's output, the hook calls, or the error `fully_shard` raised."""
+    """model[0].weight gathers through its extension hooks: the hook calls, and three AdamW
+    steps' losses and final weights."""
     names = ("replicate", "shard")[-len(mesh_shape):]
     mesh = init_device_mesh(device_type(), mesh_shape, mesh_dim_names=names)
     model = _extension_model()
     GathersInBf16.calls = []
-    try:
-        _fully_shard(which)(model, mesh=mesh)
-    except NotImplementedError as error:
-        first = next(iter(model.parameters()))
-        return {"error": str(error), "still_plain": not hasattr(first, "device_mesh")}
-    output = model(_inputs(0, dist.get_rank(), dist.get_world_size()))
-    return {"output": output.detach().cpu(), "calls": sorted(set(GathersInBf16.calls))}
+    fully_shard = _fully_shard(which)
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    output = model(_inputs(0, rank, world))
+    out = {"output": output.detach().cpu(), "calls": sorted(set(GathersInBf16.calls)),
+           "local_type": type(model[0].weight.to_local()).__name__}
+    output.pow(2).mean().backward()  # the parameters are sharded again after backward
+    model.zero_grad()
+    out["losses"] = _train_mse(model)
+    out["full"] = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
+    return out
 
 
 def plain_output():
