@@ -185,10 +185,10 @@ class ExtensionGroup(RowGroup):
             pieces += [t.detach().contiguous().view(-1).view(torch.uint8) for t in inputs]
         mine = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8,
                                                             device=self.device)
-        self._scratch = torch.empty(mine.numel() * self.comm.shard_size, dtype=torch.uint8,
-                                    device=self.device)
+        self._scratch = self._allocate_for_comm(self.custom_all_gather,
+                                                mine.numel() * self.comm.shard_size, torch.uint8)
         self._gathered_inputs = described
-        self.pending_gather = self.comm.all_gather(self._scratch, mine)
+        self.pending_gather = self._all_gather(self._scratch, mine)
 
     def _finish_gather(self) -> None:
         scratch, described = self._scratch, self._gathered_inputs

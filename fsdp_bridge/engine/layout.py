@@ -46,6 +46,10 @@ class GatheredForm:
     compute_placements: tuple = ()
     compute_shape: Optional[torch.Size] = None  # the tensor-parallel DTensor's global shape
     compute_stride: Optional[tuple] = None
+    # Dimensions of `compute_mesh` that are data-parallel (FSDP2's `dp_mesh_dims`): a gradient
+    # arriving Partial on them is this rank's part of the sum the engine reduces, taken as it is
+    # (see engine/row_group.py, SpmdCompute).
+    data_parallel_dims: tuple = ()
 
 
 def gathered_form(param: torch.Tensor) -> GatheredForm:

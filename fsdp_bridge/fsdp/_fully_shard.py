@@ -194,11 +194,17 @@ class FSDPModule(TorchFSDPModule):
             T.TABLE.warn_ignored("set_all_reduce_hook(stream=...)", stream)
         _set_on_unit(self, "all_reduce_hook", hook)
 
-    def set_custom_all_gather(self, comm):
-        raise T.unsupported("set_custom_all_gather")
+    def set_custom_all_gather(self, comm) -> None:
+        """This module's unit gathers through `comm` (torch's AllGather: `allocate` and a
+        call), as FSDP2 (per module, not recursive)."""
+        T.check_comm("set_custom_all_gather", comm)
+        _set_on_unit(self, "custom_all_gather", comm)
 
-    def set_custom_reduce_scatter(self, comm):
-        raise T.unsupported("set_custom_reduce_scatter")
+    def set_custom_reduce_scatter(self, comm) -> None:
+        """This module's unit reduces its gradients through `comm` (torch's ReduceScatter),
+        asked for a SUM (the engine divides afterwards)."""
+        T.check_comm("set_custom_reduce_scatter", comm)
+        _set_on_unit(self, "custom_reduce_scatter", comm)
 
     def set_post_optim_event(self, event) -> None:
         # The engine issues the next step's gathers from the stream the optimizer ran on,
@@ -333,10 +339,16 @@ def _root_sharded(module: nn.Module):
     return engine.get_sharded(root) if root is not None else None
 
 
+def _set_collective(kind: str, sharded, path: str, comm) -> None:
+    engine.set_custom_collective(sharded, path, kind, comm)
+
+
 _UNIT_SETTERS = {
     "gradient_divide_factor": engine.set_gradient_divide_factor,
     "reduce_unused_params": engine.set_reduce_unused_params,
     "all_reduce_hook": engine.set_all_reduce_hook,
+    "custom_all_gather": functools.partial(_set_collective, "all_gather"),
+    "custom_reduce_scatter": functools.partial(_set_collective, "reduce_scatter"),
 }
 
 
@@ -506,6 +518,10 @@ def fully_shard(
                         "Call fully_shard once per module.")
     _check_one_dtype(modules, mp_policy, ignored_params or ())
     mesh = mesh if mesh is not None else _default_mesh()
+    spmd = None
+    if dp_mesh_dims is not None:  # see [Note: SPMD meshes]
+        spmd = (mesh, dp_mesh_dims)
+        mesh = T.dp_mesh_of(mesh, dp_mesh_dims)
     call = FullyShardCall(
         modules=tuple(modules),
         mesh=mesh,
@@ -519,7 +535,7 @@ def fully_shard(
         for m in modules:
             stack.enter_context(engine.restored_on_failure(m))
         _to_dtensor_params(modules, mesh, ignored_params or (), shard_placement_fn, call.ties,
-                           _shard_device(mesh, offload_policy))
+                           _shard_device(mesh, offload_policy), spmd)
         for m in modules:
             object.__setattr__(m, CONFIG, call)
             _register_as_fully_shard(m)
@@ -621,7 +637,7 @@ def _shard_device(mesh: DeviceMesh, offload_policy) -> Optional[torch.device]:
 
 
 def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params, shard_placement_fn,
-                       ties: list, device: Optional[torch.device] = None) -> None:
+                       ties: list, device: Optional[torch.device] = None, spmd=None) -> None:
     """Replace every parameter this call manages by a DTensor parameter split over the mesh
     (see [Note: sharding at fully_shard time]), and record on its owner modules the form it
     gathers into (see [Note: gathered form] in fsdp_bridge/engine/layout.py). Parameters tied
@@ -638,7 +654,8 @@ def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params, shard_placemen
                 if id(param) not in converted:
                     name = f"{owner_name}.{attr}" if owner_name else attr
                     _check_not_shared_with_earlier_call(param, name)
-                    converted[id(param)] = _sharded(param, name, mesh, shard_placement_fn, device)
+                    converted[id(param)] = _sharded(param, name, mesh, shard_placement_fn, device,
+                                                    spmd)
                     setattr(param, REPLACED_BY, converted[id(param)][0])
                     mark_replaced(param, name)
                     first_owner[id(param)] = (owner, attr)
@@ -665,11 +682,14 @@ def _attach_forms(root: nn.Module) -> None:
                 setattr(param, GATHERED_FORM, form)
 
 
-def _sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, shard_placement_fn, device=None):
+def _sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, shard_placement_fn, device=None,
+             spmd=None):
     """(the DTensor parameter replacing `param`, its GatheredForm). A tensor subclass (FSDP2's
     all-gather extension point) stays one: its row chunk is cut by its own operations, as
     FSDP2 cuts it, and the engine runs its hooks (see [Note: all-gather extensions] in
     fsdp_bridge/engine/extension_group.py)."""
+    if spmd is not None:
+        return _sharded_spmd(param, name, *spmd, shard_placement_fn)
     if isinstance(param, DTensor):
         return _sharded_tensor_parallel(param, name, mesh, shard_placement_fn)
     dim = T.shard_dim(shard_placement_fn, param, name, tuple(param.shape), mesh.size(-1))
@@ -747,6 +767,55 @@ def _sharded_tensor_parallel(param: DTensor, name: str, mesh: DeviceMesh, shard_
     setattr(new, SHARDED, True)
     setattr(new, FLATTENED_MARK, True)  # torch's FSDP1 leaves it to us: see the engine's note
     form = GatheredForm(local.shape, dim, tp_mesh, tp_placements, param.shape, param.stride())
+    return new, form
+
+
+def _sharded_spmd(param: nn.Parameter, name: str, spmd_mesh: DeviceMesh, dp_mesh_dims,
+                  shard_placement_fn):
+    """[Note: SPMD meshes] With `dp_mesh_dims` (torch >= 2.12; torchtitan's SPMD backend)
+    every parameter is already a DTensor on the whole SPMD mesh, Replicate on its data-parallel
+    dimensions. As FSDP2, the shard dimension's group splits this rank's local tensor, and the
+    result stays on the SPMD mesh with that dimension's placement replaced by Shard(d)
+    (_StridedShard(d) when a later mesh dimension splits d too); modules compute with the
+    DTensor the parameter was, its gradient's Partial data-parallel part reduced by the engine."""
+    names = spmd_mesh.mesh_dim_names
+    if not isinstance(param, DTensor) or param.device_mesh != spmd_mesh:
+        got = (f"a DTensor on mesh {param.device_mesh}" if isinstance(param, DTensor)
+               else "a plain tensor")
+        raise T.bad(f"parameter {name!r}", got, f"a DTensor on the SPMD mesh {spmd_mesh} "
+                    "given to fully_shard", "When dp_mesh_dims is provided, all parameters "
+                    "must be DTensors on the full SPMD mesh (e.g. via distribute_module) "
+                    "(FSDP2's words).")
+    placements = tuple(param.placements)
+    (shard_name,) = dp_mesh_dims.shard_names
+    dp_dims = tuple(names.index(n) for n in (*dp_mesh_dims.shard_names,
+                                              *dp_mesh_dims.replicate_names))
+    for index in dp_dims:
+        if not placements[index].is_replicate():
+            raise T.bad(f"parameter {name!r}", f"a DTensor with placements {placements}",
+                        "Replicate() on every data-parallel dimension", f"Expected Replicate() "
+                        f"on DP dim '{names[index]}' (index {index}) but got "
+                        f"{placements[index]} (FSDP2's words).")
+    shard_index = names.index(shard_name)
+    local = param.to_local().detach()
+    ranks = spmd_mesh.size(shard_index)
+    dim = T.shard_dim(shard_placement_fn, param, name, tuple(local.shape), ranks)
+    start, rows = chunk_rows(local.shape[dim], ranks, spmd_mesh.get_local_rank(shard_index))
+    chunk = local.narrow(dim, start, rows)
+    if not chunk.is_meta:
+        chunk = chunk.clone(memory_format=torch.contiguous_format)
+    splits = math.prod(spmd_mesh.size(j) for j in range(shard_index + 1, spmd_mesh.ndim)
+                       if placements[j].is_shard(dim))
+    new_placements = list(placements)
+    new_placements[shard_index] = _StridedShard(dim, split_factor=splits) if splits > 1 \
+        else Shard(dim)
+    dtensor = DTensor.from_local(chunk, spmd_mesh, new_placements, run_check=False,
+                                 shape=param.shape, stride=param.stride())
+    new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+    setattr(new, SHARDED, True)
+    setattr(new, FLATTENED_MARK, True)
+    form = GatheredForm(local.shape, dim, spmd_mesh, placements, param.shape, param.stride(),
+                        data_parallel_dims=dp_dims)
     return new, form
 
 

@@ -188,6 +188,88 @@ def monkey_patched_hooks(which):
     return out
 
 
+# -- user collectives --------------------------------------------------------------------------------
+
+
+def _counting_collectives(calls: list):
+    """torch's AllGather / ReduceScatter objects that count their calls and run torch's own
+    collectives (what a user's NCCL-symmetric-memory or compressed collective plugs into)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    class Gather(AllGather):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            calls.append("all_gather")
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
+                                               async_op=async_op)
+
+    class Scatter(ReduceScatter):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            calls.append("reduce_scatter")
+            return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
+                                              async_op=async_op)
+
+    return Gather(), Scatter()
+
+
+def custom_collectives(which):
+    """Every block gathers and reduces through user collectives: their calls, three steps."""
+    torch.manual_seed(0)
+    model = Stack().to(device_type())
+    fully_shard = _fsdp(which).fully_shard
+    calls: list = []
+    gather, scatter = _counting_collectives(calls)
+    for block in model.layers:
+        fully_shard(block)
+        block.set_custom_all_gather(gather)
+        block.set_custom_reduce_scatter(scatter)
+    fully_shard(model)
+    out = _train(model)
+    out["calls"] = {kind: calls.count(kind) for kind in sorted(set(calls))}
+    return out
+
+
+# -- an SPMD mesh named by dp_mesh_dims ------------------------------------------------------------
+
+
+def spmd_mesh_dims(which):
+    """torchtitan's SPMD recipe on a 1-D mesh named "dp": parameters distributed as Replicate
+    DTensors, inputs as Shard(0) DTensors, fully_shard told which dimension is data-parallel
+    (torch >= 2.12); three steps, the placements and the gradients' placements."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_module
+
+    fsdp = _fsdp(which)
+    mesh = init_device_mesh(device_type(), (dist.get_world_size(),), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    model = Stack().to(device_type())
+    distribute_module(model, mesh)
+    dims = fsdp.DataParallelMeshDims(shard="dp")
+    for block in model.layers:
+        fsdp.fully_shard(block, mesh=mesh, dp_mesh_dims=dims)
+    fsdp.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(STEPS):
+        batch = DTensor.from_local(_inputs(step, rank, world), mesh, [Shard(0)])
+        loss = model(batch).pow(2).mean()
+        loss.backward()
+        if step == 0:
+            grad_placements = str(model.out.weight.grad.placements)
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.full_tensor().item())
+    return {"losses": losses, "placements": str(model.out.weight.placements),
+            "grad_placements": grad_placements,
+            "full": {n: _full(p) for n, p in model.named_parameters()}}
+
+
 # -- a root given reshard_after_forward explicitly -------------------------------------------------
 
 
@@ -256,6 +338,25 @@ def _raised(fn) -> dict:
     return {"types": [], "message": None}
 
 
+_MESH_INFOS: list = []  # one per process: torch wants the same object for one group
+
+
+def _own_mesh_placement(param):
+    """A `shard_placement_fn` giving the parameter a mesh of its own (torch's
+    ShardPlacementResult, what expert parallelism returns), here the world's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        ShardPlacementResult,
+    )
+    from torch.distributed.tensor import Shard
+
+    if not _MESH_INFOS:
+        mesh = init_device_mesh(device_type(), (dist.get_world_size(),))
+        _MESH_INFOS.append(FSDPMeshInfo(mesh, shard_mesh_dim=0))
+    return ShardPlacementResult(Shard(0), _MESH_INFOS[0])
+
+
 def init_errors(which):
     """What each refused fully_shard raises (natively and ours), by check."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -276,6 +377,8 @@ def init_errors(which):
         nn.Sequential(nn.Linear(3, 16)), shard_placement_fn=lambda p: Shard(p.ndim - 1)))
     out["invalid_shard_dim"] = _raised(lambda: fsdp.fully_shard(
         nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 8)), shard_placement_fn=lambda p: Shard(1)))
+    out["placement_result"] = _raised(lambda: fsdp.fully_shard(
+        nn.Linear(4, 4), shard_placement_fn=_own_mesh_placement))
     with torch.device("meta"):
         meta = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
     fsdp.fully_shard(meta[0])
@@ -307,6 +410,8 @@ def cases() -> dict:
         "float8_all_gather": _both(float8_all_gather),
         "float8_precomputed_scale": _both(float8_all_gather, True),
         "monkey_patched_hooks": _both(monkey_patched_hooks),
+        "custom_collectives": _both(custom_collectives),
+        "spmd_mesh_dims": _both(spmd_mesh_dims),
     }
 
 

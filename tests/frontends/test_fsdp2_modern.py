@@ -11,6 +11,12 @@ one CPU/gloo world of two ranks (fsdp2_modern_cases.py):
   weights bit for bit;
 - all-gather hooks attached to a weight's local tensor after `fully_shard` (torch's own "monkey
   patch" recipe) are called, and train as natively;
+- user collectives (`set_custom_all_gather` / `set_custom_reduce_scatter`, torch's AllGather /
+  ReduceScatter objects running torch's collectives) are called as often as natively and train
+  bit for bit;
+- `dp_mesh_dims` (torch >= 2.12: parameters are Replicate DTensors on the SPMD mesh, inputs
+  Shard(0) DTensors): parameters and gradients are placed as natively, and training matches
+  bit for bit;
 - a root given `reshard_after_forward=True` (or an int) holds sharded DTensors after forward, as
   natively; left at the default it keeps its gathered parameters;
 - a frozen parameter of another dtype beside trainable ones in one call trains as natively;
@@ -26,6 +32,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed.fsdp
 
 from tests.frontends import fsdp2_modern_cases as C
 from tests.world import case_result as case
@@ -77,6 +84,26 @@ def test_hooks_attached_after_fully_shard_are_called_as_native(world):
     _bit_identical(result)
 
 
+def test_user_collectives_are_called_and_train_as_native(world):
+    result = case(world, "custom_collectives", 0)
+    # One gather per block in forward and one in backward, per step; one reduction per block.
+    assert result["native"]["calls"] == {"all_gather": 12, "reduce_scatter": 6}
+    assert result["ours"]["calls"] == result["native"]["calls"]
+    _bit_identical(result)
+
+
+@pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"),
+                    reason=f"torch {torch.__version__} has no DataParallelMeshDims (dp_mesh_dims "
+                    "needs torch >= 2.12)")
+@pytest.mark.parametrize("rank", [0, 1])
+def test_dp_mesh_dims_trains_as_native(world, rank):
+    result = case(world, "spmd_mesh_dims", rank)
+    native, ours = result["native"], result["ours"]
+    assert (ours["placements"], ours["grad_placements"]) == (native["placements"],
+                                                           native["grad_placements"])
+    _bit_identical(result)
+
+
 @pytest.mark.parametrize("value", ["true", "int"])
 def test_a_root_given_reshard_after_forward_reshards_as_native(world, value):
     result = case(world, f"root_reshard_{value}", 0)
@@ -121,3 +148,11 @@ def test_fully_shard_checks_raise_natives_exception_type_and_words(world, check)
     # Ours is of native's type (it may also be a ValueError) and carries native's words.
     assert native["types"][0] in ours["types"], (native["types"], ours["types"])
     assert ours["message"] and re.search(NATIVE_WORDS[check], ours["message"]), ours["message"]
+
+
+def test_a_placement_with_a_mesh_of_its_own_is_refused_by_name(world):
+    result = case(world, "init_errors", 0)
+    assert result["native"]["placement_result"]["types"] == [], "native accepts it"
+    ours = result["ours"]["placement_result"]
+    assert ours["types"][0] == "NotImplementedError"
+    assert "ShardPlacementResult" in ours["message"] and "torch's own" in ours["message"]
