@@ -452,6 +452,82 @@ def after_forward_methods(which):
     return out
 
 
+# -- a torchtitan-shaped training: TP x FSDP, float8 all-gather, per-block compile ----------------
+
+
+class _Block(nn.Module):
+    """A transformer block's feed-forward half: norm, up and down projections, residual."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width, bias=False)
+        self.down = nn.Linear(2 * width, width, bias=False)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class _Tower(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 2):
+        super().__init__()
+        self.inp = nn.Linear(6, width)
+        self.layers = nn.ModuleList(_Block(width) for _ in range(depth))
+        self.out = nn.Linear(width, 4)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def torchtitan_shaped(which):
+    """torchtitan's order on a (dp 2, tp 2) mesh: float8 training with float8 all-gather
+    (torchao, emulated), tensor parallelism on each block's projections (torchao's float8
+    plans), each block compiled in place (`fullgraph=True`, aot_eager), then fully_shard on
+    each block and the root over dp; three AdamW steps with the float8 scales precomputed after
+    each, as torchtitan does."""
+    from torchao.float8 import (
+        Float8LinearConfig,
+        convert_to_float8_training,
+        precompute_float8_dynamic_scale_for_fsdp,
+    )
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+    )
+
+    torch._dynamo.reset()
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = _Tower().to(device_type())
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
+    convert_to_float8_training(model, config=config,
+                               module_filter_fn=lambda module, fqn: fqn.startswith("layers"))
+    for block in model.layers:
+        parallelize_module(block, mesh["tp"], {"up": Float8ColwiseParallel(),
+                                               "down": Float8RowwiseParallel()})
+        block.compile(backend="aot_eager", fullgraph=True)
+    fully_shard = _fully_shard(which)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dp = mesh["dp"]
+    losses = []
+    for step in range(STEPS):
+        loss = model(_inputs(step, dp.get_local_rank(), dp.size())).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        precompute_float8_dynamic_scale_for_fsdp(model)
+        losses.append(loss.item())
+    up = model.layers[0].up.weight
+    return {"losses": losses, "up": (str(up.placements), type(up.to_local()).__name__),
+            "full": {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}}
+
+
 def _both(fn, *args):
     def run(rank, world):
         out = {}
@@ -481,6 +557,7 @@ def cases() -> dict:
         "unsharded_parameters_exposed": _both(unsharded_parameters_exposed),
         "state_dict_after_eval_forward": _both(state_dict_after_eval_forward),
         "after_forward_methods": _both(after_forward_methods),
+        "torchtitan_shaped": _both(torchtitan_shaped),
     }
 
 

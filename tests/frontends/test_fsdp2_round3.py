@@ -20,6 +20,10 @@
   before, the rest after, in fp16), so ten fp16 steps end on native's weights bit for bit, on a
   1-D mesh (each pair of ranks swaps halves on gloo) and on a 2-D HSDP mesh, and with an
   all-reduce hook on a unit in fp16 and in fp32;
+- a torchtitan-shaped training on a (dp 2, tp 2) mesh, in torchtitan's order: torchao float8
+  training with float8 all-gather, tensor parallelism on each block (torchao's float8 plans),
+  each block compiled in place with `fullgraph=True` (aot_eager), fully_shard over dp, scales
+  precomputed after each step: three AdamW steps on native's losses and weights, bit for bit;
 - a unit gathered for compute (inside its forward, kept gathered until its backward with
   `reshard_after_forward=False` or as the root, after `unshard()`) holds plain `nn.Parameter`s
   as natively, and its sharded DTensors again after backward; a loss term reading such a weight
@@ -190,3 +194,15 @@ def test_a_forward_method_ends_with_sharded_parameters_as_native(world, rank):
     assert ours["ours: after forward"] == native["torch: after forward"]
     assert native["torch: after method"]["scale"].startswith("DTensor")
     assert native["torch: after forward"]["scale"] == "Parameter+Parameter(4,)"
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_a_torchtitan_shaped_training_matches_native_bit_for_bit(world, rank):
+    result = case(world, "torchtitan_shaped", rank)
+    native, ours = result["native"], result["ours"]
+    assert native["up"] == ("(_StridedShard(dim=0, sf=2), Shard(dim=0))",
+                            "WeightWithDynamicFloat8CastTensor")
+    assert ours["up"] == native["up"]
+    assert ours["losses"] == native["losses"]
+    for name, value in native["full"].items():
+        assert torch.equal(ours["full"][name], value), name
