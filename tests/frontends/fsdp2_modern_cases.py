@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.frontends.fsdp2_round3_cases import _both
 from tests.world import device_type, run_case_table
 
 STEPS = 3
@@ -80,6 +81,7 @@ def per_block_compile(which, backend: str = "aot_eager"):
     """torchtitan's order: each block compiled in place (`block.compile(fullgraph=True)`),
     then `fully_shard` on each block and on the root; three AdamW steps."""
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     torch.manual_seed(0)
     model = Stack().to(device_type())
     for block in model.layers:
@@ -88,7 +90,10 @@ def per_block_compile(which, backend: str = "aot_eager"):
     for block in model.layers:
         fully_shard(block)
     fully_shard(model)
-    return _train(model)
+    out = _train(model)
+    # Graphs compiled over the three steps (a recompilation per step would show here).
+    out["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return out
 
 
 # -- torchao's float8 weights, gathered in float8 ------------------------------------------------
@@ -386,17 +391,6 @@ def init_errors(which):
     fsdp.fully_shard(meta)
     out["meta_forward"] = _raised(lambda: meta(torch.randn(2, 8, device=device_type())))
     return out
-
-
-def _both(fn, *args):
-    def run(rank, world):
-        out = {}
-        for which in ("native", "ours"):
-            torch.manual_seed(0)
-            out[which] = fn(which, *args)
-            dist.barrier()
-        return out
-    return run
 
 
 def cases() -> dict:

@@ -50,19 +50,26 @@ def _uneven_tp_model(which, mesh):
 def uneven_tensor_parallel(which):
     mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
     model = _uneven_tp_model(which, mesh)
+    losses = _train_over_dp(model, mesh["dp"])
+    state = model.state_dict()
+    return {"losses": losses,
+            "local_shapes": {k: tuple(v.to_local().shape) for k, v in state.items()},
+            "full": {k: v.full_tensor().cpu() for k, v in state.items()}}
+
+
+def _train_over_dp(model, dp, after_step=lambda: None) -> list:
+    """Three AdamW steps on the mean square of the output, each data-parallel rank on its
+    slice (`after_step` runs after each optimizer step): the losses."""
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    dp = mesh["dp"]
     losses = []
     for step in range(STEPS):
         loss = model(_inputs(step, dp.get_local_rank(), dp.size())).pow(2).mean()
         loss.backward()
         optim.step()
         optim.zero_grad()
+        after_step()
         losses.append(loss.item())
-    state = model.state_dict()
-    return {"losses": losses,
-            "local_shapes": {k: tuple(v.to_local().shape) for k, v in state.items()},
-            "full": {k: v.full_tensor().cpu() for k, v in state.items()}}
+    return losses
 
 
 # -- the all-gather extension point ------------------------------------------------------------
@@ -513,16 +520,8 @@ def torchtitan_shaped(which):
     for block in model.layers:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    dp = mesh["dp"]
-    losses = []
-    for step in range(STEPS):
-        loss = model(_inputs(step, dp.get_local_rank(), dp.size())).pow(2).mean()
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        precompute_float8_dynamic_scale_for_fsdp(model)
-        losses.append(loss.item())
+    losses = _train_over_dp(model, mesh["dp"],
+                            lambda: precompute_float8_dynamic_scale_for_fsdp(model))
     up = model.layers[0].up.weight
     return {"losses": losses, "up": (str(up.placements), type(up.to_local()).__name__),
             "full": {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}}
