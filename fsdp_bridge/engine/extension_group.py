@@ -17,14 +17,15 @@ its gathered data there and only swaps its scale). Between gathers the outputs a
 tensors give their memory back (their storage is resized to zero, as FSDP2 frees them) and
 get it again at the next gather.
 
-The values themselves still live in the group's fp32 master, as in any row group, so the
-optimizer, gradients, state dicts and checkpoints are unchanged: the parameter's local tensor
+The values of trainable parameters still live in the group's fp32 master, as in any row
+group, so the optimizer, gradients, state dicts and checkpoints are unchanged: the parameter's local tensor
 is rebuilt around its view of the master, of the same kind as the user's (a tensor subclass
 through its `__tensor_flatten__` / `__tensor_unflatten__`, its first inner tensor being the
 values; a plain tensor object keeps its identity and the hooks attached to it, its data
 pointed at the master). Gradients reach the group as plain tensors of the parameter's shape
 (a float8 weight's gradient is computed in high precision) and are reduced as in any row
-group.
+group. Frozen parameters keep their own local tensors (see [Note: frozen extension
+parameters]).
 
 The inputs of all the group's parameters go in one all-gather, as bytes: inputs of several
 dtypes (float8 data beside fp32 scales) share the buffer, as FSDP2 gathers them as uint8.
@@ -64,11 +65,12 @@ class LocalForm:
                 others = {name: getattr(local, name) for name in names[1:]}
                 return cls(type(local), names[0], context, others)
         raise NotImplementedError(
-            f"fsdp_bridge: parameter {fqn!r} is a {type(local).__name__} using FSDP2's "
-            "all-gather extension whose values are not held by one inner tensor of its shape "
-            "and dtype (e.g. NF4's quantised blocks); fsdp_bridge keeps every parameter's "
-            "values in its fp32 shard and supports extensions that wrap them (torchao's float8 "
-            "weights, hooks attached to a plain tensor). Shard this model with torch's own "
+            f"fsdp_bridge: parameter {fqn!r} is a trainable {type(local).__name__} using "
+            "FSDP2's all-gather extension whose values are not held by one inner tensor of its "
+            "shape and dtype; fsdp_bridge keeps a trainable parameter's values in the engine's "
+            "shard and supports extensions that wrap them (torchao's float8 weights, hooks "
+            "attached to a plain tensor), and frozen parameters of any kind (NF4). Freeze it "
+            "(requires_grad=False), or shard this model with torch's own "
             "torch.distributed.fsdp.fully_shard.")
 
     def values(self, local: torch.Tensor) -> torch.Tensor:
@@ -107,6 +109,10 @@ class ExtensionGroup(RowGroup):
         super()._init_layout()
         ranks = self.comm.shard_size
         self.local_forms = []
+        if self.keeps_locals:  # see [Note: frozen extension parameters]
+            count = len(self.slots)
+            self.chunk_numels = self.chunk_offsets = self.offsets = [0] * count
+            self.shard_numel = self.padded_numel = 0
         for index, (slot, form) in enumerate(zip(self.slots, self.forms)):
             local = slot.param._local_tensor  # type: ignore[attr-defined]  # a DTensor
             self._check_hooks(slot.fqn, local)
@@ -118,7 +124,8 @@ class ExtensionGroup(RowGroup):
                     "requires the pre-all-gather outputs of an uneven split to be padded, which "
                     "torchao's float8 weights do not do). Choose sizes that divide by the "
                     "shard group.")
-            self.local_forms.append(LocalForm.of(local, slot.fqn))
+            if not self.keeps_locals:
+                self.local_forms.append(LocalForm.of(local, slot.fqn))
         count = len(self.slots)
         self.outputs: list[list[torch.Tensor]] = [[] for _ in range(count)]
         self.unsharded: list[Optional[torch.Tensor]] = [None] * count
@@ -134,18 +141,48 @@ class ExtensionGroup(RowGroup):
                 "fsdp_post_all_gather should be defined if using all-gather extensions (as "
                 "FSDP2 asserts).")
 
+    # [Note: frozen extension parameters] A frozen group needs no master: no optimizer writes
+    # its values and no gradient is reduced. Its parameters keep their own local tensors, as
+    # under FSDP2 (an NF4 weight stays NF4 blocks: a fp32 copy would cost eight times its
+    # memory), and the hooks run on them.
+
+    @property
+    def keeps_locals(self) -> bool:
+        return not self.requires_grad
+
+    def _build_master(self, device: torch.device, sync_module_states: bool) -> torch.Tensor:
+        if self.keeps_locals:
+            return torch.zeros(0, dtype=self.slots[0].param.dtype, device=device)
+        return super()._build_master(device, sync_module_states)
+
+    def adopt_replaced_params(self) -> bool:
+        if not self.keeps_locals:
+            return super().adopt_replaced_params()
+        for index, slot in enumerate(self.slots):
+            module, attr = slot.owners[0]
+            current = module._parameters.get(attr)
+            if current is not slot.param:  # load_state_dict(assign=True), to_empty()
+                slot.param = current  # type: ignore[assignment]  # checked just below
+                self._checked_local(index)
+                self.local_params[index] = current  # type: ignore[assignment]
+                self._point_at_master(index)
+                self.invalidate()
+        return False
+
     def _values_of(self, index: int, local: torch.Tensor) -> torch.Tensor:
         return self.local_forms[index].values(local)
 
     def _checked_local(self, index: int) -> torch.Tensor:
         local = super()._checked_local(index)
-        return self.local_forms[index].values(local) if self.local_forms[index].inner_name \
-            else local
+        if self.keeps_locals or self.local_forms[index].inner_name is None:
+            return local
+        return self.local_forms[index].values(local)
 
     def _point_at_master(self, index: int) -> None:
         slot = self.slots[index]
         param: Any = slot.param  # a DTensor
-        param._local_tensor = self.local_forms[index].around(self._master_view(index))
+        if not self.keeps_locals:
+            param._local_tensor = self.local_forms[index].around(self._master_view(index))
         for module, attr in slot.owners:
             module._parameters[attr] = slot.param
 

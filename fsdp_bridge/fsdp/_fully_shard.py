@@ -835,20 +835,37 @@ def _row_sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, dim: int,
                     "module.to(memory_format=torch.contiguous_format)).",
                     exc=NotImplementedError)
     shard_dim = mesh.ndim - 1
-    start, rows = chunk_rows(param.shape[dim], mesh.size(shard_dim),
-                             mesh.get_local_rank(shard_dim))
-    local = param.detach().narrow(dim, start, rows)
-    if not local.is_meta:
-        # A contiguous storage of its own: the full tensor can be freed.
-        local = local.clone(memory_format=torch.contiguous_format)
-        if device is not None and local.device.type == "cpu":
-            local = local.to(device)
+    ranks, rank = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
+    start, rows = chunk_rows(param.shape[dim], ranks, rank)
+    if type(param.data) is not torch.Tensor and rows > 0 and not param.is_meta:
+        # A tensor subclass (FSDP2's all-gather extension) is cut and copied by its own
+        # operations, as FSDP2 cuts it: NF4 has no arbitrary slices, and its clone quantises
+        # again (new values), where new_zeros + copy_ copies its blocks.
+        chunk = torch.chunk(param.detach(), ranks, dim=dim)[rank]
+        with torch.no_grad():
+            local = chunk.new_zeros(chunk.shape)
+            local.copy_(chunk)
+        local = local.to(device) if device is not None and local.device.type == "cpu" \
+            else local
+    else:
+        local = _plain_chunk(param, dim, start, rows, device)
     dtensor = DTensor.from_local(local, mesh, _placements(mesh, dim), run_check=False,
                                  shape=param.shape, stride=param.stride())
     new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
     setattr(new, SHARDED, True)
     setattr(new, FLATTENED_MARK, True)  # torch's FSDP1 leaves it to us: see the engine's note
     return new
+
+
+def _plain_chunk(param: nn.Parameter, dim: int, start: int, rows: int,
+                 device: Optional[torch.device]) -> torch.Tensor:
+    local = param.detach().narrow(dim, start, rows)
+    if not local.is_meta:
+        # A contiguous storage of its own: the full tensor can be freed.
+        local = local.clone(memory_format=torch.contiguous_format)
+        if device is not None and local.device.type == "cpu":
+            local = local.to(device)
+    return local
 
 
 def _restore_ties(root: nn.Module) -> None:

@@ -147,6 +147,48 @@ def float8_all_gather(which, precompute: bool = False):
     return out
 
 
+# -- NF4 weights (QLoRA) ---------------------------------------------------------------------------
+
+
+class QLoRALinear(nn.Module):
+    """A frozen NF4 base weight (torchao) with a trainable low-rank adapter, as torchtune's
+    QLoRA linears."""
+
+    def __init__(self, width: int = 256, rank: int = 4):
+        super().__init__()
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+        base = torch.randn(width, width, dtype=torch.bfloat16)
+        self.weight = nn.Parameter(to_nf4(base), requires_grad=False)
+        self.lora_a = nn.Linear(width, rank, bias=False, dtype=torch.bfloat16)
+        self.lora_b = nn.Linear(rank, width, bias=False, dtype=torch.bfloat16)
+
+    def forward(self, x):
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+        return linear_nf4(x, self.weight) + self.lora_b(self.lora_a(x))
+
+
+def nf4_qlora(which):
+    torch.manual_seed(0)
+    model = nn.Sequential(QLoRALinear(), QLoRALinear()).to(device_type())
+    fully_shard = _fsdp(which).fully_shard
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step in range(STEPS):
+        loss = model(_inputs(step, rank, world, 256).to(torch.bfloat16)).float().pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "local_type": type(model[0].weight.to_local()).__name__,
+            "full": {n: _full(p) for n, p in model.named_parameters() if p.requires_grad}}
+
+
 # -- hooks attached to a parameter's local tensor after fully_shard ----------------------------------
 
 
@@ -405,6 +447,7 @@ def cases() -> dict:
         "float8_precomputed_scale": _both(float8_all_gather, True),
         "monkey_patched_hooks": _both(monkey_patched_hooks),
         "custom_collectives": _both(custom_collectives),
+        "nf4_qlora": _both(nf4_qlora),
         "spmd_mesh_dims": _both(spmd_mesh_dims),
     }
 

@@ -9,6 +9,9 @@ one CPU/gloo world of two ranks (fsdp2_modern_cases.py):
   torchao's `WeightWithDynamicFloat8CastTensor`, and three AdamW steps (also with torchtitan's
   `precompute_float8_dynamic_scale_for_fsdp` after each step) end on native's losses and
   weights bit for bit;
+- torchao's NF4 weights (QLoRA: a frozen NF4 base weight beside a trainable low-rank adapter,
+  torchtune's layout) gather their quantised blocks through their hooks and train as natively,
+  bit for bit;
 - all-gather hooks attached to a weight's local tensor after `fully_shard` (torch's own "monkey
   patch" recipe) are called, and train as natively;
 - user collectives (`set_custom_all_gather` / `set_custom_reduce_scatter`, torch's AllGather /
@@ -78,6 +81,14 @@ def test_float8_all_gather_trains_as_native(world, name):
     # The linear weights (1024 of the 1104 elements) were gathered as float8 bytes.
     ours = result["ours"]
     assert ours["gathered_bytes"] == 1024 + (1104 - 1024) * 4 < ours["fp32_bytes"] / 2, ours
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_nf4_qlora_trains_as_native(world, rank):
+    result = case(world, "nf4_qlora", rank)
+    assert result["native"]["local_type"] == "NF4Tensor"
+    assert result["ours"]["local_type"] == result["native"]["local_type"]
+    _bit_identical(result)
 
 
 def test_hooks_attached_after_fully_shard_are_called_as_native(world):
