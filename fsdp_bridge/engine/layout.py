@@ -108,10 +108,11 @@ ALL_GATHER_HOOKS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
 
 
 def has_all_gather_extension(param: torch.Tensor) -> bool:
-    """Whether `param`'s local tensor (a DTensor's, or the tensor itself) defines either hook:
+    """Whether `param` is a DTensor parameter (FSDP2's layout; the flat layouts of FSDP1 and
+    the others flatten every parameter, as theirs do) whose local tensor defines either hook:
     as a tensor subclass's methods, or attached to the tensor object itself."""
-    local = getattr(param, "_local_tensor", param)
-    return any(hasattr(local, hook) for hook in ALL_GATHER_HOOKS)
+    local = getattr(param, "_local_tensor", None)
+    return local is not None and any(hasattr(local, hook) for hook in ALL_GATHER_HOOKS)
 
 
 @dataclasses.dataclass
