@@ -527,6 +527,45 @@ def torchtitan_shaped(which):
             "full": {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}}
 
 
+# -- dp_mesh_dims on a (dp, tp) SPMD mesh ------------------------------------------------------------
+
+
+def spmd_tensor_parallel(which):
+    """torchtitan's SPMD backend on a (dp 2, tp 2) mesh: every parameter a DTensor on the whole
+    mesh (Replicate on dp; column-wise then row-wise on tp), inputs Shard(0) on dp, fully_shard
+    told the data-parallel dimension (torch >= 2.12): placements, three steps."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    fsdp = importlib.import_module("torch.distributed.fsdp" if which == "native"
+                                   else "fsdp_bridge.fsdp")
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4)).to(device_type())
+    layouts = {"0.weight": Shard(0), "0.bias": Shard(0), "2.weight": Shard(1)}
+    for name, param in list(model.named_parameters()):
+        module, _, attr = name.rpartition(".")
+        placements = [Replicate(), layouts.get(name, Replicate())]
+        setattr(model.get_submodule(module), attr,
+                nn.Parameter(distribute_tensor(param.detach(), mesh, placements)))
+    dims = fsdp.DataParallelMeshDims(shard="dp")
+    fsdp.fully_shard(model[0], mesh=mesh, dp_mesh_dims=dims)
+    fsdp.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dp = mesh["dp"]
+    losses = []
+    for step in range(STEPS):
+        batch = DTensor.from_local(_inputs(step, dp.get_local_rank(), dp.size()), mesh,
+                                   [Shard(0), Replicate()])
+        loss = model(batch).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.full_tensor().item())
+    state = model.state_dict()
+    return {"losses": losses, "placements": {k: str(v.placements) for k, v in state.items()},
+            "full": {k: v.full_tensor().cpu() for k, v in state.items()}}
+
+
 def _both(fn, *args):
     def run(rank, world):
         out = {}
@@ -557,6 +596,7 @@ def cases() -> dict:
         "state_dict_after_eval_forward": _both(state_dict_after_eval_forward),
         "after_forward_methods": _both(after_forward_methods),
         "torchtitan_shaped": _both(torchtitan_shaped),
+        "spmd_tensor_parallel": _both(spmd_tensor_parallel),
     }
 
 

@@ -24,6 +24,9 @@
   training with float8 all-gather, tensor parallelism on each block (torchao's float8 plans),
   each block compiled in place with `fullgraph=True` (aot_eager), fully_shard over dp, scales
   precomputed after each step: three AdamW steps on native's losses and weights, bit for bit;
+- `dp_mesh_dims` on a (dp 2, tp 2) SPMD mesh (torch >= 2.12): parameters that are DTensors on
+  the whole mesh (column-wise then row-wise on tp) get native's placements and train as natively,
+  bit for bit;
 - a unit gathered for compute (inside its forward, kept gathered until its backward with
   `reshard_after_forward=False` or as the root, after `unshard()`) holds plain `nn.Parameter`s
   as natively, and its sharded DTensors again after backward; a loss term reading such a weight
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed.fsdp
 
 from tests.frontends import fsdp2_round3_cases as C
 from tests.world import case_result as case
@@ -203,6 +207,20 @@ def test_a_torchtitan_shaped_training_matches_native_bit_for_bit(world, rank):
     assert native["up"] == ("(_StridedShard(dim=0, sf=2), Shard(dim=0))",
                             "WeightWithDynamicFloat8CastTensor")
     assert ours["up"] == native["up"]
+    assert ours["losses"] == native["losses"]
+    for name, value in native["full"].items():
+        assert torch.equal(ours["full"][name], value), name
+
+
+@pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"),
+                    reason=f"torch {torch.__version__} has no DataParallelMeshDims (dp_mesh_dims "
+                    "needs torch >= 2.12)")
+@pytest.mark.parametrize("rank", [0, 3])
+def test_dp_mesh_dims_with_tensor_parallelism_trains_as_native(world, rank):
+    result = case(world, "spmd_tensor_parallel", rank)
+    native, ours = result["native"], result["ours"]
+    assert native["placements"]["0.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+    assert ours["placements"] == native["placements"]
     assert ours["losses"] == native["losses"]
     for name, value in native["full"].items():
         assert torch.equal(ours["full"][name], value), name
