@@ -48,11 +48,15 @@ class UnitSpec:
 
     name: str
     # ZeRO-3 frees the gathered parameters after forward and gathers again in backward;
-    # ZeRO-2 keeps them until backward ends. The root unit is never resharded after forward.
+    # ZeRO-2 keeps them until backward ends. The root unit is not resharded after forward
+    # (backward starts with it) unless `reshard_as_root` says so.
     reshard_after_forward: bool = True
     # This unit's own precision (FSDP2: each fully_shard call's policy); None: the plan's.
     # Only the plan's output_dtype is applied, to the root's outputs.
     mixed_precision: Optional[MixedPrecision] = None
+    # The root unit reshards after forward too (FSDP2's root given reshard_after_forward=True
+    # explicitly); ignored for other units.
+    reshard_as_root: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

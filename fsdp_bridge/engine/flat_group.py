@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -61,6 +61,12 @@ class GradCycle(enum.Enum):
 
 
 class FlatGroup:
+    # FSDP2's `set_custom_all_gather` / `set_custom_reduce_scatter` (torch's AllGather /
+    # ReduceScatter objects) for this group, set by the runtime; None: the engine's own
+    # collectives. See [Note: custom collectives].
+    custom_all_gather: Any = None
+    custom_reduce_scatter: Any = None
+
     def __init__(
         self,
         layout: GroupLayout,
@@ -281,7 +287,30 @@ class FlatGroup:
         assert self.buffer is not None and self.buffer.owner in (None, self)
         self.buffer.owner = self
         target = self._gather_target()
-        self.pending_gather = self.comm.all_gather(target, self._gather_input(target))
+        self.pending_gather = self._all_gather(target, self._gather_input(target))
+
+    # [Note: custom collectives] FSDP2 lets a module replace its all-gather and reduce-scatter
+    # by objects of its own (torch's AllGather / ReduceScatter: `allocate(size, dtype=,
+    # device=)` and a call). A group with one calls it where the engine would run its own
+    # collective, over the shard group, with the tensors the engine lays out (the gather
+    # output allocated by it), synchronously (`async_op=False`), as FSDP2 calls them. The
+    # reduce-scatter is asked for a SUM: the engine divides afterwards, as it does with its
+    # own (FSDP2 asks for AVG in fp32 and bf16; for a collective that honours `op` the
+    # numbers are the same). A shard group of one has nothing to communicate.
+
+    def _all_gather(self, output: torch.Tensor, shard: torch.Tensor):
+        custom = self.custom_all_gather
+        if custom is None or self.comm.shard_size == 1:
+            return self.comm.all_gather(output, shard)
+        self.comm.stats.record("all_gather", output)
+        work = custom(output_tensor=output.data, input_tensor=shard,
+                      group=self.comm.shard_group, async_op=False)
+        return work  # waited for by wait_gather (None: done)
+
+    def _allocate_for_comm(self, custom, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if custom is None:
+            return torch.empty(numel, dtype=dtype, device=self.device)
+        return custom.allocate((numel,), dtype=dtype, device=self.device)
 
     def _gather_input(self, target: torch.Tensor) -> torch.Tensor:
         """What this rank sends. Cast for compute, it is written straight into its own place in
@@ -445,7 +474,8 @@ class FlatGroup:
         """Start reducing one backward's gradients (and any no_sync sum), each rank's part
         divided by `predivide` first; returns (work, shard-sized result tensor, what the
         reduction reads from until it is done)."""
-        if self.comm.swaps_halves and self.unsynced_grad is None:
+        if (self.comm.swaps_halves and self.unsynced_grad is None
+                and self.custom_reduce_scatter is None):
             return self._start_pair_reduce(grads, predivide)
         full = torch.empty(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
         self.write_full_grad(grads, full)
@@ -481,6 +511,16 @@ class FlatGroup:
             full.div_(predivide)
         if self.comm.shard_size == 1:
             return self.comm.all_reduce_replicas(full), full
+        if self.custom_reduce_scatter is not None:  # see [Note: custom collectives]
+            output = self._allocate_for_comm(self.custom_reduce_scatter, self.shard_numel,
+                                             full.dtype)
+            self.comm.stats.record("reduce_scatter", full)
+            work = self.custom_reduce_scatter(output_tensor=output, input_tensor=full,
+                                              group=self.comm.shard_group,
+                                              op=torch.distributed.ReduceOp.SUM, async_op=False)
+            if work is not None:
+                work.wait()
+            return None, output
         if self._reduces_in_full_buffer:
             work = self.comm.reduce_scatter_in_buffer(full)
             return work, full[self.shard_start : self.shard_start + self.shard_numel]
@@ -491,7 +531,8 @@ class FlatGroup:
     def _reduces_in_full_buffer(self) -> bool:
         """Whether a reduction's result is a slice of the full gradient (gloo groups of more
         than two) rather than a tensor of its own."""
-        return self.comm.shard_size > 1 and self.comm.reduce_scatter_in_place
+        return (self.comm.shard_size > 1 and self.comm.reduce_scatter_in_place
+                and self.custom_reduce_scatter is None)
 
     def accumulate(self, reduced: torch.Tensor) -> None:
         """Add one micro-step's reduced gradient shard into this cycle's accumulator; the

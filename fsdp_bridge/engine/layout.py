@@ -46,6 +46,10 @@ class GatheredForm:
     compute_placements: tuple = ()
     compute_shape: Optional[torch.Size] = None  # the tensor-parallel DTensor's global shape
     compute_stride: Optional[tuple] = None
+    # Dimensions of `compute_mesh` that are data-parallel (FSDP2's `dp_mesh_dims`): a gradient
+    # arriving Partial on them is this rank's part of the sum the engine reduces, taken as it is
+    # (see engine/row_group.py, SpmdCompute).
+    data_parallel_dims: tuple = ()
 
 
 def gathered_form(param: torch.Tensor) -> GatheredForm:
@@ -97,12 +101,32 @@ class ParamSlot:
             self.param = current
 
 
+# FSDP2's all-gather extension point: a parameter whose local tensor defines these chooses what
+# is gathered and how the gathered pieces become the tensor modules compute with (torchao's
+# float8 weights). See fsdp_bridge/engine/extension_group.py.
+ALL_GATHER_HOOKS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
+
+
+def has_all_gather_extension(param: torch.Tensor) -> bool:
+    """Whether `param` is a DTensor parameter (FSDP2's layout; the flat layouts of FSDP1 and
+    the others flatten every parameter, as theirs do) whose local tensor defines either hook:
+    as a tensor subclass's methods, or attached to the tensor object itself."""
+    local = getattr(param, "_local_tensor", None)
+    return local is not None and any(hasattr(local, hook) for hook in ALL_GATHER_HOOKS)
+
+
 @dataclasses.dataclass
 class GroupLayout:
     unit_name: str
     requires_grad: bool
     dtype: torch.dtype
     slots: list[ParamSlot]
+    # The group's parameters use the all-gather extension (a group of their own).
+    extension: bool = False
+
+
+def _group_key(slot: ParamSlot) -> tuple[bool, torch.dtype, bool]:
+    return (slot.param.requires_grad, slot.param.dtype, has_all_gather_extension(slot.param))
 
 
 def _collect_params(model: nn.Module) -> list[ParamSlot]:
@@ -157,13 +181,12 @@ def assign_groups(model: nn.Module, plan: Plan) -> list[GroupLayout]:
             per_unit[innermost_common_unit(modules, unit_names)].append(slot)
     groups: list[GroupLayout] = []
     for unit_name in unit_names:
-        keyed: dict[tuple[bool, torch.dtype], list[ParamSlot]] = {}
+        keyed: dict[tuple[bool, torch.dtype, bool], list[ParamSlot]] = {}
         for slot in per_unit[unit_name]:
-            key = (slot.param.requires_grad, slot.param.dtype)
-            keyed.setdefault(key, []).append(slot)
+            keyed.setdefault(_group_key(slot), []).append(slot)
         # Trainable groups first so a unit's main buffer is the one with gradients.
-        for (requires_grad, dtype), slots in sorted(keyed.items(), key=lambda kv: not kv[0][0]):
-            groups.append(GroupLayout(unit_name, requires_grad, dtype, slots))
+        for key, slots in sorted(keyed.items(), key=lambda kv: not kv[0][0]):
+            groups.append(GroupLayout(unit_name, key[0], key[1], slots, key[2]))
     return groups
 
 
@@ -171,7 +194,9 @@ def describe_layout(groups: list[GroupLayout]) -> str:
     """Text of the layout (names, shapes, dtypes) for the cross-rank fingerprint."""
     lines = []
     for group in groups:
-        lines.append(f"[{group.unit_name or '<root>'} grad={group.requires_grad} {group.dtype}]")
+        extension = " all-gather extension" if group.extension else ""
+        lines.append(f"[{group.unit_name or '<root>'} grad={group.requires_grad} {group.dtype}"
+                     f"{extension}]")
         lines.extend(f"  {slot.fqn} {_agreed_shape(slot)}" for slot in group.slots)
     return "\n".join(lines)
 
@@ -239,11 +264,12 @@ def _owners(model: nn.Module, fqns: list[str]) -> list[tuple[nn.Module, str]]:
 def _layout_for(layouts: list[GroupLayout], slot: ParamSlot, unit_name: str,
                 unit_names: list[str]) -> GroupLayout:
     """`unit_name`'s group for `slot`'s (requires_grad, dtype), added in unit order if new."""
-    key = (slot.param.requires_grad, slot.param.dtype)
+    key = _group_key(slot)
     for layout in layouts:
-        if layout.unit_name == unit_name and (layout.requires_grad, layout.dtype) == key:
+        if layout.unit_name == unit_name and (layout.requires_grad, layout.dtype,
+                                              layout.extension) == key:
             return layout
-    new = GroupLayout(unit_name, *key, [])
+    new = GroupLayout(unit_name, key[0], key[1], [], key[2])
     order = unit_names.index(unit_name)
     later = [i for i, layout in enumerate(layouts) if unit_names.index(layout.unit_name) > order]
     layouts.insert(later[0] if later else len(layouts), new)

@@ -108,6 +108,11 @@ class RowGroup(FlatGroup):
                 "distribute_tensor(full, param.device_mesh, param.placements)).")
         return local.detach()
 
+    def _values_of(self, index: int, local: torch.Tensor) -> torch.Tensor:
+        """The tensor holding parameter `index`'s values in its local tensor `local` (here the
+        local tensor itself)."""
+        return local
+
     def _register_local_params(self) -> list[torch.nn.Parameter]:
         for index in range(len(self.slots)):
             self._point_at_master(index)
@@ -140,7 +145,7 @@ class RowGroup(FlatGroup):
             local = getattr(current, "_local_tensor", None)
             # `module.to(...)` keeps the Parameter object but may swap its local tensor.
             if (current is slot.param and local is not None
-                    and local.untyped_storage().data_ptr() == master_ptr):
+                    and self._values_of(index, local).untyped_storage().data_ptr() == master_ptr):
                 continue
             slot.param = current  # type: ignore[assignment]  # checked just below
             local = self._checked_local(index)
@@ -165,7 +170,9 @@ class RowGroup(FlatGroup):
 
         out = []
         for form, view in zip(self.forms, views):
-            if form.compute_mesh is not None:
+            if form.data_parallel_dims:
+                view = SpmdCompute.apply(view, form)
+            elif form.compute_mesh is not None:
                 view = DTensor.from_local(view, form.compute_mesh, form.compute_placements,
                                           run_check=False, shape=form.compute_shape,
                                           stride=form.compute_stride)
@@ -232,8 +239,8 @@ class RowGroup(FlatGroup):
     # -- gathering ----------------------------------------------------------------------------
 
     def _gather_target(self) -> torch.Tensor:
-        self._scratch = torch.empty(
-            self.padded_numel, dtype=self.compute_dtype, device=self.master.device)
+        self._scratch = self._allocate_for_comm(self.custom_all_gather, self.padded_numel,
+                                                self.compute_dtype)
         return self._scratch
 
     def _finish_gather(self) -> None:
@@ -345,3 +352,33 @@ def register_sharded(module: torch.nn.Module) -> None:
         sharded = getattr(param, SHARDED_FORM, None)
         if sharded is not None:
             module._parameters[attr] = sharded
+
+
+class SpmdCompute(torch.autograd.Function):
+    """A gathered parameter as the DTensor it is on an SPMD mesh (FSDP2's `dp_mesh_dims`).
+    Its gradient comes back Partial on the data-parallel dimensions when the inputs are split
+    there: that is this rank's part of the sum the engine's reduction adds up, so only the
+    other dimensions are redistributed to the parameter's placements (as FSDP2 keeps Partial
+    on its data-parallel dims for its reduce-scatter), and the local tensor goes on."""
+
+    @staticmethod
+    def forward(ctx, local, form):
+        from torch.distributed.tensor import DTensor
+
+        ctx.form = form
+        return DTensor.from_local(local, form.compute_mesh, form.compute_placements,
+                                  run_check=False, shape=form.compute_shape,
+                                  stride=form.compute_stride)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed.tensor import DTensor
+
+        form = ctx.form
+        if isinstance(grad, DTensor):
+            target = tuple(grad.placements[i] if i in form.data_parallel_dims else placement
+                           for i, placement in enumerate(form.compute_placements))
+            if target != tuple(grad.placements):
+                grad = grad.redistribute(form.compute_mesh, target)
+            grad = grad.to_local()
+        return grad, None

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_leaves
 
 from fsdp_bridge.engine import init as engine_init
@@ -40,6 +41,7 @@ from fsdp_bridge.engine.device import (
     has_streams,
     select_device,
 )
+from fsdp_bridge.engine.extension_group import ExtensionGroup
 from fsdp_bridge.engine.flat_group import FlatGroup, local_part
 from fsdp_bridge.engine.layout import assign_groups, describe_layout, split_untied
 from fsdp_bridge.engine.norms import clip_coefficient, fsdp1_grad_norm, scale_
@@ -103,8 +105,9 @@ class Unit:
         self.module = module
         self.groups = groups
         self.is_root = is_root
-        # The root is never resharded after forward: backward starts with it.
-        self.reshard_after_forward = spec.reshard_after_forward and not is_root
+        # The root is not resharded after forward unless asked: backward starts with it.
+        self.reshard_after_forward = spec.reshard_after_forward and (
+            not is_root or spec.reshard_as_root)
         self.in_use = False
         self.forwards = 0  # forwards begun (see [Note: the end of a forward method])
         self.backward_groups_left = 0
@@ -245,7 +248,8 @@ class ShardedModel:
         """One flat group, sharded now: its parameters become views of this rank's shard and
         their full tensors are freed (the rollback record lets go of them too)."""
         row_layout = self.plan.param_layout is ParamLayout.ROWS
-        group_class = RowGroup if row_layout else FlatGroup
+        group_class = (ExtensionGroup if row_layout and layout.extension
+                       else RowGroup if row_layout else FlatGroup)
         group = group_class(
             layout,
             self.comm,
@@ -254,6 +258,9 @@ class ShardedModel:
             reduce_dtype=mp.effective_reduce_dtype(layout.dtype),
             sync_module_states=self.plan.sync_module_states,
         )
+        if isinstance(group, ExtensionGroup):  # the pre-hook's `mp_policy`
+            group.mp_policy = MixedPrecisionPolicy(mp.param_dtype, mp.reduce_dtype,
+                                                   mp.output_dtype, mp.cast_forward_inputs)
         if self.plan.cpu_offload and not row_layout:
             group.offload_to_host()  # see [Note: CPU offload]
         if record is not None and not row_layout:  # row groups keep DTensor shards: small
@@ -336,6 +343,7 @@ class ShardedModel:
         its own: see [Note: a module run on its own]."""
         active: list = []
 
+        @torch.compiler.disable  # see [Note: hooks outside the compiler]
         def pre_forward(_module, args, kwargs):
             if unit.in_use:  # inside the unit's own forward or backward: already gathered
                 return None
@@ -346,6 +354,7 @@ class ShardedModel:
             self._install_views(unit)
             return None
 
+        @torch.compiler.disable
         def post_forward(_module, args, output):
             if not active:
                 return None
@@ -370,7 +379,16 @@ class ShardedModel:
     # its views and hook its backward, without starting a new step (the root's pre-forward
     # would: its gathered copies and forward order belong to the step still under way).
 
+    # [Note: hooks outside the compiler] A module compiled in place (`block.compile(
+    # fullgraph=True)`, torchtitan's per-block compile) runs its forward hooks inside the
+    # compiled call. The hooks wait on collectives, swap parameters on modules and keep the
+    # step's bookkeeping: Python the compiler must not trace (with fullgraph it cannot: it
+    # fails on the gather's wait). Every hook the engine registers on a module or a tensor is
+    # left to run eagerly, as FSDP2 leaves its own (`_dynamo_disable`); the compiled graph holds
+    # the module's own computation only.
+
     def _make_pre_forward(self, unit: Unit):
+        @torch.compiler.disable
         def pre_forward(module, args, kwargs):
             recomputing = self.phase is StepPhase.BACKWARD
             if unit.is_root and not recomputing:
@@ -388,6 +406,7 @@ class ShardedModel:
         return pre_forward
 
     def _make_post_forward(self, unit: Unit):
+        @torch.compiler.disable
         def post_forward(module, args, output):
             # A unit kept gathered after forward (the root) keeps computing with its gathered
             # parameters until the end of backward, as FSDP2 keeps its unsharded parameters
@@ -514,6 +533,7 @@ class ShardedModel:
     # -- backward -----------------------------------------------------------------------------
 
     def _make_pre_backward(self, unit: Unit):
+        @torch.compiler.disable  # see [Note: hooks outside the compiler]
         def pre_backward(grads):
             self._queue_end_of_backward()
             unit.in_use = True

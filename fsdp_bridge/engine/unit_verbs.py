@@ -40,6 +40,14 @@ def set_all_reduce_hook(sharded: ShardedModel, name: str, hook) -> None:
     _unit(sharded, name).all_reduce_hook = hook
 
 
+def set_custom_collective(sharded: ShardedModel, name: str, kind: str, comm) -> None:
+    """Run unit `name`'s gathers (`kind` "all_gather") or reductions ("reduce_scatter")
+    through `comm`, a torch AllGather / ReduceScatter (FSDP2's `set_custom_all_gather` /
+    `set_custom_reduce_scatter`; see [Note: custom collectives] in flat_group.py)."""
+    for group in _unit(sharded, name).groups:
+        setattr(group, f"custom_{kind}", comm)
+
+
 def unshard_unit(sharded: ShardedModel, name: str) -> list:
     """Start gathering unit `name` (FSDP2's `unshard`): the next forward finds it gathered
     and uses this gather, waiting for it if still in flight, rather than gathering again.

@@ -40,8 +40,9 @@ TABLE = register_table(
             translated("mesh", "None -> all ranks (mode shard); 1-D -> the shard group; 2-D -> "
                        "mode hybrid (dim 0 replicate, dim 1 shard; names optional)"),
             translated("reshard_after_forward", "None -> True except the root (FSDP1 "
-                       "FULL_SHARD); True / False -> UnitSpec.reshard_after_forward; int: 1 -> "
-                       "False, the shard size -> True"),
+                       "FULL_SHARD); True / False -> UnitSpec.reshard_after_forward (a root "
+                       "given True or an int reshards too, as FSDP2); int: 1 -> False, the "
+                       "shard size -> True"),
             ignored("reshard_after_forward=<int>", "hpZ (resharding to a smaller group after "
                     "forward) is a memory / communication trade-off; units reshard fully, "
                     "numerics are identical"),
@@ -63,14 +64,22 @@ TABLE = register_table(
                        "Shard(d) per parameter: its DTensor is split on dim d; a unit's "
                        "parameters are still gathered as one buffer"),
             rejected("shard_placement_fn=<other placements>", "refused at fully_shard time: "
-                     "only Shard(d) placements split a parameter over the shard group"),
+                     "only Shard(d) placements split a parameter over the shard group; a "
+                     "ShardPlacementResult (a per-parameter mesh, torch >= 2.12) is refused "
+                     "with NotImplementedError: the engine shards a model over one group"),
             translated("tensor-parallel (DTensor) parameters", "a parameter parallelize_module "
                        "made a DTensor on a 1-D tensor-parallel mesh is split further over the "
                        "1-D data-parallel mesh: a DTensor on both (FSDP2's placements, "
                        "_StridedShard included), gathered back into the tensor-parallel DTensor "
                        "for compute; HSDP with tensor parallelism and Partial placements are "
                        "refused by name"),
-            rejected("dp_mesh_dims", "SPMD meshes with DTensor parameters are not supported"),
+            translated("dp_mesh_dims", "(torch >= 2.12) the SPMD mesh's named shard dimension "
+                       "(and replicate one: HSDP) is the data-parallel mesh; each parameter, a "
+                       "DTensor on the SPMD mesh (Replicate on those dimensions), is split on "
+                       "the shard dimension with FSDP2's placements and computes as the "
+                       "DTensor it was"),
+            rejected("dp_mesh_dims with several shard names, replication alone, or HSDP "
+                     "beside tensor parallelism", "refused by name (NotImplementedError)"),
             translated("set_requires_gradient_sync", "the engine's gradient sync flag (whole model)"),
             translated("set_gradient_divide_factor", "the divisor of this module's unit (per "
                        "module, as FSDP2; a module of a list call shares its enclosing unit's)"),
@@ -110,22 +119,30 @@ TABLE = register_table(
                        "averaged as FSDP2 averages it, before it joins the gradient"),
             ignored("set_all_reduce_hook(stream=...)", "the hook runs on the current stream "
                     "once the reduction has finished; numerics are identical"),
-            rejected("set_custom_all_gather / set_custom_reduce_scatter",
-                     "the engine runs its own collectives"),
+            translated("set_custom_all_gather / set_custom_reduce_scatter", "the module's "
+                       "unit gathers / reduces through the given object (allocate and call, "
+                       "synchronously, over the shard group); the reduce-scatter is asked for "
+                       "a SUM and the engine divides afterwards"),
         ),
     )
 )
+
+
+class InvalidShardDim(ValueError, AssertionError):
+    """A `shard_placement_fn` placement on a dim the parameter does not have: a ValueError like
+    our other refusals, and the AssertionError FSDP2 raises there."""
 
 
 def bad(name, value, accepted, fix, exc=ValueError):
     return bad_argument(FRONTEND, name, value, accepted, fix, exc)
 
 
-def unsupported(method: str) -> Exception:
-    return NotImplementedError(
-        f"FSDPModule.{method} is not supported by fsdp_bridge: the engine runs its own "
-        "collectives. Remove the call; gradients are reduced as FSDP2's defaults do."
-    )
+def check_comm(method: str, comm) -> None:
+    if not callable(comm) or not callable(getattr(comm, "allocate", None)):
+        raise bad_argument(f"FSDPModule.{method}", "comm", comm, "a torch.distributed.fsdp "
+                           "AllGather / ReduceScatter (an object with allocate(size, dtype=, "
+                           "device=) and a call)", "Subclass torch.distributed.fsdp."
+                           "_fully_shard._fsdp_api.AllGather or ReduceScatter.", exc=TypeError)
 
 
 def check_bool(method: str, name: str, value) -> None:
@@ -175,9 +192,11 @@ def check_call(module, mesh, reshard_after_forward, shard_placement_fn, mp_polic
         if not isinstance(mesh, DeviceMesh):
             raise bad("mesh", mesh, "None or a DeviceMesh", "Build one with "
                       "torch.distributed.device_mesh.init_device_mesh.", exc=TypeError)
-        if mesh.ndim not in (1, 2):
+        if mesh.ndim not in (1, 2) and dp_mesh_dims is None:
             raise bad("mesh", mesh, "a 1-D mesh (FSDP) or a 2-D mesh (HSDP: replicate, shard)",
-                      "Slice the data-parallel dimensions out of the mesh first.")
+                      f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh} (FSDP2's "
+                      "words): slice the data-parallel dimensions out of the mesh first, or "
+                      "name them with dp_mesh_dims.")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
         raise bad("reshard_after_forward", reshard_after_forward, "None, True, False or an int "
                   "dividing the shard-group size", "e.g. reshard_after_forward=True.",
@@ -209,12 +228,54 @@ def check_call(module, mesh, reshard_after_forward, shard_placement_fn, mp_polic
             raise bad("ignored_params", ignored_params, "None or a set of nn.Parameter",
                       "e.g. ignored_params={model.embed.weight}.", exc=TypeError)
     if dp_mesh_dims is not None:
-        raise bad("dp_mesh_dims", dp_mesh_dims, "None", "SPMD meshes with DTensor parameters "
-                  "are not supported; pass the data-parallel mesh as mesh=.")
+        check_dp_mesh_dims(mesh, dp_mesh_dims)
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise bad("shard_placement_fn", shard_placement_fn, "None or a callable",
                   "Drop it to shard on dim 0.", exc=TypeError)
     return modules
+
+
+def check_dp_mesh_dims(mesh, dp_mesh_dims) -> None:
+    """FSDP2's checks of `dp_mesh_dims` (torch >= 2.12), and what the engine supports of it:
+    one shard dimension (with an optional replicate one: HSDP) of the SPMD mesh; tensor
+    parallelism beside HSDP, several shard names (flattened) and replication alone (DDP) are
+    refused by name."""
+    shard = getattr(dp_mesh_dims, "shard_names", None)
+    replicate = getattr(dp_mesh_dims, "replicate_names", None)
+    if shard is None or replicate is None:
+        raise bad("dp_mesh_dims", dp_mesh_dims, "None or a torch.distributed.fsdp."
+                  "DataParallelMeshDims", "e.g. dp_mesh_dims=DataParallelMeshDims(shard='dp').",
+                  exc=TypeError)
+    if mesh is None or mesh.mesh_dim_names is None:
+        raise bad("mesh", mesh, "a DeviceMesh with mesh_dim_names when dp_mesh_dims is given "
+                  "(FSDP2: mesh must have mesh_dim_names when dp_mesh_dims is provided)",
+                  "Build it with init_device_mesh(..., mesh_dim_names=(...)).")
+    for name in (*shard, *replicate):
+        if name not in mesh.mesh_dim_names:
+            raise bad("dp_mesh_dims", dp_mesh_dims, f"names of the mesh's dimensions "
+                      f"{mesh.mesh_dim_names}", f"Mesh dim name '{name}' not found in "
+                      f"mesh.mesh_dim_names {mesh.mesh_dim_names} (FSDP2's words).")
+    others = [n for n in mesh.mesh_dim_names if n not in (*shard, *replicate)]
+    problem = ("replication alone (no shard dimension: DDP)" if not shard
+               else f"{len(shard)} shard dimensions {shard} (flattened into one by FSDP2)"
+               if len(shard) > 1 or len(replicate) > 1
+               else f"HSDP beside the other dimensions {others}" if replicate and others
+               else None)
+    if problem is not None:
+        raise bad("dp_mesh_dims", dp_mesh_dims, "one shard dimension, with one replicate "
+                  "dimension (HSDP) when the mesh has no other dimensions", f"fsdp_bridge "
+                  f"does not support {problem} yet; shard with torch's own fully_shard, or "
+                  "name one shard dimension.", exc=NotImplementedError)
+
+
+def dp_mesh_of(mesh, dp_mesh_dims):
+    """The data-parallel mesh `dp_mesh_dims` names in the SPMD `mesh` (checked by
+    check_dp_mesh_dims): its shard dimension, after its replicate one under HSDP."""
+    (shard,) = dp_mesh_dims.shard_names
+    if not dp_mesh_dims.replicate_names:
+        return mesh[shard]
+    (replicate,) = dp_mesh_dims.replicate_names
+    return mesh[(replicate, shard)]
 
 
 def shard_dim(shard_placement_fn, param: nn.Parameter, name: str, shape: tuple,
@@ -227,18 +288,33 @@ def shard_dim(shard_placement_fn, param: nn.Parameter, name: str, shape: tuple,
     placement = shard_placement_fn(param) if shard_placement_fn is not None else None
     if placement is None:
         return 0
-    if type(placement) is not Shard or not -len(shape) <= placement.dim < len(shape):
+    if type(placement).__name__ == "ShardPlacementResult":  # torch >= 2.12
+        raise bad("shard_placement_fn", shard_placement_fn, "a function returning None or "
+                  f"Shard(d) (it returned a ShardPlacementResult for {name!r}: a mesh of its "
+                  "own for this parameter, as expert parallelism uses)", "fsdp_bridge shards "
+                  "every parameter of a model over one shard group and cannot give a "
+                  "parameter a mesh of its own yet: shard such a model (its experts) with "
+                  "torch's own fully_shard.", exc=NotImplementedError)
+    if type(placement) is not Shard:
         raise bad("shard_placement_fn", shard_placement_fn, f"a function returning None or "
                   f"Shard(d) with d a dim of the parameter (it returned {placement!r} for "
                   f"{name!r}, of shape {tuple(param.shape)})", "Return Shard(d) for a dim d "
                   "of each parameter, or None for Shard(0).")
+    if not -len(shape) <= placement.dim < len(shape):
+        # FSDP2 asserts here: the error is both, so code catching either kind finds it.
+        raise bad("shard_placement_fn", shard_placement_fn, f"a function returning None or "
+                  f"Shard(d) with d a dim of the parameter (it returned {placement!r} for "
+                  f"{name!r}, of shape {tuple(param.shape)})", f"Shard dim {placement.dim} is "
+                  f"invalid for {len(shape)}D tensor (FSDP2's words): return Shard(d) for a "
+                  "dim d of each parameter, or None for Shard(0).", exc=InvalidShardDim)
     dim = placement.dim % len(shape)
     if dim > 0 and shape[dim] % ranks:
         raise bad("shard_placement_fn", shard_placement_fn, f"Shard(d) on a dim whose size "
                   f"divides the shard-group size {ranks} when d > 0, as FSDP2 requires (it "
                   f"returned {placement!r} for {name!r}, of shape {tuple(shape)})",
-                  "Split that parameter on dim 0, or on a dim whose size is a multiple of "
-                  "the shard group.", exc=NotImplementedError)
+                  f"FSDP does not support uneven sharding on dim {dim} (FSDP2's words): split "
+                  "that parameter on dim 0, or on a dim whose size is a multiple of the shard "
+                  "group.", exc=NotImplementedError)
     return dim
 
 
@@ -315,7 +391,9 @@ def build_plan(root: nn.Module, calls: list[tuple[str, Any]]):
             continue
         reshard, more = _reshard(call.reshard_after_forward, path == "", shard_size)
         notes += more
-        units.append(UnitSpec(path, reshard, _precision(call.mp_policy)))
+        # FSDP2 keeps only a root left at the default (None) gathered after forward.
+        explicit = path == "" and call.reshard_after_forward is not None
+        units.append(UnitSpec(path, reshard, _precision(call.mp_policy), reshard_as_root=explicit))
     offload = any(isinstance(call.offload_policy, CPUOffloadPolicy) for _, call in calls)
     names = {id(p): n for n, p in root.named_parameters(remove_duplicate=False)}
     ignored_names = sorted({names[id(p)] for _, call in calls for p in call.ignored_params

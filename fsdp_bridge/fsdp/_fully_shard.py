@@ -194,11 +194,17 @@ class FSDPModule(TorchFSDPModule):
             T.TABLE.warn_ignored("set_all_reduce_hook(stream=...)", stream)
         _set_on_unit(self, "all_reduce_hook", hook)
 
-    def set_custom_all_gather(self, comm):
-        raise T.unsupported("set_custom_all_gather")
+    def set_custom_all_gather(self, comm) -> None:
+        """This module's unit gathers through `comm` (torch's AllGather: `allocate` and a
+        call), as FSDP2 (per module, not recursive)."""
+        T.check_comm("set_custom_all_gather", comm)
+        _set_on_unit(self, "custom_all_gather", comm)
 
-    def set_custom_reduce_scatter(self, comm):
-        raise T.unsupported("set_custom_reduce_scatter")
+    def set_custom_reduce_scatter(self, comm) -> None:
+        """This module's unit reduces its gradients through `comm` (torch's ReduceScatter),
+        asked for a SUM (the engine divides afterwards)."""
+        T.check_comm("set_custom_reduce_scatter", comm)
+        _set_on_unit(self, "custom_reduce_scatter", comm)
 
     def set_post_optim_event(self, event) -> None:
         # The engine issues the next step's gathers from the stream the optimizer ran on,
@@ -272,6 +278,7 @@ class ForwardHooks:
         self._began = False
         self._forwards = 0
 
+    @torch.compiler.disable  # see [Note: hooks outside the compiler] in engine/runtime.py
     def _pre_forward(self, module: nn.Module, args, kwargs):
         sharded = module._fsdp_root_state()
         path = _path_in_root(module, sharded)
@@ -282,6 +289,7 @@ class ForwardHooks:
         self._forwards = engine.forwards_begun(sharded, path)
         return args, kwargs
 
+    @torch.compiler.disable
     def _post_forward(self, module: nn.Module, args, output):
         if not self._began:
             return output
@@ -331,10 +339,16 @@ def _root_sharded(module: nn.Module):
     return engine.get_sharded(root) if root is not None else None
 
 
+def _set_collective(kind: str, sharded, path: str, comm) -> None:
+    engine.set_custom_collective(sharded, path, kind, comm)
+
+
 _UNIT_SETTERS = {
     "gradient_divide_factor": engine.set_gradient_divide_factor,
     "reduce_unused_params": engine.set_reduce_unused_params,
     "all_reduce_hook": engine.set_all_reduce_hook,
+    "custom_all_gather": functools.partial(_set_collective, "all_gather"),
+    "custom_reduce_scatter": functools.partial(_set_collective, "reduce_scatter"),
 }
 
 
@@ -395,7 +409,7 @@ def _lazy_init(module: nn.Module) -> None:
         _restore_ties(module)
         calls = [(path, _call_of(sub)) for path, sub in below]
         _retie(calls)
-        _check_materialised(module)
+        _check_materialised(module, below)
         _attach_forms(module)
         plan, topology = T.build_plan(module, calls)
         sharded = engine.shard_model(module, plan, shard_group=topology.shard_group,
@@ -418,20 +432,31 @@ def _hook_list_call_modules(sharded, below) -> None:
             engine.hook_module_inside(sharded, path, member)
 
 
-def _check_materialised(root: nn.Module) -> None:
+def _check_materialised(root: nn.Module, below) -> None:
     """Parameters still on meta when the model is first used were never initialised (no
     `to_empty()` + init, no `load_state_dict(assign=True)`): refuse, as FSDP2 does, rather than
-    train on values nobody chose."""
-    on_meta = [name for name, param in root.named_parameters()
-               if isinstance(param, DTensor) and param.to_local().is_meta]
-    if on_meta:
-        shown = ", ".join(repr(name) for name in on_meta[:8])
-        more = f" and {len(on_meta) - 8} more" if len(on_meta) > 8 else ""
-        raise RuntimeError(
-            f"fully_shard: parameters are still on the meta device at the model's first use: "
-            f"{shown}{more}. Materialise and initialise them before the first forward (or "
-            "unshard()), e.g. model.to_empty(device=device) then reset_parameters() on each "
-            "module, or load_state_dict(full_state, assign=True).")
+    train on values nobody chose. As FSDP2, the error names the parameters of the first
+    fully_shard call, in the model's module order (the root first), that has any; each call
+    manages what its modules hold outside inner calls. `below` as `_fully_sharded_below`."""
+    names = {id(param): name for name, param in root.named_parameters()}
+    claimed: set[int] = set()
+    managed = {}
+    for _, module in below:  # inner calls first
+        call = _call_of(module)
+        mine = [p for m in call.modules for p in m.parameters() if id(p) not in claimed]
+        claimed.update(id(p) for p in mine)
+        managed.setdefault(id(call), mine)
+    for module in root.modules():
+        call = _call_of(module)
+        on_meta = [names[id(p)] for p in managed.get(id(call), ()) if id(p) in names
+                   and isinstance(p, DTensor) and p.to_local().is_meta] if call else []
+        if on_meta:
+            raise RuntimeError(
+                "fully_shard: FSDP parameters should be materialized from meta device before "
+                f"training, but the following were still on meta device: {on_meta}\n"
+                "Materialise and initialise them before the first forward (or unshard()), "
+                "e.g. model.to_empty(device=device) then reset_parameters() on each module, "
+                "or load_state_dict(full_state, assign=True).")
 
 
 def _building() -> bool:
@@ -493,6 +518,10 @@ def fully_shard(
                         "Call fully_shard once per module.")
     _check_one_dtype(modules, mp_policy, ignored_params or ())
     mesh = mesh if mesh is not None else _default_mesh()
+    spmd = None
+    if dp_mesh_dims is not None:  # see [Note: SPMD meshes]
+        spmd = (mesh, dp_mesh_dims)
+        mesh = T.dp_mesh_of(mesh, dp_mesh_dims)
     call = FullyShardCall(
         modules=tuple(modules),
         mesh=mesh,
@@ -506,7 +535,7 @@ def fully_shard(
         for m in modules:
             stack.enter_context(engine.restored_on_failure(m))
         _to_dtensor_params(modules, mesh, ignored_params or (), shard_placement_fn, call.ties,
-                           _shard_device(mesh, offload_policy))
+                           _shard_device(mesh, offload_policy), spmd)
         for m in modules:
             object.__setattr__(m, CONFIG, call)
             _register_as_fully_shard(m)
@@ -532,13 +561,15 @@ def _cast_like_fsdp2(module: nn.Module, policy: MixedPrecisionPolicy, inputs: bo
     see the cast outputs, as natively. `inputs`: a module of a list call, which runs inside
     the unit that gathers it, also gets FSDP2's cast of its inputs (the engine casts the
     inputs of units)."""
+    # Eager, as FSDP2's own casts (see [Note: hooks outside the compiler] in engine/runtime.py).
     if inputs and policy.param_dtype is not None and policy.cast_forward_inputs:
         dtype = policy.param_dtype
-        module.register_forward_pre_hook(
-            lambda _, args, kwargs: cast_floating((args, kwargs), dtype), with_kwargs=True)
+        module.register_forward_pre_hook(torch.compiler.disable(
+            lambda _, args, kwargs: cast_floating((args, kwargs), dtype)), with_kwargs=True)
     if policy.output_dtype is not None:
         out_dtype = policy.output_dtype
-        module.register_forward_hook(lambda _, args, output: cast_floating(output, out_dtype))
+        module.register_forward_hook(torch.compiler.disable(
+            lambda _, args, output: cast_floating(output, out_dtype)))
 
 
 def _state(module: nn.Module) -> Optional[FullyShardCall]:
@@ -606,7 +637,7 @@ def _shard_device(mesh: DeviceMesh, offload_policy) -> Optional[torch.device]:
 
 
 def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params, shard_placement_fn,
-                       ties: list, device: Optional[torch.device] = None) -> None:
+                       ties: list, device: Optional[torch.device] = None, spmd=None) -> None:
     """Replace every parameter this call manages by a DTensor parameter split over the mesh
     (see [Note: sharding at fully_shard time]), and record on its owner modules the form it
     gathers into (see [Note: gathered form] in fsdp_bridge/engine/layout.py). Parameters tied
@@ -623,7 +654,8 @@ def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params, shard_placemen
                 if id(param) not in converted:
                     name = f"{owner_name}.{attr}" if owner_name else attr
                     _check_not_shared_with_earlier_call(param, name)
-                    converted[id(param)] = _sharded(param, name, mesh, shard_placement_fn, device)
+                    converted[id(param)] = _sharded(param, name, mesh, shard_placement_fn, device,
+                                                    spmd)
                     setattr(param, REPLACED_BY, converted[id(param)][0])
                     mark_replaced(param, name)
                     first_owner[id(param)] = (owner, attr)
@@ -650,33 +682,18 @@ def _attach_forms(root: nn.Module) -> None:
                 setattr(param, GATHERED_FORM, form)
 
 
-def _sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, shard_placement_fn, device=None):
-    """(the DTensor parameter replacing `param`, its GatheredForm)."""
-    _check_no_all_gather_extension(param, name)
+def _sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, shard_placement_fn, device=None,
+             spmd=None):
+    """(the DTensor parameter replacing `param`, its GatheredForm). A tensor subclass (FSDP2's
+    all-gather extension point) stays one: its row chunk is cut by its own operations, as
+    FSDP2 cuts it, and the engine runs its hooks (see [Note: all-gather extensions] in
+    fsdp_bridge/engine/extension_group.py)."""
+    if spmd is not None:
+        return _sharded_spmd(param, name, *spmd, shard_placement_fn)
     if isinstance(param, DTensor):
         return _sharded_tensor_parallel(param, name, mesh, shard_placement_fn)
     dim = T.shard_dim(shard_placement_fn, param, name, tuple(param.shape), mesh.size(-1))
     return _row_sharded(param, name, mesh, dim, device), GatheredForm(param.shape, dim)
-
-
-# FSDP2's all-gather extension point: a tensor subclass (torchao's float8 and NF4 weights) that
-# defines these methods chooses what is gathered and how the gathered pieces become the
-# parameter the module computes with.
-_ALL_GATHER_EXTENSIONS = ("fsdp_pre_all_gather", "fsdp_post_all_gather")
-
-
-def _check_no_all_gather_extension(param: nn.Parameter, name: str) -> None:
-    """The engine gathers flat buffers of plain values and would skip the subclass's hooks: the
-    module would compute with other values than under FSDP2, silently. Refuse by name."""
-    local = param.to_local() if isinstance(param, DTensor) else param
-    hooks = [hook for hook in _ALL_GATHER_EXTENSIONS if hasattr(local, hook)]
-    if hooks:
-        raise T.bad(f"parameter {name!r}", f"a {type(local).__name__} tensor defining FSDP2's "
-                    f"all-gather extension ({', '.join(hooks)})", "plain tensors: fsdp_bridge "
-                    "gathers flat buffers of values and cannot run a tensor subclass's gather "
-                    "hooks (float8 / NF4 training)", "Shard this model with torch's own "
-                    "torch.distributed.fsdp.fully_shard, or convert the parameter to a plain "
-                    "tensor before fully_shard.", exc=NotImplementedError)
 
 
 def _check_not_shared_with_earlier_call(param: nn.Parameter, name: str) -> None:
@@ -690,21 +707,24 @@ def _check_not_shared_with_earlier_call(param: nn.Parameter, name: str) -> None:
 
 
 def _check_one_dtype(modules, mp_policy: MixedPrecisionPolicy, ignored_params) -> None:
-    """Without a param_dtype, one call's parameters must share a dtype (FSDP2 refuses mixed
-    dtypes too: they are gathered as one buffer)."""
+    """Without a param_dtype, one call's trainable parameters must share a dtype (FSDP2
+    refuses mixed dtypes too: their gradients are reduced as one buffer). Frozen parameters
+    may differ (an fp8 frozen weight beside fp32 trainable ones), as natively: the engine
+    groups them by dtype."""
     if mp_policy.param_dtype is not None:
         return
     ignored = {id(p) for p in ignored_params}
     dtypes = {}
     for module in modules:
         for name, param in module.named_parameters():
-            if id(param) not in ignored and not getattr(param, SHARDED, False):
+            if (id(param) not in ignored and not getattr(param, SHARDED, False)
+                    and param.requires_grad):
                 dtypes.setdefault(param.dtype, name)
     if len(dtypes) > 1:
         found = ", ".join(f"{dtype} ({name!r})" for dtype, name in dtypes.items())
-        raise T.bad("module", f"parameters of several dtypes: {found}", "parameters of one "
-                    "dtype per fully_shard call", "Cast the module to one dtype, or set "
-                    "mp_policy=MixedPrecisionPolicy(param_dtype=...).")
+        raise T.bad("module", f"trainable parameters of several dtypes: {found}",
+                    "trainable parameters of one dtype per fully_shard call", "Cast the module "
+                    "to one dtype, or set mp_policy=MixedPrecisionPolicy(param_dtype=...).")
 
 
 def _placements(mesh: DeviceMesh, dim: int) -> tuple:
@@ -750,31 +770,102 @@ def _sharded_tensor_parallel(param: DTensor, name: str, mesh: DeviceMesh, shard_
     return new, form
 
 
+def _sharded_spmd(param: nn.Parameter, name: str, spmd_mesh: DeviceMesh, dp_mesh_dims,
+                  shard_placement_fn):
+    """[Note: SPMD meshes] With `dp_mesh_dims` (torch >= 2.12; torchtitan's SPMD backend)
+    every parameter is already a DTensor on the whole SPMD mesh, Replicate on its data-parallel
+    dimensions. As FSDP2, the shard dimension's group splits this rank's local tensor, and the
+    result stays on the SPMD mesh with that dimension's placement replaced by Shard(d)
+    (_StridedShard(d) when a later mesh dimension splits d too); modules compute with the
+    DTensor the parameter was, its gradient's Partial data-parallel part reduced by the engine."""
+    names = spmd_mesh.mesh_dim_names
+    if not isinstance(param, DTensor) or param.device_mesh != spmd_mesh:
+        got = (f"a DTensor on mesh {param.device_mesh}" if isinstance(param, DTensor)
+               else "a plain tensor")
+        raise T.bad(f"parameter {name!r}", got, f"a DTensor on the SPMD mesh {spmd_mesh} "
+                    "given to fully_shard", "When dp_mesh_dims is provided, all parameters "
+                    "must be DTensors on the full SPMD mesh (e.g. via distribute_module) "
+                    "(FSDP2's words).")
+    placements = tuple(param.placements)
+    (shard_name,) = dp_mesh_dims.shard_names
+    dp_dims = tuple(names.index(n) for n in (*dp_mesh_dims.shard_names,
+                                              *dp_mesh_dims.replicate_names))
+    for index in dp_dims:
+        if not placements[index].is_replicate():
+            raise T.bad(f"parameter {name!r}", f"a DTensor with placements {placements}",
+                        "Replicate() on every data-parallel dimension", f"Expected Replicate() "
+                        f"on DP dim '{names[index]}' (index {index}) but got "
+                        f"{placements[index]} (FSDP2's words).")
+    shard_index = names.index(shard_name)
+    local = param.to_local().detach()
+    ranks = spmd_mesh.size(shard_index)
+    dim = T.shard_dim(shard_placement_fn, param, name, tuple(local.shape), ranks)
+    start, rows = chunk_rows(local.shape[dim], ranks, spmd_mesh.get_local_rank(shard_index))
+    chunk = local.narrow(dim, start, rows)
+    if not chunk.is_meta:
+        chunk = chunk.clone(memory_format=torch.contiguous_format)
+    splits = math.prod(spmd_mesh.size(j) for j in range(shard_index + 1, spmd_mesh.ndim)
+                       if placements[j].is_shard(dim))
+    new_placements = list(placements)
+    new_placements[shard_index] = _StridedShard(dim, split_factor=splits) if splits > 1 \
+        else Shard(dim)
+    dtensor = DTensor.from_local(chunk, spmd_mesh, new_placements, run_check=False,
+                                 shape=param.shape, stride=param.stride())
+    new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+    setattr(new, SHARDED, True)
+    setattr(new, FLATTENED_MARK, True)
+    form = GatheredForm(local.shape, dim, spmd_mesh, placements, param.shape, param.stride(),
+                        data_parallel_dims=dp_dims)
+    return new, form
+
+
 def _row_sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, dim: int,
                  device: Optional[torch.device] = None) -> nn.Parameter:
+    # FSDP2's own words are kept in each message, for code that matches them.
     if param.dim() == 0:
         raise T.bad(f"parameter {name!r}", "a scalar (shape ())", "parameters of at least one "
-                    "dimension (they are split by rows)", "Give the parameter shape (1,), or "
-                    "pass it in ignored_params.")
+                    "dimension (they are split by rows)", f"fully_shard doesn't support scalar "
+                    f"parameters. Change {name} to a 1D tensor with numel equal to 1. (Or pass "
+                    "it in ignored_params.)")
     if not param.is_contiguous():
         raise T.bad(f"parameter {name!r}", f"a non-contiguous tensor of shape "
-                    f"{tuple(param.shape)}", "contiguous parameters",
-                    "Make the parameter contiguous before fully_shard.")
+                    f"{tuple(param.shape)}, strides {param.stride()}", "contiguous parameters",
+                    "FSDP does not support non-contiguous parameters yet: make the parameter "
+                    "contiguous before fully_shard (e.g. a channels_last Conv2d: "
+                    "module.to(memory_format=torch.contiguous_format)).",
+                    exc=NotImplementedError)
     shard_dim = mesh.ndim - 1
-    start, rows = chunk_rows(param.shape[dim], mesh.size(shard_dim),
-                             mesh.get_local_rank(shard_dim))
-    local = param.detach().narrow(dim, start, rows)
-    if not local.is_meta:
-        # A contiguous storage of its own: the full tensor can be freed.
-        local = local.clone(memory_format=torch.contiguous_format)
-        if device is not None and local.device.type == "cpu":
-            local = local.to(device)
+    ranks, rank = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
+    start, rows = chunk_rows(param.shape[dim], ranks, rank)
+    if type(param.data) is not torch.Tensor and rows > 0 and not param.is_meta:
+        # A tensor subclass (FSDP2's all-gather extension) is cut and copied by its own
+        # operations, as FSDP2 cuts it: NF4 has no arbitrary slices, and its clone quantises
+        # again (new values), where new_zeros + copy_ copies its blocks.
+        chunk = torch.chunk(param.detach(), ranks, dim=dim)[rank]
+        with torch.no_grad():
+            local = chunk.new_zeros(chunk.shape)
+            local.copy_(chunk)
+        local = local.to(device) if device is not None and local.device.type == "cpu" \
+            else local
+    else:
+        local = _plain_chunk(param, dim, start, rows, device)
     dtensor = DTensor.from_local(local, mesh, _placements(mesh, dim), run_check=False,
                                  shape=param.shape, stride=param.stride())
     new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
     setattr(new, SHARDED, True)
     setattr(new, FLATTENED_MARK, True)  # torch's FSDP1 leaves it to us: see the engine's note
     return new
+
+
+def _plain_chunk(param: nn.Parameter, dim: int, start: int, rows: int,
+                 device: Optional[torch.device]) -> torch.Tensor:
+    local = param.detach().narrow(dim, start, rows)
+    if not local.is_meta:
+        # A contiguous storage of its own: the full tensor can be freed.
+        local = local.clone(memory_format=torch.contiguous_format)
+        if device is not None and local.device.type == "cpu":
+            local = local.to(device)
+    return local
 
 
 def _restore_ties(root: nn.Module) -> None:

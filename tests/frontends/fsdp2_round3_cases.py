@@ -1,6 +1,6 @@
 """FSDP2 edges checked against native `fully_shard` in one CPU/gloo world of four ranks (see
 test_fsdp2_round3.py): tensor parallelism whose split is uneven across tensor-parallel ranks,
-parameters that use FSDP2's all-gather extension point, parameters left on meta, and a tied
+parameters that use FSDP2's all-gather extension point (trained), parameters left on meta, and a tied
 weight after meta init and `load_state_dict(assign=True)`, a module of a list call run on
 its own, fully_shard inside torch's composable `replicate()`, and fp16 gradient reduction."""
 
@@ -50,19 +50,26 @@ def _uneven_tp_model(which, mesh):
 def uneven_tensor_parallel(which):
     mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
     model = _uneven_tp_model(which, mesh)
+    losses = _train_over_dp(model, mesh["dp"])
+    state = model.state_dict()
+    return {"losses": losses,
+            "local_shapes": {k: tuple(v.to_local().shape) for k, v in state.items()},
+            "full": {k: v.full_tensor().cpu() for k, v in state.items()}}
+
+
+def _train_over_dp(model, dp, after_step=lambda: None) -> list:
+    """Three AdamW steps on the mean square of the output, each data-parallel rank on its
+    slice (`after_step` runs after each optimizer step): the losses."""
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    dp = mesh["dp"]
     losses = []
     for step in range(STEPS):
         loss = model(_inputs(step, dp.get_local_rank(), dp.size())).pow(2).mean()
         loss.backward()
         optim.step()
         optim.zero_grad()
+        after_step()
         losses.append(loss.item())
-    state = model.state_dict()
-    return {"losses": losses,
-            "local_shapes": {k: tuple(v.to_local().shape) for k, v in state.items()},
-            "full": {k: v.full_tensor().cpu() for k, v in state.items()}}
+    return losses
 
 
 # -- the all-gather extension point ------------------------------------------------------------
@@ -122,18 +129,24 @@ def _extension_model():
 
 
 def all_gather_extension(which, mesh_shape):
-    """The first forward's output, the hook calls, or the error `fully_shard` raised."""
+    """model[0].weight gathers through its extension hooks: the hook calls, and three AdamW
+    steps' losses and final weights."""
     names = ("replicate", "shard")[-len(mesh_shape):]
     mesh = init_device_mesh(device_type(), mesh_shape, mesh_dim_names=names)
     model = _extension_model()
     GathersInBf16.calls = []
-    try:
-        _fully_shard(which)(model, mesh=mesh)
-    except NotImplementedError as error:
-        first = next(iter(model.parameters()))
-        return {"error": str(error), "still_plain": not hasattr(first, "device_mesh")}
-    output = model(_inputs(0, dist.get_rank(), dist.get_world_size()))
-    return {"output": output.detach().cpu(), "calls": sorted(set(GathersInBf16.calls))}
+    fully_shard = _fully_shard(which)
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    output = model(_inputs(0, rank, world))
+    out = {"output": output.detach().cpu(), "calls": sorted(set(GathersInBf16.calls)),
+           "local_type": type(model[0].weight.to_local()).__name__}
+    output.pow(2).mean().backward()  # the parameters are sharded again after backward
+    model.zero_grad()
+    out["losses"] = _train_mse(model)
+    out["full"] = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
+    return out
 
 
 def plain_output():
@@ -446,6 +459,113 @@ def after_forward_methods(which):
     return out
 
 
+# -- a torchtitan-shaped training: TP x FSDP, float8 all-gather, per-block compile ----------------
+
+
+class _Block(nn.Module):
+    """A transformer block's feed-forward half: norm, up and down projections, residual."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width, bias=False)
+        self.down = nn.Linear(2 * width, width, bias=False)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class _Tower(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 2):
+        super().__init__()
+        self.inp = nn.Linear(6, width)
+        self.layers = nn.ModuleList(_Block(width) for _ in range(depth))
+        self.out = nn.Linear(width, 4)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def torchtitan_shaped(which):
+    """torchtitan's order on a (dp 2, tp 2) mesh: float8 training with float8 all-gather
+    (torchao, emulated), tensor parallelism on each block's projections (torchao's float8
+    plans), each block compiled in place (`fullgraph=True`, aot_eager), then fully_shard on
+    each block and the root over dp; three AdamW steps with the float8 scales precomputed after
+    each, as torchtitan does."""
+    from torchao.float8 import (
+        Float8LinearConfig,
+        convert_to_float8_training,
+        precompute_float8_dynamic_scale_for_fsdp,
+    )
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+    )
+
+    torch._dynamo.reset()
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = _Tower().to(device_type())
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
+    convert_to_float8_training(model, config=config,
+                               module_filter_fn=lambda module, fqn: fqn.startswith("layers"))
+    for block in model.layers:
+        parallelize_module(block, mesh["tp"], {"up": Float8ColwiseParallel(),
+                                               "down": Float8RowwiseParallel()})
+        block.compile(backend="aot_eager", fullgraph=True)
+    fully_shard = _fully_shard(which)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    losses = _train_over_dp(model, mesh["dp"],
+                            lambda: precompute_float8_dynamic_scale_for_fsdp(model))
+    up = model.layers[0].up.weight
+    return {"losses": losses, "up": (str(up.placements), type(up.to_local()).__name__),
+            "full": {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}}
+
+
+# -- dp_mesh_dims on a (dp, tp) SPMD mesh ------------------------------------------------------------
+
+
+def spmd_tensor_parallel(which):
+    """torchtitan's SPMD backend on a (dp 2, tp 2) mesh: every parameter a DTensor on the whole
+    mesh (Replicate on dp; column-wise then row-wise on tp), inputs Shard(0) on dp, fully_shard
+    told the data-parallel dimension (torch >= 2.12): placements, three steps."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    fsdp = importlib.import_module("torch.distributed.fsdp" if which == "native"
+                                   else "fsdp_bridge.fsdp")
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 4)).to(device_type())
+    layouts = {"0.weight": Shard(0), "0.bias": Shard(0), "2.weight": Shard(1)}
+    for name, param in list(model.named_parameters()):
+        module, _, attr = name.rpartition(".")
+        placements = [Replicate(), layouts.get(name, Replicate())]
+        setattr(model.get_submodule(module), attr,
+                nn.Parameter(distribute_tensor(param.detach(), mesh, placements)))
+    dims = fsdp.DataParallelMeshDims(shard="dp")
+    fsdp.fully_shard(model[0], mesh=mesh, dp_mesh_dims=dims)
+    fsdp.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dp = mesh["dp"]
+    losses = []
+    for step in range(STEPS):
+        batch = DTensor.from_local(_inputs(step, dp.get_local_rank(), dp.size()), mesh,
+                                   [Shard(0), Replicate()])
+        loss = model(batch).pow(2).mean()
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.full_tensor().item())
+    state = model.state_dict()
+    return {"losses": losses, "placements": {k: str(v.placements) for k, v in state.items()},
+            "full": {k: v.full_tensor().cpu() for k, v in state.items()}}
+
+
 def _both(fn, *args):
     def run(rank, world):
         out = {}
@@ -475,6 +595,8 @@ def cases() -> dict:
         "unsharded_parameters_exposed": _both(unsharded_parameters_exposed),
         "state_dict_after_eval_forward": _both(state_dict_after_eval_forward),
         "after_forward_methods": _both(after_forward_methods),
+        "torchtitan_shaped": _both(torchtitan_shaped),
+        "spmd_tensor_parallel": _both(spmd_tensor_parallel),
     }
 
 
