@@ -253,6 +253,7 @@ class ShardedModel:
             compute_dtype=mp.param_dtype or layout.dtype,
             reduce_dtype=mp.effective_reduce_dtype(layout.dtype),
             sync_module_states=self.plan.sync_module_states,
+            unsynced_grad_sum=self.plan.unsynced_grad_sum,
         )
         if self.plan.cpu_offload and not row_layout:
             group.offload_to_host()  # see [Note: CPU offload]
@@ -726,7 +727,7 @@ class ShardedModel:
             for unit in self.units:
                 for group in unit.trainable_groups:
                     if group.unsynced_grad is not None:
-                        full, group.unsynced_grad = group.unsynced_grad, None
+                        full = group.take_unsynced_grad()
                         work, output = group.start_reduce(full, self._reduce_factors(group)[0])
                         self._track_reduce(group, work, output, full)
         self._finish_pending_reduces()
@@ -839,7 +840,7 @@ class ShardedModel:
         `whole_shards`: each group's gradient shard is one tensor (FSDP1's flat parameter,
         `use_orig_params=False`) rather than one per parameter."""
         norm_type = float(norm_type)
-        if self.comm.shard_size == 1:  # as FSDP1 when nothing is sharded: torch's own
+        if self.comm.shard_size == 1 and not whole_shards:  # as FSDP1 when nothing is sharded:
             return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
         order = {name: index for index, (name, _) in enumerate(self.module.named_modules())}
         sharded = [g for unit in sorted(self.units, key=lambda u: order[u.name])
@@ -847,7 +848,11 @@ class ShardedModel:
                    for g in (group.whole_grad_shard() if whole_shards else None)
                    or group.local_grads()]
         local = [local_part(p.grad) for p in self.ignored_params if p.grad is not None]
-        total = fsdp1_grad_norm(sharded, local, norm_type, self.comm, self.device)
+        if self.comm.shard_size == 1:
+            # torch's own norm, as FSDP1 computes it then, over its flat parameters' gradients.
+            total = torch.nn.utils.get_total_norm(sharded + local, norm_type)
+        else:
+            total = fsdp1_grad_norm(sharded, local, norm_type, self.comm, self.device)
         scale_(sharded + local, clip_coefficient(max_norm, total))
         return total
 
