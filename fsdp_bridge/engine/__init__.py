@@ -56,6 +56,8 @@ from fsdp_bridge.engine.unit_verbs import (
     set_all_reduce_hook,
     set_gradient_divide_factor,
     set_reduce_unused_params,
+    set_unit_all_reduce,
+    set_unit_gradient_sync,
     unit_in_use,
     unshard_unit,
 )
@@ -84,6 +86,8 @@ __all__ = [
     "release",
     "set_all_reduce_hook",
     "set_reduce_unused_params",
+    "set_unit_all_reduce",
+    "set_unit_gradient_sync",
     "reshard_unit",
     "restored_on_failure",
     "run_as_forward",

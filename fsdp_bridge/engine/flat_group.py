@@ -95,6 +95,8 @@ class FlatGroup:
         self.grad_shard_ref: Optional[weakref.ref] = None  # after it (see _begin_cycle)
         self.accumulator: Optional[torch.Tensor] = None  # set while a cycle is open
         self.unsynced_grad: Optional[torch.Tensor] = None  # local sum of no_sync gradients
+        # Sum of reduce-scattered shards not yet all-reduced over the replicas (hybrid).
+        self.partial_reduce: Optional[torch.Tensor] = None
         # Per parameter, whether a backward of the cycle gave it a gradient (None: no
         # backward yet). See [Note: parameters without a gradient].
         self.grads_seen: Optional[list[bool]] = None
@@ -514,6 +516,22 @@ class FlatGroup:
             return work, full[self.shard_start : self.shard_start + self.shard_numel]
         output = torch.empty(self.shard_numel, dtype=full.dtype, device=full.device)
         return self.comm.reduce_scatter(output, full), output
+
+    def keep_partial_reduce(self, reduced: torch.Tensor) -> None:
+        """[Note: reduce-scattered, not all-reduced] Under hybrid sharding FSDP2's
+        `set_requires_all_reduce(False)` reduce-scatters each backward's gradient inside the
+        shard group but does not all-reduce it over the replicas: the reduced shards are summed
+        aside, in the reduce dtype, and join the next all-reduced shard before its
+        all-reduce (`add_partial_reduce_into`); only then does the gradient change."""
+        if self.partial_reduce is None:
+            self.partial_reduce = reduced.clone() if reduced._base is not None else reduced
+        else:
+            self.partial_reduce.add_(reduced)
+
+    def add_partial_reduce_into(self, reduced: torch.Tensor) -> None:
+        if self.partial_reduce is not None:
+            reduced.add_(self.partial_reduce)
+            self.partial_reduce = None
 
     @property
     def _reduces_in_full_buffer(self) -> bool:

@@ -216,9 +216,12 @@ def torchacc(which: str, rank: int, world: int, micro: int, fsdp_size: int) -> d
 
 def fsdp2(which: str, rank: int, world: int, param, reduce, micro: int, reshard=True,
           offload=False, mesh=None, sync_every_step=False, loss_divisor=None,
-          max_norm=MAX_NORM) -> dict:
+          max_norm=MAX_NORM, per_module=False, all_reduce_last_only=False) -> dict:
     """torch's fully_shard script with either import; accumulation by
-    `set_requires_gradient_sync(False)` (or every micro-step synchronised)."""
+    `set_requires_gradient_sync(False)` (or every micro-step synchronised). `per_module`: only
+    the first layer (and what is below it) and the root alone (`recurse=False`) accumulate;
+    the other layers reduce every micro-step. `all_reduce_last_only` (HSDP): every micro-step
+    reduce-scatters, only the last all-reduces over the replicas (`set_requires_all_reduce`)."""
     import importlib
 
     fsdp = importlib.import_module({"native": "torch.distributed.fsdp",
@@ -237,7 +240,13 @@ def fsdp2(which: str, rank: int, world: int, param, reduce, micro: int, reshard=
     def backward_sync(last: bool):
         import contextlib
 
-        model.set_requires_gradient_sync(last or sync_every_step)
+        if per_module and not last:
+            model.layers[0].set_requires_gradient_sync(False)
+            model.set_requires_gradient_sync(False, recurse=False)
+        elif all_reduce_last_only:
+            model.set_requires_all_reduce(last)
+        else:
+            model.set_requires_gradient_sync(last or sync_every_step)
         return contextlib.nullcontext()
 
     return train(model, rank, world, micro, backward_sync,
@@ -341,6 +350,8 @@ WORLD2 = {
     "fsdp2 bf16/fp32, 2 micro-steps, CPU offload": _fsdp2_pair(param=BF16, reduce=FP32,
                                                                micro=2, offload=True),
     "fsdp2 bf16/bf16, 3 micro-steps": _fsdp2_pair(param=BF16, reduce=BF16, micro=3),
+    "fsdp2 fp32/fp16, 2 micro-steps, sync off for one layer and the root alone": _fsdp2_pair(
+        param=FP32, reduce=FP16, micro=2, per_module=True),
     # Zeta and TorchAcc wrap with torch's FSDP1.
     "zeta bf16 FULL_SHARD, 3 micro-steps": _pair(zeta, mp="bf16", micro=3,
                                                  shard_strat="FULL_SHARD"),
@@ -361,6 +372,8 @@ WORLD4 = {
                                                         mesh=(2, 2)),
     "fsdp2 HSDP fp32/fp16, 3 micro-steps": _fsdp2_pair(param=FP32, reduce=FP16, micro=3,
                                                        mesh=(2, 2)),
+    "fsdp2 HSDP fp32/bf16, 3 micro-steps, all-reduced at the last only": _fsdp2_pair(
+        param=FP32, reduce=BF16, micro=3, mesh=(2, 2), all_reduce_last_only=True),
     "torchacc bf16 hybrid (fsdp 2 x dp 2), 2 micro-steps": _pair(torchacc, micro=2,
                                                                  fsdp_size=2),
 }
