@@ -25,6 +25,18 @@ wrong values. So:
 - Around our fully_shard, torch's fully_shard fails in its own wrap on every rank with torch's
   message (it takes our DTensor parameters for tensor-parallel ones); that message cannot be
   ours without patching torch.
+
+[Note: checks outside the compiled graph]
+The checks that run at a forward run under torch.compile too: each is a
+`torch.compiler.disable`d function, which Dynamo never traces. A compiled forward (the whole
+model, or each block compiled in place) breaks its graph there and calls the check eagerly,
+every time, as an eager forward does, so a compiled model is refused at its first forward on
+every rank, before any optimizer step. Traced instead, a check would run once, at compile
+time, or not at all (a skipped check let torch's wrappers around ours train on wrong values).
+The stack walk of `refuse_torch_fsdp1_around` finds torch's FSDP1 forward there: Dynamo does
+not trace torch's FSDP1, which runs as ordinary Python frames. An eager forward pays the
+decorator's few microseconds per call. Under `fullgraph=True` a graph break is an error, so
+such a compile of a module whose forward runs a check stops with Dynamo's own error.
 """
 
 from __future__ import annotations
@@ -68,6 +80,7 @@ def dialect_of(module: nn.Module) -> Optional[str]:
     return None
 
 
+@torch.compiler.disable  # see [Note: checks outside the compiled graph]
 def refuse_other_dialects(frontend: str, module: nn.Module) -> None:
     """Before `frontend` (a key of OURS) wraps `module`: refuse any wrapper of another dialect
     in it, and, for a front-end without nesting, a second wrapper of its own; also a module
@@ -105,12 +118,11 @@ def _refuse_wrappers_inside(frontend: str, outer: str, module: nn.Module) -> Non
         raise _mixed(outer, inner, found)
 
 
+@torch.compiler.disable  # see [Note: checks outside the compiled graph]
 def refuse_taken_over(frontend: str, sharded) -> None:
     """At a forward of a flat-layout wrapper of ours: refuse, on every rank, a model whose
     parameters a torch wrapper applied around it has taken over (see [Note: one dialect per
-    model]). Skipped while torch.compile traces: it is checked by eager forwards."""
-    if torch.compiler.is_compiling():
-        return
+    model])."""
     refuse_torch_fsdp1_around(frontend, sharded.module)
     found = engine.displaced_parameter(sharded)
     if found is None:
@@ -133,6 +145,7 @@ def refuse_taken_over(frontend: str, sharded) -> None:
 _TORCH_FSDP1_FORWARD = inspect.unwrap(TorchFSDP1.forward).__code__
 
 
+@torch.compiler.disable  # see [Note: checks outside the compiled graph]
 def refuse_torch_fsdp1_around(frontend: str, module: nn.Module) -> None:
     """Refuse a forward of ours that torch's FSDP1 forward calls around `module`. torch's FSDP1
     leaves our parameters alone when it wraps (they are marked flattened), so nothing of ours

@@ -42,6 +42,20 @@ class ParamLayout(enum.Enum):
     ROWS = "rows"
 
 
+class UnsyncedGradSum(enum.Enum):
+    """How a rank sums the gradients of the backwards run without synchronisation (FSDP1's
+    `no_sync()`, FSDP2's `set_requires_gradient_sync(False)`) until the backward that reduces
+    them. Each dialect rounds in its own order, so each keeps its own: see [Note: gradients
+    summed without synchronisation] in engine/flat_group.py."""
+
+    # In the gradients' own dtype (param_dtype), cast to reduce_dtype once, for the reduction
+    # (FSDP1: autograd accumulates into the unsharded flat parameter's gradient).
+    COMPUTE_DTYPE = "compute_dtype"
+    # In reduce_dtype: the first gradient rounded to it, each later one added unrounded and the
+    # sum rounded (FSDP2, and YaFSDP's fully_shard).
+    REDUCE_DTYPE = "reduce_dtype"
+
+
 @dataclasses.dataclass(frozen=True)
 class UnitSpec:
     """One flat unit: the module at `name` ("" is the root) and its resharding policy."""
@@ -105,6 +119,8 @@ class Plan:
     # Divide every reduction's gradients before it and after it, in the reduction dtype,
     # whatever the dtype (FSDP1); otherwise fp16 only. See [Note: fp16 reductions].
     divide_around_reduce: bool = False
+    # In which dtype gradients accumulated without synchronisation are summed.
+    unsynced_grad_sum: UnsyncedGradSum = UnsyncedGradSum.REDUCE_DTYPE
     frontend: str = "engine"  # who built the plan, for messages
     # Settings a front-end could not honour, each "argument: reason" (warned once at build).
     notes: tuple[str, ...] = ()
@@ -147,6 +163,8 @@ class Plan:
             lines.append("ignored modules: " + ", ".join(self.ignored_modules))
         if self.divide_around_reduce:
             lines.append("gradients divided before and after each reduction")
+        if self.unsynced_grad_sum is not UnsyncedGradSum.REDUCE_DTYPE:
+            lines.append(f"unsynchronised gradients summed in: {self.unsynced_grad_sum.value}")
         return "\n".join(lines)
 
     def __str__(self) -> str:

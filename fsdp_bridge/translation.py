@@ -103,6 +103,22 @@ def check_bool(frontend: str, name: str, value: Any) -> bool:
     return value
 
 
+def truth_of(frontend: str, name: str, value: Any) -> bool:
+    """`bool(value)` for a flag torch reads by its truth value without checking its type
+    (`if flag:`), as it reads it: True / False, 1 / 0, numpy bools and one-element tensors all
+    work. A string is refused: torch would read any non-empty one, "False" and "no" included,
+    as True."""
+    problem = "a string" if isinstance(value, (str, bytes)) else None
+    if problem is None:
+        try:
+            return bool(value)
+        except (RuntimeError, TypeError, ValueError) as error:  # e.g. a tensor of many values
+            problem = f"without a truth value ({error})"
+    raise bad_argument(frontend, name, value, f"True or False (torch reads the flag's truth "
+                       f"value, and this is {problem})", f"Pass {name}=True or {name}=False.",
+                       exc=TypeError)
+
+
 def check_param_init_fn(frontend: str, value: Any) -> None:
     """Refuse a `param_init_fn` that is not callable, with FSDP1's kind of error (ValueError)."""
     if value is not None and not callable(value):

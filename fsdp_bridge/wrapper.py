@@ -59,7 +59,7 @@ from fsdp_bridge.state_dicts import (
     torch_helpers,
 )
 from fsdp_bridge.state_dicts.torch_helpers import called_by_torch_helpers
-from fsdp_bridge.translation import bad_argument, check_bool
+from fsdp_bridge.translation import bad_argument, check_bool, truth_of
 
 WRAPPED = "_fsdp_wrapped_module"
 
@@ -90,18 +90,53 @@ def placed(result: dict, destination: Optional[dict], prefix: str) -> dict:
     return destination
 
 
+# Each state-dict type's config classes (model, optimizer), as torch's FSDP1 requires them.
+_CONFIG_TYPES = {
+    StateDictType.FULL_STATE_DICT: (FullStateDictConfig, FullOptimStateDictConfig),
+    StateDictType.SHARDED_STATE_DICT: (ShardedStateDictConfig, ShardedOptimStateDictConfig),
+    StateDictType.LOCAL_STATE_DICT: (LocalStateDictConfig, LocalOptimStateDictConfig),
+}
+
+
 def _default_config(state_dict_type: StateDictType):
-    if state_dict_type is StateDictType.SHARDED_STATE_DICT:
-        return ShardedStateDictConfig(), ShardedOptimStateDictConfig()
-    if state_dict_type is StateDictType.LOCAL_STATE_DICT:
-        return LocalStateDictConfig(), LocalOptimStateDictConfig()
-    return FullStateDictConfig(), FullOptimStateDictConfig()
+    model_config, optim_config = _CONFIG_TYPES[state_dict_type]
+    return model_config(), optim_config()
+
+
+def _check_config_types(frontend: str, state_dict_type: StateDictType, state_dict_config,
+                        optim_state_dict_config) -> None:
+    """Configs of exactly the classes of `state_dict_type` (None: its defaults), as torch's
+    FSDP1 requires, with its exception type (RuntimeError): a FULL_STATE_DICT with a
+    ShardedStateDictConfig would otherwise save in a form nobody asked for."""
+    for argument, config, expected in zip(("state_dict_config", "optim_state_dict_config"),
+                                          (state_dict_config, optim_state_dict_config),
+                                          _CONFIG_TYPES[state_dict_type]):
+        if config is not None and type(config) is not expected:
+            raise bad_argument(
+                frontend, argument, config, f"None or a {expected.__name__} with "
+                f"{state_dict_type} (torch's FSDP1 requires that exact class, not "
+                f"{type(config).__name__})", f"Pass {expected.__name__}(...) (or None for its "
+                "defaults), or the state_dict_type that goes with "
+                f"{type(config).__name__}.", exc=RuntimeError)
 
 
 def _warn_legacy(name: str, replacement: str) -> None:
     """torch's FSDP1 warns for its legacy optimizer state-dict methods: so do we, by name."""
     warnings.warn(f"FullyShardedDataParallel.{name} is deprecated in torch; use "
                   f"FullyShardedDataParallel.{replacement} instead.", FutureWarning, stacklevel=3)
+
+
+def _refuse_torch_fsdp1_inside(module: nn.Module) -> None:
+    """FSDP1's static state-dict methods of ours called on a model that torch's FSDP1 wraps:
+    they would leave its settings as they were; torch's own method sets them."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP1
+
+    if any(isinstance(sub, TorchFSDP1) for sub in module.modules()):
+        raise bad_argument(ShardedWrapper._frontend, "module", module, "a model wrapped by "
+                           "fsdp_bridge.fsdp.FullyShardedDataParallel (this one is wrapped by "
+                           "torch.distributed.fsdp.FullyShardedDataParallel)", "Call the "
+                           "static method of the class that wrapped it: torch.distributed.fsdp."
+                           "FullyShardedDataParallel.state_dict_type(...) for torch's.")
 
 
 def _frontend_of(module) -> str:
@@ -303,33 +338,37 @@ class ShardedWrapper(nn.Module):
         module: nn.Module, state_dict_type: StateDictType, state_dict_config=None,
         optim_state_dict_config=None,
     ) -> StateDictSettings:
+        frontend = _frontend_of(module)
         if not isinstance(state_dict_type, StateDictType):
             raise bad_argument(
-                _frontend_of(module), "state_dict_type", state_dict_type,
+                frontend, "state_dict_type", state_dict_type,
                 "a StateDictType (FULL_STATE_DICT, SHARDED_STATE_DICT or LOCAL_STATE_DICT)",
                 "Pass a member of torch.distributed.fsdp.StateDictType.")
+        _check_config_types(frontend, state_dict_type, state_dict_config,
+                            optim_state_dict_config)
         default_config, default_optim = _default_config(state_dict_type)
         settings = StateDictSettings(state_dict_type, state_dict_config or default_config,
                                      optim_state_dict_config or default_optim)
         for argument, config in (("state_dict_config", settings.state_dict_config),
                                  ("optim_state_dict_config", settings.optim_state_dict_config)):
             for field in ("offload_to_cpu", "rank0_only"):
-                if hasattr(config, field):
-                    check_bool(_frontend_of(module), f"{argument}.{field}",
-                               getattr(config, field))
+                if hasattr(config, field):  # read by truth value, as torch's FSDP1 reads them
+                    truth_of(frontend, f"{argument}.{field}", getattr(config, field))
         wrappers = ShardedWrapper.fsdp_modules(module)
         if not wrappers:
-            raise bad_argument("FullyShardedDataParallel", "module", module, "a module that "
-                               "contains a FullyShardedDataParallel instance", "Pass the wrapped "
-                               "model.")
+            _refuse_torch_fsdp1_inside(module)
+            # As torch's FSDP1: a model without FSDP instances keeps its plain state dicts.
+            return StateDictSettings(None, None, None)
         previous = wrappers[0]._state_dict_settings
         for wrapper in wrappers:
             wrapper._set_state_dict_settings(settings)
         return previous
 
     @staticmethod
-    def get_state_dict_type(module: nn.Module) -> StateDictSettings:
-        return ShardedWrapper.fsdp_modules(module)[0]._state_dict_settings
+    def get_state_dict_type(module: nn.Module) -> Optional[StateDictSettings]:
+        """The settings of the wrappers in `module`; None without any, as torch's FSDP1."""
+        wrappers = ShardedWrapper.fsdp_modules(module)
+        return wrappers[0]._state_dict_settings if wrappers else None
 
     @staticmethod
     @contextlib.contextmanager

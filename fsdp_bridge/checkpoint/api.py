@@ -10,11 +10,10 @@ import re
 import uuid
 from typing import Iterable, Optional
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_bridge.checkpoint import atomic, manifest, ownership, save_checks, validate
+from fsdp_bridge.checkpoint import arguments, atomic, manifest, ownership, save_checks, validate
 from fsdp_bridge.state_dicts.parts import world_rank
 
 
@@ -130,6 +129,9 @@ def save(state_dict: dict, path: str, *, overwrite: bool = False) -> str:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
+    arguments.check_state_dict("save", state_dict)
+    arguments.check_path("save", path, call="save(state_dict, path)")
+    arguments.check_flag("save", "overwrite", overwrite)
     path = os.path.abspath(os.fspath(path))
     _check_same_path(path)
     state = _plain(state_dict)
@@ -198,6 +200,9 @@ def load(state_dict: dict, path: str, *, strict: bool = True) -> str:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.stateful import Stateful
 
+    arguments.check_state_dict("load", state_dict)
+    arguments.check_path("load", path, call="load(state_dict, path)")
+    arguments.check_flag("load", "strict", strict)
     path = atomic.resolve(path)
     metadata = validate.read_metadata(path)
     validate.check_files(path, metadata)
@@ -217,12 +222,14 @@ def load(state_dict: dict, path: str, *, strict: bool = True) -> str:
 # -- a model and its optimizers -----------------------------------------------------------------
 
 
-def _optims(optimizers) -> tuple:
-    if optimizers is None:
-        return ()
-    if isinstance(optimizers, torch.optim.Optimizer):
-        return (optimizers,)
-    return tuple(optimizers)
+def _check_training_state(function: str, path, model, optimizers, extra) -> tuple:
+    """The arguments of save_state / load_state (see arguments.py); returns the optimizers
+    as a tuple."""
+    arguments.check_path(function, path, call=f"{function}(path, model, optimizer)")
+    arguments.check_model(function, model)
+    optims = arguments.optimizers_of(function, optimizers)
+    arguments.check_extra(function, extra)
+    return optims
 
 
 def training_state(model: nn.Module, optimizers=None, extra: Optional[dict] = None) -> dict:
@@ -232,8 +239,10 @@ def training_state(model: nn.Module, optimizers=None, extra: Optional[dict] = No
         get_optimizer_state_dict,
     )
 
+    arguments.check_model("training_state", model)
+    arguments.check_extra("training_state", extra)
     state = {"model": get_model_state_dict(model)}
-    optims = _optims(optimizers)
+    optims = arguments.optimizers_of("training_state", optimizers)
     if optims:
         state["optim"] = get_optimizer_state_dict(model, optims)
     state.update(extra or {})
@@ -242,6 +251,8 @@ def training_state(model: nn.Module, optimizers=None, extra: Optional[dict] = No
 
 def save_state(path: str, model: nn.Module, optimizers=None,
                extra: Optional[dict] = None, *, overwrite: bool = False) -> str:
+    _check_training_state("save_state", path, model, optimizers, extra)
+    arguments.check_flag("save_state", "overwrite", overwrite)
     return save(training_state(model, optimizers, extra), path, overwrite=overwrite)
 
 
@@ -255,11 +266,12 @@ def load_state(path: str, model: nn.Module, optimizers=None, extra: Optional[dic
         set_optimizer_state_dict,
     )
 
-    state = training_state(model, optimizers, extra)
+    optims = _check_training_state("load_state", path, model, optimizers, extra)
+    arguments.check_flag("load_state", "strict", strict)
+    state = training_state(model, optims, extra)
     load(state, path, strict=strict)
     options = StateDictOptions(strict=strict)
     set_model_state_dict(model, state["model"], options=options)
-    optims = _optims(optimizers)
     if optims:
         set_optimizer_state_dict(model, optims, state["optim"], options=options)
     return state
@@ -282,6 +294,8 @@ class CheckpointManager:
     PATTERN = re.compile(r"^step_(\d+)$")
 
     def __init__(self, root: str, keep: Optional[int] = 2):
+        arguments.check_path("CheckpointManager", root, argument="root",
+                             call="CheckpointManager(root, keep=2)")
         _check_keep(keep)
         self.root = os.path.abspath(root)
         self.keep = keep
@@ -306,7 +320,8 @@ class CheckpointManager:
     def save(self, step: int, model: nn.Module, optimizers=None,
              extra: Optional[dict] = None) -> str:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"CheckpointManager.save(step={step!r}): expected an int >= 0.")
+            raise ValueError(f"CheckpointManager.save(step={step!r}): expected an int >= 0 "
+                             "(the training step the checkpoint holds). Pass e.g. step=100.")
         path = save_state(self.path(step), model, optimizers, extra)
         if world_rank() == 0:
             self._tidy(step)
@@ -340,6 +355,8 @@ class CheckpointManager:
 
     def load_latest(self, model: nn.Module, optimizers=None,
                     extra: Optional[dict] = None) -> Optional[int]:
+        _check_training_state("CheckpointManager.load_latest", self.root, model, optimizers,
+                              extra)
         step = self.latest()
         if step is None:
             return None

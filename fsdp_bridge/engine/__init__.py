@@ -57,6 +57,8 @@ from fsdp_bridge.engine.unit_verbs import (
     set_custom_collective,
     set_gradient_divide_factor,
     set_reduce_unused_params,
+    set_unit_all_reduce,
+    set_unit_gradient_sync,
     unit_in_use,
     unshard_unit,
 )
@@ -86,6 +88,8 @@ __all__ = [
     "set_all_reduce_hook",
     "set_custom_collective",
     "set_reduce_unused_params",
+    "set_unit_all_reduce",
+    "set_unit_gradient_sync",
     "reshard_unit",
     "restored_on_failure",
     "run_as_forward",

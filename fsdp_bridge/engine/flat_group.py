@@ -48,6 +48,7 @@ from torch import nn
 from fsdp_bridge.engine.buffers import GatherBuffer
 from fsdp_bridge.engine.comm import Comm
 from fsdp_bridge.engine.layout import FLATTENED_MARK, GroupLayout
+from fsdp_bridge.plan import UnsyncedGradSum
 
 
 class GradCycle(enum.Enum):
@@ -75,6 +76,7 @@ class FlatGroup:
         compute_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
         sync_module_states: bool,
+        unsynced_grad_sum: UnsyncedGradSum = UnsyncedGradSum.REDUCE_DTYPE,
     ):
         self.unit_name = layout.unit_name
         self.slots = layout.slots
@@ -84,6 +86,7 @@ class FlatGroup:
         self.gate = torch.empty(0, device=device, requires_grad=True)
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
+        self.unsynced_grad_sum = unsynced_grad_sum
         self.numels = [slot.numel for slot in self.slots]
         self._init_layout()
         self.master = self._build_master(device, sync_module_states)
@@ -98,6 +101,8 @@ class FlatGroup:
         self.grad_shard_ref: Optional[weakref.ref] = None  # after it (see _begin_cycle)
         self.accumulator: Optional[torch.Tensor] = None  # set while a cycle is open
         self.unsynced_grad: Optional[torch.Tensor] = None  # local sum of no_sync gradients
+        # Sum of reduce-scattered shards not yet all-reduced over the replicas (hybrid).
+        self.partial_reduce: Optional[torch.Tensor] = None
         # Per parameter, whether a backward of the cycle gave it a gradient (None: no
         # backward yet). See [Note: parameters without a gradient].
         self.grads_seen: Optional[list[bool]] = None
@@ -109,6 +114,14 @@ class FlatGroup:
     def device(self) -> torch.device:
         """Where the group computes and reduces (its master may live on the host)."""
         return self.gate.device
+
+    @property
+    def unsynced_dtype(self) -> torch.dtype:
+        """The dtype of the sum of gradients accumulated without synchronisation (see [Note:
+        gradients summed without synchronisation])."""
+        if self.unsynced_grad_sum is UnsyncedGradSum.COMPUTE_DTYPE:
+            return self.compute_dtype
+        return self.reduce_dtype
 
     @property
     def numel(self) -> int:
@@ -454,32 +467,48 @@ class FlatGroup:
         return grad.reshape(-1)[lo:hi]
 
     def accumulate_unsynced(self, grads: tuple) -> None:
-        """Inside no_sync: add this backward's full gradient to a local, unreduced sum."""
+        """Inside no_sync: add this backward's full gradient to a local, unreduced sum.
+
+        [Note: gradients summed without synchronisation]
+        Where a sum of several micro-batches' gradients rounds decides the step's gradient in
+        the last bits, and each dialect rounds in its own order, which `Plan.unsynced_grad_sum`
+        names. FSDP1 lets autograd accumulate into its unsharded flat parameter's gradient, in
+        the gradients' dtype (param_dtype), and casts that sum to reduce_dtype once, for the
+        reduction (COMPUTE_DTYPE). FSDP2 keeps the sum in reduce_dtype: the first gradient is
+        cast to it, each later one, the synchronising backward's included, added as it is,
+        with one rounding of the sum (REDUCE_DTYPE). Both are reproduced here as they compute
+        it: the sum starts as the first gradient laid out in `unsynced_dtype`, and each later
+        gradient, laid out in its own dtype, is added into it."""
         if self.unsynced_grad is None:
             self.unsynced_grad = torch.empty(
-                self.padded_numel, dtype=self.reduce_dtype, device=self.device
+                self.padded_numel, dtype=self.unsynced_dtype, device=self.device
             )
             self.write_full_grad(grads, self.unsynced_grad)
             return
-        full = torch.empty_like(self.unsynced_grad)
+        full = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=self.device)
         self.write_full_grad(grads, full)
         self.unsynced_grad.add_(full)
 
-    def add_unsynced_grad_into(self, full: torch.Tensor) -> None:
-        if self.unsynced_grad is not None:
-            full.add_(self.unsynced_grad)
-            self.unsynced_grad = None
+    def take_unsynced_grad(self, grads: Optional[tuple] = None) -> torch.Tensor:
+        """The no_sync sum, with `grads` (the synchronising backward's, if any) added, in the
+        reduce dtype, ready to be reduced; the group holds no sum afterwards."""
+        if grads is not None:
+            self.accumulate_unsynced(grads)
+        full, self.unsynced_grad = self.unsynced_grad, None
+        assert full is not None, "no gradients accumulated without synchronisation"
+        return full.to(self.reduce_dtype)  # no copy when the sum is in the reduce dtype
 
     def start_reduce_of_grads(self, grads: tuple, predivide: float = 1.0):
         """Start reducing one backward's gradients (and any no_sync sum), each rank's part
         divided by `predivide` first; returns (work, shard-sized result tensor, what the
         reduction reads from until it is done)."""
-        if (self.comm.swaps_halves and self.unsynced_grad is None
-                and self.custom_reduce_scatter is None):
+        if self.unsynced_grad is not None:
+            full = self.take_unsynced_grad(grads)
+        elif self.comm.swaps_halves and self.custom_reduce_scatter is None:
             return self._start_pair_reduce(grads, predivide)
-        full = torch.empty(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
-        self.write_full_grad(grads, full)
-        self.add_unsynced_grad_into(full)
+        else:
+            full = torch.empty(self.padded_numel, dtype=self.reduce_dtype, device=self.device)
+            self.write_full_grad(grads, full)
         work, output = self.start_reduce(full, predivide)
         return work, output, full
 
@@ -526,6 +555,22 @@ class FlatGroup:
             return work, full[self.shard_start : self.shard_start + self.shard_numel]
         output = torch.empty(self.shard_numel, dtype=full.dtype, device=full.device)
         return self.comm.reduce_scatter(output, full), output
+
+    def keep_partial_reduce(self, reduced: torch.Tensor) -> None:
+        """[Note: reduce-scattered, not all-reduced] Under hybrid sharding FSDP2's
+        `set_requires_all_reduce(False)` reduce-scatters each backward's gradient inside the
+        shard group but does not all-reduce it over the replicas: the reduced shards are summed
+        aside, in the reduce dtype, and join the next all-reduced shard before its
+        all-reduce (`add_partial_reduce_into`); only then does the gradient change."""
+        if self.partial_reduce is None:
+            self.partial_reduce = reduced.clone() if reduced._base is not None else reduced
+        else:
+            self.partial_reduce.add_(reduced)
+
+    def add_partial_reduce_into(self, reduced: torch.Tensor) -> None:
+        if self.partial_reduce is not None:
+            reduced.add_(self.partial_reduce)
+            self.partial_reduce = None
 
     @property
     def _reduces_in_full_buffer(self) -> bool:

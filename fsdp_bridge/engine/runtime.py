@@ -118,6 +118,11 @@ class Unit:
         self.reduce_unused_params = False
         # FSDP2's `set_all_reduce_hook`: called on each reduced shard (see _finish_reduce).
         self.all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
+        # False: this unit's gradients are summed locally, not reduced, until a backward run
+        # with True (FSDP1's `no_sync`, FSDP2's `set_requires_gradient_sync`, per module).
+        self.requires_sync = True
+        # FSDP2's `set_requires_all_reduce` (see [Note: reduce-scattered, not all-reduced]).
+        self.requires_all_reduce = True
 
     @property
     def trainable_groups(self) -> list[FlatGroup]:
@@ -141,7 +146,6 @@ class ShardedModel:
         self.comm = comm
         self.device = device
         self.mp = plan.mixed_precision
-        self.requires_sync = True
         self.gradient_divide_factor: Optional[float] = None
         self.micro_step = 0
         self.forward_order: list[Unit] = []
@@ -257,6 +261,7 @@ class ShardedModel:
             compute_dtype=mp.param_dtype or layout.dtype,
             reduce_dtype=mp.effective_reduce_dtype(layout.dtype),
             sync_module_states=self.plan.sync_module_states,
+            unsynced_grad_sum=self.plan.unsynced_grad_sum,
         )
         if isinstance(group, ExtensionGroup):  # the pre-hook's `mp_policy`
             group.mp_policy = MixedPrecisionPolicy(mp.param_dtype, mp.reduce_dtype,
@@ -577,7 +582,7 @@ class ShardedModel:
             if unit.reshard_after_forward:
                 self._release_buffers_of(unit)
             self._prefetch(self._next_to_gather_in_backward(unit))
-        if self.requires_sync:
+        if unit.requires_sync:
             self._reduce(group, grads)
         else:
             group.accumulate_unsynced(grads)  # no communication inside no_sync
@@ -604,7 +609,9 @@ class ShardedModel:
                       source: torch.Tensor) -> None:
         pending = PendingReduce(group, work, output, source)
         hooked = self.unit_of_group[id(group)].all_reduce_hook is not None
-        if work is not None and self.replica_stream is not None:
+        if (work is not None and self.replica_stream is not None
+                and self.unit_of_group[id(group)].requires_all_reduce
+                and group.partial_reduce is None):
             pending.replica_work = self.comm.all_reduce_replicas_after(work, output,
                                                                        self.replica_stream)
         if (work is not None and self.comm.wait_on_futures and self.comm.replicate_size == 1
@@ -644,8 +651,13 @@ class ShardedModel:
             if pending.replica_work is None:
                 output = pending.output
                 assert output is not None
+                if not self.unit_of_group[id(pending.group)].requires_all_reduce:
+                    pending.group.keep_partial_reduce(output)
+                    pending.work = pending.output = pending.source = None
+                    continue
                 if output._base is not None:  # a slice of the full gradient: free the rest
                     output = pending.output = output.clone()
+                pending.group.add_partial_reduce_into(output)
                 pending.replica_work = self.comm.all_reduce_replicas(output)
                 if (pending.replica_work is not None and self.comm.wait_on_futures
                         and output.device.type == "cpu"):
@@ -741,20 +753,23 @@ class ShardedModel:
 
     def _end_of_backward(self) -> None:
         assert self.phase is StepPhase.BACKWARD, "end of backward outside a backward"
-        if self.requires_sync:
-            # Groups that accumulated inside no_sync but took no part in this backward.
-            for unit in self.units:
-                for group in unit.trainable_groups:
-                    if group.unsynced_grad is not None:
-                        full, group.unsynced_grad = group.unsynced_grad, None
-                        work, output = group.start_reduce(full, self._reduce_factors(group)[0])
-                        self._track_reduce(group, work, output, full)
+        # Units that synchronise this backward (FSDP2 may turn units off one by one).
+        synced = [unit for unit in self.units if unit.requires_sync]
+        # Groups that accumulated inside no_sync but took no part in this backward.
+        for unit in synced:
+            for group in unit.trainable_groups:
+                if group.unsynced_grad is not None:
+                    full = group.take_unsynced_grad()
+                    work, output = group.start_reduce(full, self._reduce_factors(group)[0])
+                    self._track_reduce(group, work, output, full)
         self._finish_pending_reduces()
         self.micro_step += 1
         steps = self.plan.gradient_accumulation_steps
-        if self.requires_sync and self.micro_step % steps == 0:
-            without_grad = self._params_without_grad()
-            for unit in self.units:
+        # A unit whose replicas were not all-reduced has no gradient to expose yet.
+        synced = [unit for unit in synced if unit.requires_all_reduce or not self._hybrid]
+        if synced and self.micro_step % steps == 0:
+            without_grad = self._params_without_grad(synced)
+            for unit in synced:
                 for group in unit.trainable_groups:
                     # See [Note: all-reduce hook].
                     divisor = 1.0 if self._divides_each_reduce(group) else self._divisor_of(unit)
@@ -774,9 +789,10 @@ class ShardedModel:
         self.unsharded_ahead.clear()
         self.phase = StepPhase.FORWARD
 
-    def _params_without_grad(self) -> dict[int, frozenset]:
+    def _params_without_grad(self, units: list[Unit]) -> dict[int, frozenset]:
         """{id(group): indices of its parameters that no backward of this step reached on any
-        rank}, for plans that leave their `.grad` None (else empty).
+        rank}, for the groups of `units`, for plans that leave their `.grad` None (else
+        empty).
 
         [Note: parameters without a gradient] Autograd hands the engine None for a parameter
         a backward did not reach (a branch not taken, a module skipped). The reduction still
@@ -789,7 +805,7 @@ class ShardedModel:
         rank holds.)"""
         if not self.plan.unused_grad_is_none:
             return {}
-        groups = [group for unit in self.units if not unit.reduce_unused_params
+        groups = [group for unit in units if not unit.reduce_unused_params
                   for group in unit.trainable_groups]
         seen = [flag for group in groups for flag in group.grads_seen or [False] * len(group.slots)]
         if not seen:
@@ -828,20 +844,28 @@ class ShardedModel:
 
     # -- public operations --------------------------------------------------------------------
 
+    @property
+    def requires_sync(self) -> bool:
+        """Whether every unit reduces its gradients in the next backward."""
+        return all(unit.requires_sync for unit in self.units)
+
     def set_requires_gradient_sync(self, requires_sync: bool) -> None:
-        """FSDP-style accumulation: while False, backward communicates nothing; each group's
-        full gradient is summed locally (FSDP's memory cost: one unsharded gradient per unit)
-        and reduced together with the gradient of the next backward run with True."""
-        self.requires_sync = bool(requires_sync)
+        """FSDP-style accumulation, for every unit (see `unit_verbs` for one unit): while
+        False, backward communicates nothing; each group's full gradient is summed locally
+        (FSDP's memory cost: one unsharded gradient per unit) and reduced together with the
+        gradient of the next backward run with True."""
+        for unit in self.units:
+            unit.requires_sync = bool(requires_sync)
 
     @contextlib.contextmanager
     def no_sync(self):
-        previous = self.requires_sync
+        previous = [unit.requires_sync for unit in self.units]
         self.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            self.set_requires_gradient_sync(previous)
+            for unit, flag in zip(self.units, previous):
+                unit.requires_sync = flag
 
     def flat_groups(self) -> list[FlatGroup]:
         """Every flat group, unit by unit in the Plan's order: what callers outside the engine
@@ -859,7 +883,7 @@ class ShardedModel:
         `whole_shards`: each group's gradient shard is one tensor (FSDP1's flat parameter,
         `use_orig_params=False`) rather than one per parameter."""
         norm_type = float(norm_type)
-        if self.comm.shard_size == 1:  # as FSDP1 when nothing is sharded: torch's own
+        if self.comm.shard_size == 1 and not whole_shards:  # as FSDP1 when nothing is sharded:
             return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
         order = {name: index for index, (name, _) in enumerate(self.module.named_modules())}
         sharded = [g for unit in sorted(self.units, key=lambda u: order[u.name])
@@ -867,7 +891,11 @@ class ShardedModel:
                    for g in (group.whole_grad_shard() if whole_shards else None)
                    or group.local_grads()]
         local = [local_part(p.grad) for p in self.ignored_params if p.grad is not None]
-        total = fsdp1_grad_norm(sharded, local, norm_type, self.comm, self.device)
+        if self.comm.shard_size == 1:
+            # torch's own norm, as FSDP1 computes it then, over its flat parameters' gradients.
+            total = torch.nn.utils.get_total_norm(sharded + local, norm_type)
+        else:
+            total = fsdp1_grad_norm(sharded, local, norm_type, self.comm, self.device)
         scale_(sharded + local, clip_coefficient(max_norm, total))
         return total
 

@@ -1,5 +1,5 @@
 """FSDP2's per-module verbs on one unit: unshard, reshard, expose the full parameters, run
-a method as a forward, and the gradient divide factor."""
+a method as a forward, the gradient divide factor and gradient synchronisation."""
 
 from __future__ import annotations
 
@@ -32,6 +32,20 @@ def set_reduce_unused_params(sharded: ShardedModel, name: str, reduce: bool) -> 
     """Whether parameters of unit `name` that no backward reached get a zero gradient (True)
     instead of the plan's choice (FSDP2's `set_reduce_scatter_unused_params`)."""
     _unit(sharded, name).reduce_unused_params = bool(reduce)
+
+
+def set_unit_gradient_sync(sharded: ShardedModel, name: str, requires_sync: bool) -> None:
+    """Whether unit `name` reduces its gradients in the next backwards (FSDP2's
+    `set_requires_gradient_sync` on one module): False sums them locally until a backward
+    with True, while the other units go on as they are set."""
+    _unit(sharded, name).requires_sync = bool(requires_sync)
+
+
+def set_unit_all_reduce(sharded: ShardedModel, name: str, requires_all_reduce: bool) -> None:
+    """Whether unit `name` all-reduces its reduced gradients over the replicas under hybrid
+    sharding (FSDP2's `set_requires_all_reduce`; see [Note: reduce-scattered, not
+    all-reduced] in flat_group.py). Without replicas there is nothing to skip."""
+    _unit(sharded, name).requires_all_reduce = bool(requires_all_reduce)
 
 
 def set_all_reduce_hook(sharded: ShardedModel, name: str, hook) -> None:

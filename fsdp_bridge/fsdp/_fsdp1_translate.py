@@ -17,7 +17,7 @@ from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 
 from fsdp_bridge import policies
 from fsdp_bridge.engine.init import still_ignored_params
-from fsdp_bridge.plan import MixedPrecision, Plan, ShardingMode, UnitSpec
+from fsdp_bridge.plan import MixedPrecision, Plan, ShardingMode, UnitSpec, UnsyncedGradSum
 from fsdp_bridge.translation import (
     ArgumentTable,
     bad_argument,
@@ -392,6 +392,7 @@ def build_plan(
         ignored_modules=skipped_names,
         sync_module_states=sync_module_states,
         divide_around_reduce=True,
+        unsynced_grad_sum=UnsyncedGradSum.COMPUTE_DTYPE,
         cpu_offload=bool(cpu_offload and cpu_offload.offload_params),
         frontend=frontend,
         notes=notes,

@@ -20,13 +20,14 @@ from fsdp_bridge.translation import (
     register_table,
     rejected,
     translated,
+    truth_of,
 )
 
 FRONTEND = "fully_shard"
 
 SCHEDULING_HINTS = ("set_reshard_after_forward / set_reshard_after_backward / "
                     "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch / "
-                    "set_is_last_backward / set_unshard_in_backward / set_requires_all_reduce")
+                    "set_is_last_backward / set_unshard_in_backward")
 COMM_TUNING = ("set_reduce_scatter_max_input_buffers / set_separate_reduce_scatter_group / "
                "set_allocate_memory_from_process_group_for_comm / set_symm_mem_for_comm")
 
@@ -80,7 +81,12 @@ TABLE = register_table(
                        "DTensor it was"),
             rejected("dp_mesh_dims with several shard names, replication alone, or HSDP "
                      "beside tensor parallelism", "refused by name (NotImplementedError)"),
-            translated("set_requires_gradient_sync", "the engine's gradient sync flag (whole model)"),
+            translated("set_requires_gradient_sync", "the gradient sync flag of this module's "
+                       "unit (and of the units below it, with recurse)"),
+            translated("set_requires_all_reduce", "HSDP: False sums this module's unit's "
+                       "reduce-scattered gradients aside, in the reduce dtype, without the "
+                       "replicas' all-reduce, until a backward with True (and below it, with "
+                       "recurse)"),
             translated("set_gradient_divide_factor", "the divisor of this module's unit (per "
                        "module, as FSDP2; a module of a list call shares its enclosing unit's)"),
             translated("set_force_sum_reduction_for_comms", "accepted: the engine always "
@@ -146,9 +152,17 @@ def check_comm(method: str, comm) -> None:
 
 
 def check_bool(method: str, name: str, value) -> None:
+    """A flag FSDP2 checks is a bool (`set_reshard_after_forward`): anything else is refused
+    with FSDP2's exception type."""
     if not isinstance(value, bool):
-        raise bad_argument(f"FSDPModule.{method}", name, value, "True or False",
-                           f"Pass {name}=True or {name}=False.", exc=TypeError)
+        raise bad_argument(f"FSDPModule.{method}", name, value, "True or False (a bool)",
+                           f"Pass {name}=True or {name}=False.")
+
+
+def flag(method: str, name: str, value) -> bool:
+    """A flag FSDP2 reads by its truth value (`set_requires_gradient_sync(1)` works there):
+    its truth value, a string refused (see translation.truth_of)."""
+    return truth_of(f"FSDPModule.{method}", name, value)
 
 
 def accepted_no_op(method: str, value, default) -> None:

@@ -145,26 +145,35 @@ class FSDPModule(TorchFSDPModule):
         engine.reshard_unit(sharded, _path_in_root(self, sharded))
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
-        T.check_bool("set_requires_gradient_sync", "requires_gradient_sync",
-                     requires_gradient_sync)
-        self._fsdp_root_state().set_requires_gradient_sync(requires_gradient_sync)
+        """Whether the units of this module (and of the fully_shard-ed modules below it, with
+        `recurse`) reduce their gradients in the next backwards; the other units keep
+        theirs, as FSDP2 sets it per module."""
+        sync = T.flag("set_requires_gradient_sync", "requires_gradient_sync",
+                      requires_gradient_sync)
+        below = [m for m in self.modules() if isinstance(m, FSDPModule)] if recurse else [self]
+        for module in below:
+            _set_on_unit(module, "requires_sync", sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True):
-        T.check_bool("set_requires_all_reduce", "requires_all_reduce", requires_all_reduce)
-        T.accepted_no_op("set_requires_all_reduce", requires_all_reduce, True)
+        """HSDP: whether the units of this module (and below it, with `recurse`) all-reduce
+        their reduced gradients over the replicas in the next backwards (False: summed aside
+        until a backward with True, as FSDP2)."""
+        value = T.flag("set_requires_all_reduce", "requires_all_reduce", requires_all_reduce)
+        below = [m for m in self.modules() if isinstance(m, FSDPModule)] if recurse else [self]
+        for module in below:
+            _set_on_unit(module, "requires_all_reduce", value)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True):
         T.check_bool("set_reshard_after_forward", "reshard_after_forward", reshard_after_forward)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
-        T.check_bool("set_reshard_after_backward", "reshard_after_backward",
-                     reshard_after_backward)
+        T.flag("set_reshard_after_backward", "reshard_after_backward", reshard_after_backward)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        T.check_bool("set_unshard_in_backward", "unshard_in_backward", unshard_in_backward)
+        T.flag("set_unshard_in_backward", "unshard_in_backward", unshard_in_backward)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        T.check_bool("set_is_last_backward", "is_last_backward", is_last_backward)
+        T.flag("set_is_last_backward", "is_last_backward", is_last_backward)
 
     def set_modules_to_forward_prefetch(self, modules) -> None:
         T.check_fsdp_modules("set_modules_to_forward_prefetch", modules, FSDPModule)
@@ -220,11 +229,11 @@ class FSDPModule(TorchFSDPModule):
         """True: parameters no backward reached get a zero gradient (reduced with the rest)
         instead of keeping `.grad` None, for the units of this module (and below it when
         `recurse`), as FSDP2 includes them in its reduce-scatter."""
-        T.check_bool("set_reduce_scatter_unused_params", "reduce_scatter_unused_params",
-                     reduce_scatter_unused_params)
+        value = T.flag("set_reduce_scatter_unused_params", "reduce_scatter_unused_params",
+                       reduce_scatter_unused_params)
         below = [m for m in self.modules() if isinstance(m, FSDPModule)] if recurse else [self]
         for module in below:
-            _set_on_unit(module, "reduce_unused_params", reduce_scatter_unused_params)
+            _set_on_unit(module, "reduce_unused_params", value)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
                                              recurse: bool = True) -> None:
@@ -237,18 +246,19 @@ class FSDPModule(TorchFSDPModule):
         T.accepted_no_op("set_reduce_scatter_max_input_buffers", max_input_buffers, 1)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True):
-        T.check_bool("set_separate_reduce_scatter_group", "enable", enable)
-        T.accepted_no_op("set_separate_reduce_scatter_group", enable, False)
+        T.accepted_no_op("set_separate_reduce_scatter_group",
+                         T.flag("set_separate_reduce_scatter_group", "enable", enable), False)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        T.check_bool("set_allocate_memory_from_process_group_for_comm", "enable", enable)
-        T.accepted_no_op("set_allocate_memory_from_process_group_for_comm", enable, False)
+        T.accepted_no_op("set_allocate_memory_from_process_group_for_comm",
+                         T.flag("set_allocate_memory_from_process_group_for_comm", "enable",
+                                enable), False)
 
     def set_symm_mem_for_comm(self, backend="NCCL") -> None:
         T.accepted_no_op("set_symm_mem_for_comm", backend, None)
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
-        T.check_bool("_set_unshard_async_op", "async_op", async_op)
+        T.flag("_set_unshard_async_op", "async_op", async_op)
 
     def _get_fsdp_state(self) -> "ForwardHooks":
         # torch's register_fsdp_forward_method (which frameworks call, e.g. HF Trainer for
@@ -263,7 +273,7 @@ class FSDPModule(TorchFSDPModule):
     def set_force_sum_reduction_for_comms(self, enable: bool):
         # The engine always reduces with SUM and divides once afterwards: the numbers FSDP2
         # computes with this flag set, whatever its value.
-        T.check_bool("set_force_sum_reduction_for_comms", "enable", enable)
+        T.flag("set_force_sum_reduction_for_comms", "enable", enable)
 
 
 class ForwardHooks:
@@ -349,6 +359,8 @@ _UNIT_SETTERS = {
     "all_reduce_hook": engine.set_all_reduce_hook,
     "custom_all_gather": functools.partial(_set_collective, "all_gather"),
     "custom_reduce_scatter": functools.partial(_set_collective, "reduce_scatter"),
+    "requires_sync": engine.set_unit_gradient_sync,
+    "requires_all_reduce": engine.set_unit_all_reduce,
 }
 
 

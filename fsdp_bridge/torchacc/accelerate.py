@@ -29,7 +29,9 @@ class AcceleratedModel(ShardedWrapper):
 
     def __init__(self, model: nn.Module, sharded):
         super().__init__()
-        self._attach(model, sharded, {})
+        # TorchAcc's eager backend builds torch's FSDP1 without use_orig_params (so False):
+        # clip_grad_norm_ then takes one gradient per unit, as natively.
+        self._attach(model, sharded, {"use_orig_params": False})
         self._set_state_dict_settings(StateDictSettings(
             StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig(),
             ShardedOptimStateDictConfig()))

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fsdp_bridge import policies
-from fsdp_bridge.plan import MixedPrecision, Plan, ShardingMode, UnitSpec
+from fsdp_bridge.plan import MixedPrecision, Plan, ShardingMode, UnitSpec, UnsyncedGradSum
 from fsdp_bridge.translation import (
     ArgumentTable,
     Shown,
@@ -98,5 +98,7 @@ def build_plan(model, auto_wrap=False, mp="fp32", shard_strat="NO_SHARD",
     dtype = _MP[mp]
     precision = (MixedPrecision(cast_root_forward_inputs=False) if dtype is None else
                  MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype))
+    # Zeta wraps with torch's FSDP1: its reductions and no_sync sums follow FSDP1's arithmetic.
     return Plan(units=tuple(units) + (UnitSpec("", reshard),), mode=mode,
-                mixed_precision=precision, frontend=FRONTEND)
+                mixed_precision=precision, divide_around_reduce=True,
+                unsynced_grad_sum=UnsyncedGradSum.COMPUTE_DTYPE, frontend=FRONTEND)

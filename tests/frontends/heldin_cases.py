@@ -268,7 +268,7 @@ def _fsdp2_call(**overrides):
 def _fsdp2_bool(value):
     from fsdp_bridge.fsdp import _fsdp2_translate as F2
 
-    return lambda: F2.check_bool("set_requires_gradient_sync", "requires_gradient_sync", value)
+    return lambda: F2.flag("set_requires_gradient_sync", "requires_gradient_sync", value)
 
 
 def _share(modules):

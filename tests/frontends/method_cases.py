@@ -394,6 +394,84 @@ def fsdp2_divide_factor(which, rank, world, factor, on="all"):
 # -- the world ----------------------------------------------------------------------------------
 
 
+# -- arguments: what native accepts or refuses, ours does too ------------------------------------
+
+
+def _outcome(call) -> dict:
+    """{"raised": exception type name, "message": ...}, or {"raised": None, "value": ...}."""
+    try:
+        return {"raised": None, "value": call()}
+    except Exception as error:  # noqa: BLE001 - the outcome under test
+        return {"raised": type(error).__name__, "message": str(error)}
+
+
+def fsdp1_state_dict_arguments(which, rank, world):
+    """set_state_dict_type / state_dict_type with a config of another type's class, flags read
+    by their truth value, and a model without FSDP instances."""
+    fsdp = dialect(which)
+    FSDP, T = fsdp.FullyShardedDataParallel, fsdp.StateDictType
+    torch.manual_seed(0)
+    wrapped = FSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), device_id=torch.device("cpu"))
+    out = {}
+    mismatches = {
+        "full_with_sharded": (T.FULL_STATE_DICT, fsdp.ShardedStateDictConfig(), None),
+        "sharded_with_full": (T.SHARDED_STATE_DICT, fsdp.FullStateDictConfig(), None),
+        "local_with_full": (T.LOCAL_STATE_DICT, fsdp.FullStateDictConfig(), None),
+        "full_with_sharded_optim": (T.FULL_STATE_DICT, None, fsdp.ShardedOptimStateDictConfig()),
+        "full_with_base_config": (T.FULL_STATE_DICT, fsdp.StateDictConfig(), None),
+    }
+    for name, (kind, config, optim_config) in mismatches.items():
+        def enter(kind=kind, config=config, optim_config=optim_config):
+            with FSDP.state_dict_type(wrapped, kind, config, optim_config):
+                return sorted(wrapped.state_dict())
+        out[name] = _outcome(enter)
+        out[name + " (set)"] = _outcome(
+            lambda kind=kind, config=config, optim_config=optim_config:
+            FSDP.set_state_dict_type(wrapped, kind, config, optim_config).state_dict_type.name)
+    out["type_after_refusals"] = FSDP.get_state_dict_type(wrapped).state_dict_type.name
+
+    def rank0_only_as_int():
+        with FSDP.state_dict_type(wrapped, T.FULL_STATE_DICT,
+                                  fsdp.FullStateDictConfig(rank0_only=1)):
+            return len(wrapped.state_dict())  # 0 on the other ranks
+    out["rank0_only=1"] = _outcome(rank0_only_as_int)
+    plain = nn.Linear(2, 2)
+    out["plain_set"] = _outcome(lambda: FSDP.set_state_dict_type(plain, T.SHARDED_STATE_DICT))
+    out["plain_get"] = _outcome(lambda: FSDP.get_state_dict_type(plain))
+
+    def plain_context():
+        with FSDP.state_dict_type(plain, T.SHARDED_STATE_DICT):
+            return sorted(plain.state_dict())
+    out["plain_context"] = _outcome(plain_context)
+    return out
+
+
+def fsdp2_flag_arguments(which, rank, world):
+    """FSDPModule's flag setters with non-bool values: native reads most by their truth value
+    (so set_requires_gradient_sync(0) accumulates and 1 synchronises), and refuses a non-bool
+    for set_reshard_after_forward (ValueError)."""
+    fsdp = dialect(which)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    fsdp.fully_shard(model[0])
+    fsdp.fully_shard(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(rank)
+    for flag in (0, 1):  # a micro-step without synchronisation, then one with
+        out_sync = _outcome(lambda flag=flag: model.set_requires_gradient_sync(flag))
+        model(torch.randn(4, 8, generator=data)).pow(2).mean().backward()
+    optimizer.step()
+    out = {"sync_by_int": out_sync, "weights": fsdp2_full_state(model)}
+    for method, value in (("set_requires_gradient_sync", True), ("set_requires_all_reduce", 1),
+                          ("set_reshard_after_backward", 1), ("set_is_last_backward", 1),
+                          ("set_unshard_in_backward", 1),
+                          ("set_reduce_scatter_unused_params", 0),
+                          ("set_force_sum_reduction_for_comms", 0),
+                          ("set_reshard_after_forward", 1), ("set_reshard_after_forward", True)):
+        out[f"{method}({value!r})"] = _outcome(lambda m=method, v=value: getattr(model, m)(v))
+    return out
+
+
 def _both(fn, *args, **kwargs):
     def run(rank, world):
         out = {}
@@ -437,6 +515,8 @@ CASES = {
     "fsdp2_divide_sum_all": fsdp2_case(_both(fsdp2_divide_factor, 1.0, "all")),
     "fsdp2_divide_root_only": fsdp2_case(_both(fsdp2_divide_factor, 4.0, "root")),
     "fsdp2_divide_world": fsdp2_case(_both(fsdp2_divide_factor, 2.0, "all")),
+    "fsdp1_state_dict_arguments": _both(fsdp1_state_dict_arguments),
+    "fsdp2_flag_arguments": fsdp2_case(_both(fsdp2_flag_arguments)),
 }
 
 

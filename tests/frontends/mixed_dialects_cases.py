@@ -95,10 +95,10 @@ def _stopped(phase: str, error: Exception) -> dict:
 
 
 def run_pair(inner: str, outer: str, use_orig_params: bool = False, block=Block,
-             policy=None) -> dict:
+             policy=None, compiled=None) -> dict:
     """Wrap the blocks with `inner` and the root with `outer` (with `policy` as torch FSDP1's
-    auto_wrap_policy), then train STEPS steps (each rank its own data). Returns where it
-    stopped, or the losses and the full final weights."""
+    auto_wrap_policy), then train STEPS steps (each rank its own data) under `compiled` (see
+    `_compiled`). Returns where it stopped, or the losses and the full final weights."""
     if TORCH_FULLY_SHARD in (inner, outer) and fsdp2_unavailable():
         return {"unavailable": fsdp2_unavailable()}
     torch.manual_seed(0)
@@ -109,12 +109,32 @@ def run_pair(inner: str, outer: str, use_orig_params: bool = False, block=Block,
         model = wrap(outer, net, use_orig_params, policy)
     except Exception as error:  # noqa: BLE001 - the outcome under test
         return _stopped("wrap", error)
+    return _train(model, _compiled(model, net, compiled))
+
+
+def _compiled(model: nn.Module, net: Net, how):
+    """What the training loop calls: `model` itself (None), `torch.compile(model)` ("whole"),
+    or `model` with each of `net`'s blocks compiled in place ("blocks"). aot_eager: Dynamo
+    and AOTAutograd without code generation, fast on the CPU."""
+    if how is None:
+        return model
+    torch._dynamo.reset()  # a fresh compile per case, never the cache of an earlier model's
+    if how == "whole":
+        return torch.compile(model, backend="aot_eager")
+    for block in net.blocks:
+        block.compile(backend="aot_eager")
+    return model
+
+
+def _train(model: nn.Module, run) -> dict:
+    """STEPS SGD steps of `model`, its forward called through `run`; where it stopped, or the
+    losses and the full final weights."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = torch.Generator().manual_seed(dist.get_rank())
     losses = []
     for step in range(STEPS):
         try:
-            loss = model(torch.randn(4, 8, generator=data)).pow(2).mean()
+            loss = run(torch.randn(4, 8, generator=data)).pow(2).mean()
         except Exception as error:  # noqa: BLE001 - the outcome under test
             return _stopped("forward" if step == 0 else f"forward {step}", error)
         loss.backward()
@@ -145,17 +165,19 @@ def forward_inside_summon() -> dict:
     return {"equal": torch.equal(plain, summoned)}
 
 
-def parameter_assigned_after_wrap() -> dict:
+def parameter_assigned_after_wrap(compiled=None) -> dict:
     """A parameter assigned to a module after our FSDP1 wrapped it: the engine would go on with
-    its own shards, so the forward refuses it too."""
+    its own shards (the new parameter never trained), so the forward refuses it too."""
     torch.manual_seed(0)
     net = Net()
     model = wrap(OURS_FSDP1, net)
     net.head.weight = nn.Parameter(torch.zeros(8, 8))
-    return _first_forward(model)
+    if compiled is None:
+        return _first_forward(model)
+    return _train(model, _compiled(model, net, compiled))
 
 
-def wrapper_added_after_fully_shard() -> dict:
+def wrapper_added_after_fully_shard(compiled=None) -> dict:
     """A torch FSDP1 module put into the model after our fully_shard calls, before the first
     forward: refused when the forward builds the sharding, on every rank."""
     from fsdp_bridge.fsdp import fully_shard
@@ -164,7 +186,9 @@ def wrapper_added_after_fully_shard() -> dict:
     net = Net()
     fully_shard(net)
     net.blocks[1] = wrap(TORCH_FSDP1, Block())
-    return _first_forward(net)
+    if compiled is None:
+        return _first_forward(net)
+    return _train(net, _compiled(net, net, compiled))
 
 
 def _first_forward(model: nn.Module) -> dict:
@@ -231,7 +255,28 @@ def cases() -> dict:
     for case in (forward_inside_summon, parameter_assigned_after_wrap,
                  wrapper_added_after_fully_shard, inner_wrapped_after_outer):
         table[case.__name__] = lambda rank, world, case=case: case()
+    # The same refusals when torch.compile runs the model: the whole model compiled, or each
+    # block compiled in place.
+    for how in COMPILED:
+        for inner, outer in COMPILED_PAIRS:
+            table[compiled_name(case_name(inner, outer), how)] = (
+                lambda rank, world, inner=inner, outer=outer, how=how: run_pair(
+                    inner, outer, compiled=how))
+        for case in (parameter_assigned_after_wrap, wrapper_added_after_fully_shard):
+            table[compiled_name(case.__name__, how)] = (
+                lambda rank, world, case=case, how=how: case(how))
     return table
+
+
+COMPILED = ("whole", "blocks")
+# Our flat-layout wrappers under torch's root wrappers (YaFSDP's forward has a check of its
+# own), and our fully_shard under torch's FSDP1.
+COMPILED_PAIRS = ((OURS_FSDP1, TORCH_FULLY_SHARD), (OURS_FSDP1, TORCH_FSDP1),
+                  (YAFSDP, TORCH_FULLY_SHARD), (OURS_FULLY_SHARD, TORCH_FSDP1))
+
+
+def compiled_name(name: str, how: str) -> str:
+    return f"{name}, compiled ({how})"
 
 
 def run_cases(rank, world, names=None):

@@ -339,6 +339,16 @@ WORLD4 = {
 }
 
 
+def run_world4_cases(rank, world, names, accumulation_names):
+    """The hybrid cases above, then accumulation_cases.py's (hybrid accumulation against
+    native, bit for bit) in the same world of four."""
+    from tests.frontends import accumulation_cases
+
+    out = run_cases(rank, world, "WORLD4", names)
+    out.update(accumulation_cases.run_cases(rank, world, accumulation_names))
+    return out
+
+
 def run_cases(rank, world, table_name, names):
     table = globals()[table_name]
     torch.manual_seed(0)

@@ -158,8 +158,12 @@ CASES = [
     (lambda: F2.shard_dim(_shard5, torch.nn.Parameter(torch.zeros(2, 2)), "w", (2, 2), 2),
      "shard_placement_fn", "_shard5", "Shard(d) with d a dim of the parameter"),
     (lambda: F2.check_factor(0), "factor", "0", "a positive number"),
-    (lambda: F2.check_bool("set_requires_gradient_sync", "requires_gradient_sync", "no"),
+    (lambda: F2.flag("set_requires_gradient_sync", "requires_gradient_sync", "no"),
      "requires_gradient_sync", "'no'", "True or False"),
+    (lambda: F2.flag("set_is_last_backward", "is_last_backward", torch.ones(2)),
+     "is_last_backward", "tensor([1., 1.])", "True or False"),
+    (lambda: F2.check_bool("set_reshard_after_forward", "reshard_after_forward", 1),
+     "reshard_after_forward", "1", "True or False (a bool)"),
     # -- Zeta -------------------------------------------------------------------------------
     (lambda: Z.build_plan(LLAMA, mp="bf32"), "mp", "'bf32'", "'bf16', 'fp16' or 'fp32'"),
     (lambda: Z.build_plan(LLAMA, mp=torch.bfloat16), "mp", "torch.bfloat16", "'bf16'"),

@@ -319,3 +319,48 @@ def test_gradient_divide_factor(fsdp2, name):
     default = case(fsdp2, "fsdp2_divide_world")["native"]["norms"][0]
     if name == "fsdp2_divide_sum_all":  # sum instead of mean over 2 ranks
         assert abs(out["ours"]["norms"][0] / default - 2.0) < 1e-4
+
+
+def test_state_dict_type_arguments_are_accepted_and_refused_as_native(world):
+    """A config of another state-dict type's class raises RuntimeError as natively (before, ours
+    accepted FULL_STATE_DICT with a ShardedStateDictConfig), and ours names the argument, the
+    class given and the one expected; flags read by truth value (rank0_only=1) and a model
+    without FSDP instances are accepted as natively."""
+    result = case(world, "fsdp1_state_dict_arguments", 0)
+    native, ours = result["native"], result["ours"]
+    assert list(ours) == list(native)
+    # Native's context manager on a model without FSDP instances raises KeyError(None) on exit
+    # (it restores the settings of None it read); ours leaves the model's plain state dict.
+    assert native.pop("plain_context")["raised"] == "KeyError"
+    assert ours.pop("plain_context") == {"raised": None, "value": ["bias", "weight"]}
+    for name, expected in native.items():
+        if not isinstance(expected, dict):
+            assert ours[name] == expected, name
+            continue
+        assert ours[name]["raised"] == expected["raised"], (name, ours[name], expected)
+        if expected["raised"] is None:
+            assert ours[name]["value"] == expected["value"], name
+        else:
+            message = ours[name]["message"]
+            assert "config=" in message and "requires that exact class" in message, message
+    assert native["full_with_sharded"]["raised"] == "RuntimeError"
+    message = ours["full_with_sharded"]["message"]
+    assert "state_dict_config=ShardedStateDictConfig(" in message, message
+    assert "a FullStateDictConfig with StateDictType.FULL_STATE_DICT" in message, message
+    assert ours["plain_get"]["value"] is None
+
+
+def test_fsdp2_flag_setters_take_values_as_native(world):
+    """set_requires_gradient_sync(0) / (1) accumulate and synchronise as natively (before, ours
+    refused them); the other flag setters accept what native accepts, and
+    set_reshard_after_forward refuses a non-bool with native's ValueError."""
+    result = case(world, "fsdp2_flag_arguments", 0)
+    native, ours = result["native"], result["ours"]
+    assert ours["sync_by_int"]["raised"] is None, ours["sync_by_int"]
+    for name, expected in native.items():
+        if name == "weights":
+            continue
+        assert ours[name]["raised"] == expected["raised"], (name, ours[name], expected)
+    assert native["set_reshard_after_forward(1)"]["raised"] == "ValueError"
+    assert "reshard_after_forward=1" in ours["set_reshard_after_forward(1)"]["message"]
+    same_state(ours["weights"], native["weights"], "weights after int-flag accumulation")

@@ -19,6 +19,8 @@ stuck in a collective fails its case instead of hanging the suite.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -196,4 +198,45 @@ def test_our_inner_wrapper_applied_after_another_dialects_root_is_refused_at_wra
         assert message.startswith(f"{C.OURS_FULLY_SHARD}: module=a module inside the Net that "
                                   f"{C.OURS_FSDP1} already shards"), message
         assert f"or {C.OURS_FSDP1} for every layer" in message, message
+    assert results[0]["message"] == results[1]["message"]
+
+
+COMPILED_CASES = [C.compiled_name(C.case_name(*pair), how)
+                  for how in C.COMPILED for pair in C.COMPILED_PAIRS]
+
+
+@pytest.mark.parametrize("name", COMPILED_CASES)
+def test_a_pair_under_torch_compile_is_refused_at_first_forward_on_every_rank(world, name):
+    """torch.compile (the whole model, or each block in place) runs the same refusal as an
+    eager forward, on every rank, before any optimizer step: the check runs outside the
+    compiled graph. Before, torch's fully_shard around our FSDP1 trained on other values, and
+    torch's FSDP1 around it gave a wrong clip_grad_norm_."""
+    inner = name.split(" in ")[0]
+    results = both(world, name)
+    for result in results:
+        assert result["phase"] == "forward", result
+        assert result["type"] == "RuntimeError", result
+        assert result["message"].startswith(f"{inner}: "), result["message"]
+        assert f"use {inner} for every layer" in result["message"], result["message"]
+    # The same error on every rank (torch's shards in place of ours may differ in shape).
+    messages = [re.sub(r"of shape \(.*?\)", "of shape ...", r["message"]) for r in results]
+    assert messages[0] == messages[1], messages
+
+
+@pytest.mark.parametrize("how", C.COMPILED)
+def test_a_parameter_assigned_after_wrapping_is_refused_under_torch_compile(world, how):
+    results = both(world, C.compiled_name("parameter_assigned_after_wrap", how))
+    for result in results:
+        assert result["phase"] == "forward", result
+        assert "parameter 'head.weight' of the Net" in result["message"], result["message"]
+    assert results[0]["message"] == results[1]["message"]
+
+
+@pytest.mark.parametrize("how", C.COMPILED)
+def test_a_torch_wrapper_added_after_fully_shard_is_refused_under_torch_compile(world, how):
+    results = both(world, C.compiled_name("wrapper_added_after_fully_shard", how))
+    for result in results:
+        assert result["phase"] == "forward", result
+        assert result["type"] == "ValueError", result
+        assert f"is wrapped by {C.TORCH_FSDP1}" in result["message"], result["message"]
     assert results[0]["message"] == results[1]["message"]

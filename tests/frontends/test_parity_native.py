@@ -4,7 +4,8 @@ losses, grad norms and final full state dict (fp32: rtol 1e-5 / atol 1e-6, and b
 the single-process reference; bf16: torch's bf16 tolerance). Settings native torch cannot run on
 a CPU-only build are compared with the single-process reference.
 
-Three spawned worlds in all (FSDP1 world 2, FSDP2 world 2, hybrid world 4).
+Three spawned worlds in all (FSDP1 world 2, FSDP2 world 2, hybrid world 4; the last also runs
+the hybrid cases of accumulation_cases.py, asserted bit for bit).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import pytest
 import torch
 
 from tests import models as M
+from tests.frontends import accumulation_cases as A
 from tests.frontends import parity_cases as C
 from tests.native_torch import skip_native
-from tests.world import run_world
+from tests.world import case_result, run_world
 
 FP32 = dict(rtol=1e-5, atol=1e-6)
 BF16 = dict(rtol=1.6e-2, atol=1e-5)
@@ -35,7 +37,7 @@ def fsdp2_world2():
 
 @pytest.fixture(scope="module")
 def world4():
-    return run_world(C.run_cases, 4, "WORLD4", list(C.WORLD4))
+    return run_world(C.run_world4_cases, 4, list(C.WORLD4), list(A.WORLD4))
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,3 +119,10 @@ def test_world4_hybrid(world4, case):
             assert torch.equal(world4[rank][case]["ours"]["state"][key], value), key
     figures = check_case(world4[0][case], case, C.WORLD4[case][1])
     print(case, figures)
+
+
+@pytest.mark.parametrize("case", list(A.WORLD4))
+def test_world4_hybrid_accumulation_matches_native_bit_for_bit(world4, case):
+    for rank in range(4):
+        problems = A.differences(case, case_result(world4, case, rank))
+        assert not problems, "\n".join(problems)
