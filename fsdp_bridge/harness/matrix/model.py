@@ -24,6 +24,7 @@ ROWS_PER_MICRO_BATCH = 2  # rows each rank trains per micro-step
 STEPS = 4  # resume happens after step STEPS // 2
 LR = 0.05
 MAX_NORM = 0.3  # clip_grad_norm_'s bound: small enough to bite at every step
+BUFFER_SUFFIXES = (".gain",)  # the state-dict keys of the model's floating-point buffers
 
 
 class Block(nn.Module):

@@ -19,7 +19,7 @@ import tempfile
 import time
 from typing import Callable, Optional, Sequence
 
-from fsdp_bridge.harness.matrix.axes import Cell, native_limit
+from fsdp_bridge.harness.matrix.axes import Cell, native_limit, native_stand_in
 from fsdp_bridge.harness.matrix.verdict import Outcome, crashed, judge, not_run
 
 # A rank left waiting in a collective gives up after this long: the cell is a crash.
@@ -83,12 +83,13 @@ def run_cell(cell: Cell, env, seed: int = 0) -> Outcome:
     started = time.perf_counter()
     recipe = cell_recipe(cell, seed)
     limit = native_limit(cell, env.device.type)
-    has_native = cell.frontend in ("fsdp1", "fsdp2", "zeta") and limit is None
+    has_native = cell.frontend in ("fsdp1", "fsdp2", "zeta")
     sides = ["native" if has_native else "reference", "ours"]
     runs = {}
 
     def run(side: str, key: str) -> None:
-        backend = cell_backend(cell, side)
+        backend = cell_backend(native_stand_in(cell) if limit and side == "native" else cell,
+                               side)
         if backend.distributed or env.rank == 0:
             runs[key] = train(backend, recipe, env)
         dist.barrier()

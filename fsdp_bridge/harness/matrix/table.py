@@ -13,7 +13,7 @@ import collections
 import json
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Sequence
 
 from fsdp_bridge.harness.matrix.axes import AXES, BASELINES, SAMPLE_SPACE, Cell
 

@@ -2,6 +2,8 @@
 no reference.
 
 [Note: what "equal" means]
+(Cells native cannot run on this torch are compared with native on `native_stand_in(cell)`,
+and called `no reference` when they agree.)
 Against a native baseline, `equal` means bit for bit: every step's loss, gradient norm, clip
 norm and parameter digest, and every tensor of the final state dict. When ours is not bit for
 bit equal, native trains the cell a second time: if native is bit for bit equal to itself
@@ -25,7 +27,13 @@ from typing import Callable, Optional
 import torch
 
 from fsdp_bridge.harness.compare import clean_key, compare_runs, tolerance_for
-from fsdp_bridge.harness.matrix.axes import DEFAULTS, Cell, known_difference
+from fsdp_bridge.harness.matrix.axes import (
+    DEFAULTS,
+    Cell,
+    known_difference,
+    rounding_difference,
+)
+from fsdp_bridge.harness.matrix.model import BUFFER_SUFFIXES
 
 EQUAL, DIFFERS, REFUSED, CRASH, NO_REFERENCE, NOT_RUN = (
     "equal", "differs", "refused", "crash", "no reference", "not run")
@@ -166,10 +174,27 @@ def within_run_to_run(native, native_again, ours) -> bool:
     return len(allowed) == len(found) and all(f <= 2 * a for f, a in zip(found, allowed))
 
 
+# The tolerance of the least precise dtype a cell computes, reduces or keeps buffers in.
+_COARSER = ("fp32", "fp16", "bf16")
+
+
+def _reference_dtype(cell: Cell) -> str:
+    used = [cell.param] + [value for value in (cell.reduce, cell.buffer) if value != "default"]
+    return max(used, key=_COARSER.index)
+
+
 def _against_reference(cell: Cell, reference, ours) -> tuple[bool, str, str]:
-    tolerance = tolerance_for(cell.param, growth="none")
+    dtype = _reference_dtype(cell)
+    tolerance = tolerance_for(dtype, growth="none")
+    if cell.buffer != "default":  # the reference keeps buffers in fp32: compare parameters
+        names = {clean_key(name) for name in reference.state_dict
+                 if name.endswith(BUFFER_SUFFIXES)}
+        reference = dataclasses.replace(reference, state_dict={
+            k: v for k, v in reference.state_dict.items() if clean_key(k) not in names})
+        ours = dataclasses.replace(ours, state_dict={
+            k: v for k, v in ours.state_dict.items() if clean_key(k) not in names})
     comparison = compare_runs(reference, ours, tolerance)
-    basis = f"single-process reference, {cell.param} tolerance (rtol {tolerance.rtol:g})"
+    basis = f"single-process reference, {dtype} tolerance (rtol {tolerance.rtol:g})"
     clip = [(b.clip_norm, c.clip_norm) for b, c in zip(reference.steps, ours.steps)]
     clip_ok = all(tolerance.ratio(c, b) <= 1.0 for b, c in clip)
     if comparison.ok and clip_ok:
@@ -195,7 +220,10 @@ def judge(cell: Cell, runs: dict, native_limit: Optional[str], seconds: float = 
     baseline, ours = runs[baseline_side], runs["ours"]
     outcome = _classify(cell, baseline_side, baseline, ours, runs.get("native-again"),
                         native_limit)
-    outcome.seconds = seconds
+    if native_limit and outcome.status == EQUAL:
+        outcome.status = NO_REFERENCE
+        outcome.basis = f"{outcome.basis}, against native without what it cannot run here"
+        outcome.detail = native_limit
     if not outcome.conforming:
         known = known_difference(cell)
         outcome.known = known.name if known else None
@@ -221,19 +249,35 @@ def _classify(cell, baseline_side, baseline, ours, native_again, native_limit) -
                        detail=f"native refuses, ours trains: {last_line(baseline.error)}")
     if baseline_side == "reference":
         ok, basis, detail = _against_reference(cell, baseline, ours)
-        if ok and native_limit:
-            return Outcome(cell, NO_REFERENCE, True, basis=basis, detail=native_limit)
         return Outcome(cell, EQUAL if ok else DIFFERS, ok, basis=basis, detail=detail)
     difference = first_difference(baseline, ours)
     if difference is None:
         return Outcome(cell, EQUAL, True, basis="bit for bit")
     if native_again is None or native_again.error or first_difference(baseline,
                                                                       native_again) is None:
+        rounding = rounding_difference(cell)
+        if rounding is not None:
+            worst = _worst_ratio(cell, baseline, ours)
+            if worst <= 1.0:
+                return Outcome(cell, EQUAL, True, basis=f"within the {_reference_dtype(cell)} "
+                               f"tolerance ({worst:.2g} of it), not bit for bit: "
+                               f"{rounding.name}", detail=difference)
         return Outcome(cell, DIFFERS, False, basis="bit for bit (native is deterministic)",
                        detail=difference)
     ok = within_run_to_run(baseline, native_again, ours)
     return Outcome(cell, EQUAL if ok else DIFFERS, ok, basis="2 x native's run-to-run "
                    "deviation (native is not deterministic here)", detail="" if ok else difference)
+
+
+def _worst_ratio(cell: Cell, baseline, ours) -> float:
+    """The largest deviation / tolerance of the cell's coarsest dtype over every step, clip
+    norm and final tensor."""
+    tolerance = tolerance_for(_reference_dtype(cell), growth="none")
+    comparison = compare_runs(baseline, ours, tolerance)
+    ratios = [check.ratio for check in comparison.steps] + [p.ratio for p in comparison.params]
+    ratios += [tolerance.ratio(c.clip_norm, b.clip_norm)
+               for b, c in zip(baseline.steps, ours.steps)]
+    return math.inf if comparison.problems else max(ratios + [0.0])
 
 
 def not_run(cell: Cell, why: str) -> Outcome:
