@@ -86,8 +86,8 @@ AXES: dict[str, tuple[tuple, str]] = {
 DEFAULTS = {axis: values[0] for axis, (values, _) in AXES.items()}
 
 # Compile (dynamo) and the wide worlds dominate a cell's time: the suite leaves them to
-# `make conformance` (and to the cells of KNOWN that need them).
-SAMPLE_SPACE = {"world": (2, 1, 3), "compile": ("off",)}
+# `make conformance`.
+SAMPLE_SPACE = {"world": (2, 1), "compile": ("off",)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,9 +299,27 @@ KNOWN: tuple[Known, ...] = (
           "FSDP1's flat parameters (use_orig_params=False) are being rebuilt as native's "
           "nested module tree",
           lambda c: c.frontend == "fsdp1" and not c.orig_params),
-    Known("fully_shard blocks compiled with fullgraph=True",
-          "our fully_shard hooks break a per-block compile(fullgraph=True)",
-          lambda c: c.frontend == "fsdp2" and c.compile == "blocks"),
+    Known("blocks compiled with fullgraph=True",
+          "the engine's pre-forward hook on each unit (fully_shard's, and the flat front-ends' "
+          "too) is traced into a per-block compile(fullgraph=True) and breaks it (a graph "
+          "break on a storage's nbytes); torch FSDP1's hooks sit outside the block",
+          lambda c: c.compile == "blocks"),
+    Known("fully_shard compiled whole in low precision",
+          "dynamo fails to build a shape guard when it recompiles our fully_shard model with "
+          "bf16 / fp16 parameters (IndexError in symbolic_shapes); fp32 compiles and is equal",
+          lambda c: c.frontend == "fsdp2" and c.compile == "whole" and c.param != "fp32"),
+    Known("FSDP1 NO_SHARD reducing on several micro-steps",
+          "native FSDP1 all-reduces the accumulated gradient again at every synced "
+          "micro-step (divide(accumulated + local), all-reduce, divide); ours reduces each "
+          "micro-step's own gradient and adds it: the last bits differ (the engine's "
+          "accumulation path, not yet assigned)",
+          lambda c: c.frontend in ("fsdp1", "zeta") and c.strategy == "no_shard"
+          and c.accumulate == "sync"),
+    Known("torch's fully_shard root around our FSDP1 blocks",
+          "torch's root gathers our blocks' pieces as its own parameters before our forward "
+          "can refuse the pair; where its padded shards of our uneven pieces differ between "
+          "ranks, gloo aborts the process (README, Mixing dialects)",
+          lambda c: c.outer == "torch-fsdp2" and c.world > 1),
 )
 
 

@@ -252,14 +252,23 @@ class FSDP1CellBackend(CellBackend):
                 model, auto_wrap_policy=ModuleWrapPolicy({M.Block}), **kwargs)
 
     def _nested(self, fsdp, model, kwargs, env):
-        """Blocks wrapped by this side's FSDP1, the root by torch's own wrapper (`outer`)."""
+        """Blocks wrapped by this side's FSDP1, the root by torch's own wrapper (`outer`), in
+        the same mixed precision."""
         for index, block in enumerate(model.blocks):
             model.blocks[index] = fsdp.FullyShardedDataParallel(block, **kwargs)
         torch_fsdp = importlib.import_module(TORCH_FSDP)
         if self.cell.outer == "torch-fsdp1":
+            mixed = kwargs["mixed_precision"]
+            if mixed is not None:
+                mixed = torch_fsdp.MixedPrecision(param_dtype=mixed.param_dtype,
+                                                  reduce_dtype=mixed.reduce_dtype,
+                                                  buffer_dtype=mixed.buffer_dtype)
             return torch_fsdp.FullyShardedDataParallel(model, device_id=env.device,
-                                                       use_orig_params=self.cell.orig_params)
-        torch_fsdp.fully_shard(model, mesh=_mesh(env, "full"))
+                                                       use_orig_params=self.cell.orig_params,
+                                                       mixed_precision=mixed)
+        torch_fsdp.fully_shard(model, mesh=_mesh(env, "full"), mp_policy=torch_fsdp.
+                               MixedPrecisionPolicy(param_dtype=DTYPES[self.cell.param],
+                                                    reduce_dtype=_dtype(self.cell.reduce)))
         return model
 
     def _root_class(self, model):

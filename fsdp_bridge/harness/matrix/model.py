@@ -61,7 +61,9 @@ class MatrixModel(nn.Module):
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x)
-        x = x + 0.1 * self.side(x)
+        # The side module may be left out of sharding, and so of mixed precision: it runs in
+        # its own dtype.
+        x = x + 0.1 * self.side(x.to(self.side.weight.dtype)).to(x.dtype)
         return self.head(self.norm(x))
 
 
