@@ -81,6 +81,10 @@ AXES: dict[str, tuple[tuple, str]] = {
               "a torch root wrapper around our FSDP1 blocks (mixed dialects; refused by name)"),
     "late_param": ((False, True), "a new Parameter assigned in place of a block's bias after the "
                                   "wrap"),
+    "odd_args": ((False, True),
+                 "arguments native takes its own way: set_requires_gradient_sync(0) / (1) "
+                 "(native accepts truthy values), state_dict_type(FULL_STATE_DICT, "
+                 "ShardedStateDictConfig()) for the full resume (native refuses the pair)"),
 }
 
 DEFAULTS = {axis: values[0] for axis, (values, _) in AXES.items()}
@@ -206,6 +210,19 @@ def _plain_model(s):
     return None
 
 
+def _odd_args(s):
+    if not s.get("odd_args"):
+        return None
+    frontend = s.get("frontend")
+    if frontend is not None and frontend not in ("fsdp1", "fsdp2"):
+        return "odd arguments are tried on FSDP1's state_dict_type and FSDP2's gradient sync"
+    if frontend == "fsdp2" and s.get("accumulate", "skip") != "skip":
+        return "FSDP2's odd argument is set_requires_gradient_sync's: accumulate=skip"
+    if frontend == "fsdp1" and s.get("resume", "full") != "full":
+        return "FSDP1's odd argument is the full resume's state-dict config: resume=full"
+    return None
+
+
 def _compile_reentrant(s):
     if s.get("compile", "off") != "off" and s.get("ac", "off").endswith("reentrant"):
         return "reentrant checkpointing is a graph break torch.compile does not trace"
@@ -225,7 +242,8 @@ def _compile_flat(s):
 
 
 _RULES: tuple[Rule, ...] = (_micro_steps, _hybrid_world, _reduce_dtype, _buffer_dtype,
-                            _plain_model, _compile_reentrant, _meta_tied, _compile_flat)
+                            _plain_model, _odd_args, _compile_reentrant, _meta_tied,
+                            _compile_flat)
 
 
 def invalid(settings: Mapping[str, Any]) -> Optional[str]:
@@ -295,6 +313,11 @@ KNOWN: tuple[Known, ...] = (
           "under torch.compile a torch root around our blocks, and a Parameter assigned after "
           "the wrap, are not refused as they are eagerly",
           lambda c: c.compile != "off" and (c.outer != "none" or c.late_param)),
+    Known("argument parity",
+          "set_requires_gradient_sync(0 / 1) is refused (native accepts truthy values); "
+          "state_dict_type(FULL_STATE_DICT, ShardedStateDictConfig()) is accepted (native "
+          "raises)",
+          lambda c: c.odd_args),
     Known("FSDP1 use_orig_params=False",
           "FSDP1's flat parameters (use_orig_params=False) are being rebuilt as native's "
           "nested module tree",

@@ -301,10 +301,10 @@ class FSDP1CellBackend(CellBackend):
         if self.cell.resume != "full":
             return super().save(model, optimizer, folder, env)
         fsdp, cls = self.dialect(), type(model)
+        config = fsdp.ShardedStateDictConfig() if self.cell.odd_args else fsdp.FullStateDictConfig()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            with cls.state_dict_type(model, fsdp.StateDictType.FULL_STATE_DICT,
-                                     fsdp.FullStateDictConfig(),
+            with cls.state_dict_type(model, fsdp.StateDictType.FULL_STATE_DICT, config,
                                      fsdp.FullOptimStateDictConfig()):
                 return model.state_dict(), cls.optim_state_dict(model, optimizer)
 
@@ -367,12 +367,12 @@ class ZetaOursBackend(FSDP1CellBackend):
 
 
 @contextlib.contextmanager
-def _fsdp2_no_sync(model):
-    model.set_requires_gradient_sync(False)
+def _fsdp2_no_sync(model, off=False, on=True):
+    model.set_requires_gradient_sync(off)
     try:
         yield
     finally:
-        model.set_requires_gradient_sync(True)
+        model.set_requires_gradient_sync(on)
 
 
 def _full_dtensor_state(model) -> dict:
@@ -430,7 +430,7 @@ class FSDP2CellBackend(CellBackend):
         self._rank0_state = None
 
     def skip_sync(self, model):
-        return _fsdp2_no_sync(model)
+        return _fsdp2_no_sync(model, 0, 1) if self.cell.odd_args else _fsdp2_no_sync(model)
 
     def clip_grad_norm(self, model, max_norm):
         return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
