@@ -88,9 +88,15 @@ def test_refusals_and_crashes():
         "ours": _run([], error="x\nRuntimeError: runs inside torch.distributed.fsdp."
                                "FullyShardedDataParallel")}, None)
     assert listed.status == "refused" and listed.conforming and "README" in listed.basis
-    trains = verdict.judge(axes.Cell.of(frontend="fsdp1"), {
-        "native": _run([], error="x\nValueError: no"), "ours": _run([1.0])}, None)
+    odd = axes.Cell.of(frontend="fsdp1", resume="full", odd_args=True)
+    trains = verdict.judge(odd, {"native": _run([], error="x\nRuntimeError: Expected "
+                                                          "state_dict_config of type F"),
+                                 "ours": _run([1.0])}, None)
     assert trains.status == "differs" and "native refuses" in trains.detail
+    fails = verdict.judge(axes.Cell.of(frontend="fsdp1", resume="sharded"), {
+        "native": _run([], error="x\nRuntimeError: Missing optimizer state"),
+        "ours": _run([1.0])}, None)
+    assert fails.status == "no reference" and fails.conforming
 
 
 def test_cells_native_cannot_run_and_known_differences_are_reported_apart():

@@ -89,9 +89,11 @@ AXES: dict[str, tuple[tuple, str]] = {
 
 DEFAULTS = {axis: values[0] for axis, (values, _) in AXES.items()}
 
-# Compile (dynamo) and the wide worlds dominate a cell's time: the suite leaves them to
-# `make conformance`.
-SAMPLE_SPACE = {"world": (2, 1), "compile": ("off",)}
+# The suite's sample (`compare --matrix --sample`): one world of 2 ranks, no compile (dynamo
+# dominates a cell's time), the checkpointing and micro-step values that pair least with the
+# rest left to `make conformance`.
+SAMPLE_SPACE = {"world": (2,), "compile": ("off",), "ac": ("off", "before", "after-reentrant"),
+                "micro": (1, 2, 3)}
 
 
 @dataclasses.dataclass(frozen=True)

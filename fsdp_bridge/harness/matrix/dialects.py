@@ -127,6 +127,8 @@ class CellBackend(Backend):
         elif init == "rank0" and env.rank != 0:  # other weights: the broadcast must replace them
             torch.manual_seed(recipe.seed + 1000 + env.rank)
             model = recipe.make_model()
+            if self.cell.ignored:  # the broadcast leaves an ignored module alone: its user
+                model.side.load_state_dict(recipe.build_model().side.state_dict())  # syncs it
         else:
             model = recipe.build_model()
         if self.cell.ac.startswith("before"):

@@ -29,8 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="restrict axes to some values, e.g. frontend=fsdp1,fsdp2 world=2 "
                             f"(axes: {', '.join(AXES)}); default: every value of every axis")
     group.add_argument("--sample", action="store_true",
-                       help="the suite's space: no torch.compile, worlds 1-3 (add --axes to "
-                            "restrict further)")
+                       help="the suite's space: 2 ranks, no torch.compile, fewer checkpointing "
+                            "and micro-step values (add --axes to restrict further)")
     group.add_argument("--cover-seed", type=int, default=0,
                        help="seed of the covering array (which cells cover the pairs; default 0)")
     group.add_argument("--budget", type=float, metavar="SECONDS",
