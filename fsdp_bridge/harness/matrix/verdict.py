@@ -43,7 +43,8 @@ EQUAL, DIFFERS, REFUSED, CRASH, NO_REFERENCE, NOT_RUN = (
 SETTING_WORDS = {
     "param": ("param_dtype", "mixed"), "reduce": ("reduce_dtype", "mixed"),
     "buffer": ("buffer_dtype", "mixed"), "accumulate": ("no_sync", "gradient_sync", "accumulat"),
-    "offload": ("offload",), "ac": ("checkpoint",), "compile": ("compile",),
+    "offload": ("offload",), "ac": ("checkpoint_wrapper", "activation checkpoint", "reentrant"),
+    "compile": ("compile",),
     "strategy": ("sharding_strategy", "strategy", "shard"), "tied": ("tied", "shared"),
     "frozen": ("requires_grad", "frozen"), "ignored": ("ignored",),
     "orig_params": ("use_orig_params",), "init": ("sync_module_states", "param_init_fn", "meta"),
