@@ -340,6 +340,12 @@ KNOWN: tuple[Known, ...] = (
           "accumulation path, not yet assigned)",
           lambda c: c.frontend in ("fsdp1", "zeta") and c.strategy == "no_shard"
           and c.accumulate == "sync"),
+    Known("FSDP1 clip_grad_norm_ with ignored parameters",
+          "not yet diagnosed: the last bits differ at 2 ranks, and under HYBRID_SHARD the "
+          "clipped gradients' norm is 0.30 against native's 0.43; ours computes native's "
+          "formula (shard norms summed over the shard group, plus the unsharded ones' local "
+          "norm), so what differs is which gradients it is given",
+          lambda c: c.frontend == "fsdp1" and c.ignored and c.clip),
     Known("torch's fully_shard root around our FSDP1 blocks",
           "torch's root gathers our blocks' pieces as its own parameters before our forward "
           "can refuse the pair; where its padded shards of our uneven pieces differ between "
