@@ -15,7 +15,8 @@ from fsdp_bridge.harness.runner import RunRecord, StepRecord
 
 
 def test_the_covering_array_holds_every_value_and_every_feasible_pair():
-    space = {"frontend": ("fsdp1", "fsdp2", "yafsdp"), "world": (2, 1, 4), "compile": ("off",)}
+    space = {"frontend": ("fsdp1", "yafsdp"), "world": (2, 4), "compile": ("off",),
+             "ac": ("off", "after"), "init": ("real", "rank0")}
     cells = axes.covering_cells(space, seed=0)
     assert not axes.uncovered(cells, space)
     assert all(axes.invalid(cell.as_dict()) is None for cell in cells)

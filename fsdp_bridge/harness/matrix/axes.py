@@ -25,6 +25,7 @@ seed on a restricted space (`SAMPLE_SPACE`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 from typing import Any, Callable, Iterable, Mapping, Optional
 
@@ -420,10 +421,16 @@ def _pairs(settings: Mapping[str, Any], names: list[str]) -> set:
 
 def feasible_pairs(domains: Mapping[str, tuple]) -> set:
     """Every pair of values of two axes that some valid cell holds."""
+    return set(_feasible_pairs(tuple(domains.items())))
+
+
+@functools.lru_cache(maxsize=8)  # the generator and `uncovered` ask for the same space
+def _feasible_pairs(items: tuple) -> frozenset:
+    domains = dict(items)
     names = list(domains)
-    return {((a, va), (b, vb)) for i, a in enumerate(names) for b in names[i + 1:]
-            for va in domains[a] for vb in domains[b]
-            if _completion({a: va, b: vb}, domains) is not None}
+    return frozenset(((a, va), (b, vb)) for i, a in enumerate(names) for b in names[i + 1:]
+                     for va in domains[a] for vb in domains[b]
+                     if _completion({a: va, b: vb}, domains) is not None)
 
 
 def covering_cells(space: Optional[Mapping[str, Iterable]] = None, seed: int = 0) -> list[Cell]:
