@@ -22,7 +22,7 @@ INSTALL_TORCH := $(PIP) torch==$(TORCH_VERSION)+cpu 2>/dev/null \
 	|| $(PIP) --extra-index-url $(TORCH_CPU_INDEX) torch==$(TORCH_VERSION)+cpu
 endif
 
-.PHONY: demo test test-torch test-floor test-gpu bench bench-gpu venv clean
+.PHONY: demo test test-torch test-floor test-gpu bench bench-gpu venv clean conformance
 
 venv: $(STAMP)
 
@@ -94,6 +94,14 @@ test-floor:
 
 bench: $(STAMP)
 	$(BIN)/python -m fsdp_bridge bench
+
+# The conformance matrix's full sweep: every front-end of ours against native torch (or its
+# reference) over a covering array of every axis (README "Conformance matrix"). It starts no
+# new cell after CONFORMANCE_BUDGET seconds; CONFORMANCE_ARGS adds options (--axes, --json ...).
+CONFORMANCE_BUDGET ?= 5400
+CONFORMANCE_ARGS ?=
+conformance: $(STAMP)
+	$(BIN)/python -m fsdp_bridge compare --matrix --budget $(CONFORMANCE_BUDGET) $(CONFORMANCE_ARGS)
 
 bench-gpu: $(STAMP)
 	$(BIN)/python -m fsdp_bridge bench --device cuda

@@ -710,11 +710,11 @@ class ShardedModel:
 
     def _divides_each_reduce(self, group: FlatGroup) -> bool:
         """Whether `group`'s reduced gradients are divided reduce by reduce (rather than once
-        when the step's gradient is complete): under an all-reduce hook, in fp16, or where
-        the plan says so (FSDP1)."""
+        when the step's gradient is complete): always, but under declared accumulation steps
+        (YaFSDP) in another dtype than fp16 without an all-reduce hook."""
         unit = self.unit_of_group[id(group)]
         return (unit.all_reduce_hook is not None or group.reduce_dtype == torch.float16
-                or self.plan.divide_around_reduce)
+                or self.plan.divide_around_reduce or self.plan.gradient_accumulation_steps == 1)
 
     def _reduce_factors(self, group: FlatGroup) -> tuple[float, float]:
         """(divide before the reduction, divide after it) for `group`.
@@ -725,10 +725,12 @@ class ShardedModel:
         the divisor that divides it, and the reduced shard by the rest after it, in fp16, one
         reduction at a time. FSDP1 does so in every dtype (`Plan.divide_around_reduce`): in
         bf16 the division after the reduction rounds to bf16, so only the same split gives
-        FSDP1's gradients bit for bit. Otherwise other dtypes are summed and divided once, when
-        the step's gradient is complete (in fp32 and bf16 this is what an averaging reduction
-        computes, as FSDP2 does), or after each reduction under an all-reduce hook (see
-        [Note: all-reduce hook])."""
+        FSDP1's gradients bit for bit. Other dtypes are summed and divided after each
+        reduction, in the reduce dtype, as FSDP2's averaging reduction does: dividing the sum
+        of several micro-steps' reductions once instead rounds differently (in fp32 too), and
+        so does a bf16 sum divided in fp32. Under declared accumulation steps (YaFSDP) they
+        are divided once, when the step's gradient is complete. An all-reduce hook sees each
+        reduction divided (see [Note: all-reduce hook])."""
         if not self._divides_each_reduce(group):
             return 1.0, 1.0  # divided once, by finalize_grads
         factor = self._divisor_of(self.unit_of_group[id(group)])

@@ -16,6 +16,8 @@ nothing numerically, within stated tolerances.
 - `arguments`    checks of every option, made before any process starts
 - `processes`    commands run in their own process group, stopped whole on timeout or Ctrl-C
 - `pytest_plugin` the `fsdp_equivalence` fixture
+- `matrix/`      the conformance matrix: ours against native over a covering array of settings
+                 (`compare --matrix`)
 """
 
 __all__ = ["Recipe", "Size", "builtin_recipe", "check_equivalence"]

@@ -89,6 +89,10 @@ class Backend:
 
     # -- training --------------------------------------------------------------------------
 
+    def build_model(self, recipe: Recipe, env: RankEnv) -> nn.Module:
+        """The unwrapped model (the recipe's, seeded); `wrap` shards it."""
+        return recipe.build_model()
+
     def wrap(self, model: nn.Module, recipe: Recipe, env: RankEnv) -> nn.Module:
         raise NotImplementedError
 
@@ -101,6 +105,17 @@ class Backend:
 
     def before_step(self, model: nn.Module, step: int, env: RankEnv) -> None:
         """Called before each step's first forward (a place for tests to inject faults)."""
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip the gradients to a total norm of `max_norm`; the total norm before clipping.
+        The default is torch's function (FSDP1 models override it with their method)."""
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def after_step(self, model: nn.Module, optimizer, recipe: Recipe, env: RankEnv,
+                   step: int) -> tuple:
+        """Called after each optimizer step; returns the (model, optimizer) to go on with (a
+        backend that checkpoints and resumes returns new ones)."""
+        return model, optimizer
 
     def zero_grad(self, optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -213,6 +228,9 @@ class FSDP1Backend(Backend):
 
     def no_sync(self, model):
         return model.no_sync()
+
+    def clip_grad_norm(self, model, max_norm):
+        return model.clip_grad_norm_(max_norm)
 
     def full_state_dict(self, model):
         fsdp = self.dialect()
@@ -328,6 +346,9 @@ class BridgeYaFSDPBackend(Backend):
 
     def zero_grad(self, optimizer) -> None:
         optimizer.zero_grad(set_to_none=False)  # YaFSDP's gradients are persistent buffers
+
+    def clip_grad_norm(self, model, max_norm):
+        return model.clip_grad_norm_(max_norm)
 
     def full_state_dict(self, model):
         return _cpu_fp32(model.state_dict())

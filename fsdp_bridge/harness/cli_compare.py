@@ -1,4 +1,5 @@
-"""`fsdp-bridge compare`: one recipe under several backends, step by step.
+"""`fsdp-bridge compare`: one recipe under several backends, step by step (with `--matrix`:
+the conformance matrix, fsdp_bridge/harness/matrix/table.py).
 
 Exit 0 when every backend agrees with the first (the baseline) within the tolerance of the
 recipe's dtype, 1 when one does not (naming the first diverging step), 2 on error, 3 when they
@@ -66,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", metavar="FILE.png", help="write loss and deviation curves")
     parser.add_argument("-q", "--quiet", action="store_true",
                         help="no progress lines on stderr (what is trained, each backend done)")
+    from fsdp_bridge.harness.matrix import table
+
+    table.add_arguments(parser)
 
 
 def check_light_arguments(args: argparse.Namespace) -> list[str]:
@@ -116,6 +120,11 @@ EXIT_ERROR = 2  # compare.EXIT_ERROR, without importing torch to say it
 
 def run(args: argparse.Namespace) -> int:
     from fsdp_bridge import progress
+
+    if args.matrix:
+        from fsdp_bridge.harness.matrix import table
+
+        return table.run(args)
 
     try:
         check_light_arguments(args)

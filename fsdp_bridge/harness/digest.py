@@ -11,10 +11,12 @@ of HSDP) must count once, so each piece is weighted by 1/replicas:
 - an FSDP1 `FlatParameter` knows its unsharded size: replicas = world * shard / unsharded;
 - a parameter may say so itself with an int attribute `_fsdp_bridge_replicas` (our engine sets
   it on every parameter it shards);
-- any other tensor is judged by comparison: identical (numel, sum, sum of squares) on every rank
-  means replicated, anything else means sharded. This heuristic is exact for plain
-  data-parallel models and for flat shards; a real shard that is bit-identical on every rank
-  (e.g. an untouched all-ones norm weight split evenly) would be undercounted.
+- any other tensor is judged by comparison: a piece counts once over the ranks that hold an
+  identical (numel, sum, sum of squares) one (every rank for a replicated parameter, the
+  replicas of a hybrid mesh's shard). This heuristic is exact for plain data-parallel models,
+  for flat shards and for FSDP1's original parameters under HYBRID_SHARD; a real shard that is
+  bit-identical on other ranks (e.g. an untouched all-ones norm weight split evenly) would be
+  undercounted.
 Padding in flat shards is zero and adds nothing.
 
 This module imports only torch: the step hook injected into user scripts uses it.
@@ -89,13 +91,14 @@ def local_table(params: Iterable[torch.Tensor]) -> torch.Tensor:
 
 
 def _weights(tables: torch.Tensor) -> torch.Tensor:
-    """[world, P] weights 1/replicas, resolving unknown replication by comparing ranks."""
-    world = tables.shape[0]
+    """[world, P] weights 1/replicas, resolving unknown replication by comparing ranks: a piece
+    is held by as many ranks as hold an identical one (all of them for a replicated parameter,
+    the replicate dimension's for a hybrid mesh's shards)."""
     replicas = tables[:, :, _REPLICAS].clone()
-    keys = tables[:, :, [_SUM, _SUMSQ, _NUMEL]]
-    same_everywhere = (keys == keys[:1]).all(dim=2).all(dim=0)  # [P]
-    guess = torch.where(same_everywhere, float(world), 1.0)
-    replicas = torch.where(replicas == 0, guess.expand_as(replicas), replicas)
+    keys = tables[:, :, [_SUM, _SUMSQ, _NUMEL]]  # [world, P, 3]
+    same = (keys.unsqueeze(0) == keys.unsqueeze(1)).all(dim=3)  # [world, world, P]
+    guess = same.sum(dim=1).to(tables.dtype)  # [world, P]: ranks holding this rank's piece
+    replicas = torch.where(replicas == 0, guess, replicas)
     return 1.0 / replicas
 
 

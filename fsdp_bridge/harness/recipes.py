@@ -51,6 +51,9 @@ class Recipe:
     lr: float = 1e-3
     mp: str = "fp32"  # compute dtype: "fp32", or "bf16"/"fp16" gathered params, fp32 reduction
     strategy: str = "full_shard"
+    # clip_grad_norm_(max_grad_norm) before every optimizer step (None: no clipping), through
+    # the backend's own clip (FSDP1's method, torch's function on FSDP2's DTensors, ...).
+    max_grad_norm: Optional[float] = None
 
     def __post_init__(self) -> None:
         _check_choice("mp", self.mp, tuple(DTYPES))
@@ -64,6 +67,12 @@ class Recipe:
                 or not math.isfinite(self.lr) or self.lr < 0:
             raise ValueError(f"Recipe lr={self.lr!r}: expected a finite learning rate >= 0, "
                              "e.g. 1e-3.")
+        if self.max_grad_norm is not None and (
+                isinstance(self.max_grad_norm, bool)
+                or not isinstance(self.max_grad_norm, (int, float))
+                or not math.isfinite(self.max_grad_norm) or self.max_grad_norm <= 0):
+            raise ValueError(f"Recipe max_grad_norm={self.max_grad_norm!r}: expected None or a "
+                             "finite number > 0, e.g. 1.0.")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"Recipe seed={self.seed!r}: expected an int >= 0.")
 

@@ -31,6 +31,8 @@ class StepRecord:
     # One unit of the last digit the loss was printed with (compare-scripts reads printed
     # losses; two roundings to it differ by up to one unit); 0.0: the exact value.
     loss_quantum: float = 0.0
+    # The total norm clip_grad_norm_ returned before clipping (None: the recipe does not clip).
+    clip_norm: Optional[float] = None
 
 
 @dataclasses.dataclass
@@ -81,13 +83,22 @@ def _train_step(backend: Backend, recipe: Recipe, env: RankEnv, model, optimizer
             loss = recipe.loss_fn(model, part)
             (loss * scale if backend.user_divides_loss else loss).backward()
         total += loss.detach().to(torch.float64) * scale
+    clip_norm = None
+    if recipe.max_grad_norm is not None:
+        clip_norm = _as_float(backend.clip_grad_norm(model, recipe.max_grad_norm))
     optimizer.step()
     digest = global_digest(model.parameters(), distributed=backend.distributed)
     backend.zero_grad(optimizer)
     if backend.distributed and env.world_size > 1:
         dist.all_reduce(total)
         total /= env.world_size
-    return StepRecord(step, float(total), digest.grad_norm, digest)
+    return StepRecord(step, float(total), digest.grad_norm, digest, clip_norm=clip_norm)
+
+
+def _as_float(norm) -> float:
+    """A returned norm as a float (FSDP2's is a DTensor: its full value)."""
+    full_tensor = getattr(norm, "full_tensor", None)
+    return float(full_tensor() if full_tensor is not None else norm)
 
 
 def train(backend: Backend, recipe: Recipe, env: RankEnv) -> RunRecord:
@@ -96,12 +107,13 @@ def train(backend: Backend, recipe: Recipe, env: RankEnv) -> RunRecord:
     record = RunRecord(backend.name, env.world_size if backend.distributed else 1)
     started = time.perf_counter()
     try:
-        model = backend.wrap(recipe.build_model(), recipe, env)
+        model = backend.wrap(backend.build_model(recipe, env), recipe, env)
         optimizer = backend.build_optimizer(model, recipe, env)
         initial = global_digest(model.parameters(), distributed=backend.distributed)
         record.steps.append(StepRecord(0, None, None, initial))
         for step in range(1, recipe.steps + 1):
             record.steps.append(_train_step(backend, recipe, env, model, optimizer, step))
+            model, optimizer = backend.after_step(model, optimizer, recipe, env, step)
         record.state_dict = backend.full_state_dict(model)
     except Exception:  # noqa: BLE001 - reported per backend, the others still run
         record.error = traceback.format_exc()
