@@ -308,47 +308,15 @@ class Known:
     matches: Callable[[Cell], bool]
 
 
-def _reduce_differs(cell: Cell) -> bool:
-    reduce = cell.param if cell.reduce == "default" else cell.reduce
-    return reduce != cell.param
-
-
 KNOWN: tuple[Known, ...] = (
-    Known("accumulation with a reduce dtype",
-          "skipped reductions accumulate in the reduce dtype and round the last micro-step's "
-          "gradient first; native FSDP1 accumulates in the parameter dtype, native FSDP2 adds "
-          "the last gradient unrounded",
-          lambda c: c.frontend in ("fsdp1", "fsdp2") and c.accumulate == "skip"
-          and _reduce_differs(c) and c.outer == "none" and not c.late_param),
-    Known("torch.compile skips the mixed-dialect and takeover checks",
-          "under torch.compile a torch root around our blocks, and a Parameter assigned after "
-          "the wrap, are not refused as they are eagerly",
-          lambda c: c.compile != "off" and (c.outer != "none" or c.late_param)),
-    Known("argument parity",
-          "set_requires_gradient_sync(0 / 1) is refused (native accepts truthy values); "
-          "state_dict_type(FULL_STATE_DICT, ShardedStateDictConfig()) is accepted (native "
-          "raises)",
-          lambda c: c.odd_args),
     Known("FSDP1 use_orig_params=False",
           "FSDP1's flat parameters (use_orig_params=False) are being rebuilt as native's "
           "nested module tree",
           lambda c: c.frontend == "fsdp1" and not c.orig_params),
-    Known("blocks compiled with fullgraph=True",
-          "the engine's pre-forward hook on each unit (fully_shard's, and the flat front-ends' "
-          "too) is traced into a per-block compile(fullgraph=True) and breaks it (a graph "
-          "break on a storage's nbytes); torch FSDP1's hooks sit outside the block",
-          lambda c: c.compile == "blocks"),
     Known("fully_shard compiled whole in low precision",
           "dynamo fails to build a shape guard when it recompiles our fully_shard model with "
           "bf16 / fp16 parameters (IndexError in symbolic_shapes); fp32 compiles and is equal",
           lambda c: c.frontend == "fsdp2" and c.compile == "whole" and c.param != "fp32"),
-    Known("FSDP1 NO_SHARD reducing on several micro-steps",
-          "native FSDP1 all-reduces the accumulated gradient again at every synced "
-          "micro-step (divide(accumulated + local), all-reduce, divide); ours reduces each "
-          "micro-step's own gradient and adds it: the last bits differ (the engine's "
-          "accumulation path, not yet assigned)",
-          lambda c: c.frontend in ("fsdp1", "zeta") and c.strategy == "no_shard"
-          and c.accumulate == "sync"),
     Known("torch's fully_shard root around our FSDP1 blocks",
           "torch's root gathers our blocks' pieces as its own parameters before our forward "
           "can refuse the pair; where its padded shards of our uneven pieces differ between "

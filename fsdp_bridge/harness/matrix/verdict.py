@@ -64,9 +64,9 @@ class Refusal:
 
 LISTED_REFUSALS: tuple[Refusal, ...] = (
     Refusal("a torch wrapper around our FSDP1 blocks is refused at our first forward (README, "
-            "Mixing dialects)", lambda c: c.outer != "none" and c.compile == "off"),
+            "Mixing dialects)", lambda c: c.outer != "none"),
     Refusal("a parameter assigned after our wrap is refused at the next forward (README, "
-            "Mixing dialects)", lambda c: c.late_param and c.compile == "off"),
+            "Mixing dialects)", lambda c: c.late_param),
 )
 
 
