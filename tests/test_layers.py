@@ -18,17 +18,17 @@ LAYERS = (
     ("engine", ("fsdp_bridge.engine",)),
     # What every front-end shares: argument tables and errors, auto-wrap policies, devices,
     # process-group topology, the FSDP1 module face, state dicts in torch's forms, the refusal
-    # of models that mix dialects.
+    # of models that mix dialects, the one atomic file writer (TorchAcc's saves use it too).
     ("front-end kit", ("fsdp_bridge.translation", "fsdp_bridge.policies", "fsdp_bridge.devices",
                        "fsdp_bridge.topology", "fsdp_bridge.wrapper", "fsdp_bridge.state_dicts",
-                       "fsdp_bridge.mixed_dialects")),
+                       "fsdp_bridge.mixed_dialects", "fsdp_bridge.outputs")),
     ("front-ends", ("fsdp_bridge.fsdp", "fsdp_bridge.ya_fsdp", "fsdp_bridge.zeta",
                     "fsdp_bridge.torchacc")),
     # Built on the front-ends: checkpoints, the equivalence harness, migration, measurement,
     # the training frameworks' routes onto them.
     ("tools", ("fsdp_bridge.checkpoint", "fsdp_bridge.harness", "fsdp_bridge.migrate",
                "fsdp_bridge.codemods", "fsdp_bridge.memory", "fsdp_bridge.explanation",
-               "fsdp_bridge.explain_cli", "fsdp_bridge.checkpoint_cli", "fsdp_bridge.outputs", "fsdp_bridge.bench",
+               "fsdp_bridge.explain_cli", "fsdp_bridge.checkpoint_cli", "fsdp_bridge.bench",
                "fsdp_bridge.tiny", "fsdp_bridge.demo", "fsdp_bridge.examples",
                "fsdp_bridge.extras", "fsdp_bridge.progress", "fsdp_bridge.text",
                "fsdp_bridge.integrations")),

@@ -21,6 +21,7 @@ from typing import Callable, Optional, Sequence
 
 from fsdp_bridge.harness.matrix.axes import Cell, native_limit, native_stand_in
 from fsdp_bridge.harness.matrix.verdict import Outcome, crashed, judge, not_run
+from fsdp_bridge.outputs import write_bytes
 
 # A rank left waiting in a collective gives up after this long: the cell is a crash.
 HANG_SECONDS = 120.0
@@ -58,9 +59,7 @@ def _rank_cells(rank: int, world_size: int, cells: Sequence[Cell], done_before: 
 
 def _write(folder: str, index: int, outcome: Outcome) -> None:
     path = os.path.join(folder, f"cell-{index:05d}.pkl")
-    with open(path + ".tmp", "wb") as handle:
-        pickle.dump(outcome, handle)
-    os.replace(path + ".tmp", path)
+    write_bytes(path, pickle.dumps(outcome))
 
 
 def _read(folder: str) -> list[Outcome]:
