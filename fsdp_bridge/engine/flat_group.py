@@ -559,8 +559,10 @@ class FlatGroup:
         if predivide != 1:
             theirs.div_(predivide)
         own = self.grad_part_pieces(grads, rank)
-        if predivide != 1:  # divided in the reduce dtype, as a laid-out gradient is
-            own = [(at, piece / predivide) for at, piece in own]
+        if predivide != 1:  # divided in the reduce dtype, as a laid-out gradient is (an fp16
+            # piece the reduce dtype holds exactly is kept as it is, but halving it in fp16
+            # would round its subnormals)
+            own = [(at, piece.to(self.reduce_dtype) / predivide) for at, piece in own]
         output = torch.empty_like(theirs)
 
         def add_own() -> None:

@@ -355,6 +355,8 @@ WORLD2 = {
     "fsdp1 fp16/bf16, 3 synchronised micro-steps, NO_SHARD": _pair(
         fsdp1, param=FP16, reduce=BF16, micro=3, strategy="NO_SHARD", use_orig_params=True,
         sync_every_step=True),
+    "fsdp1 fp16/fp32, 2 synchronised micro-steps": _pair(fsdp1, param=FP16, reduce=FP32,
+                                                        micro=2, sync_every_step=True),
     # FSDP2: sums in reduce_dtype, each gradient after the first added unrounded.
     "fsdp2 fp32 params, fp16 reduce, 3 micro-steps": _fsdp2_pair(param=FP32, reduce=FP16,
                                                                  micro=3),
