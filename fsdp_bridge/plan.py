@@ -121,6 +121,11 @@ class Plan:
     divide_around_reduce: bool = False
     # In which dtype gradients accumulated without synchronisation are summed.
     unsynced_grad_sum: UnsyncedGradSum = UnsyncedGradSum.REDUCE_DTYPE
+    # Where a rank's gradient shard is the whole gradient (a shard group of one rank), a
+    # gradient kept from an earlier backward joins the next backward's local gradient and is
+    # reduced again with it (FSDP1); otherwise each reduction's result is added to it. See
+    # [Note: a kept gradient reduced again] in engine/flat_group.py.
+    rereduce_kept_grad: bool = False
     frontend: str = "engine"  # who built the plan, for messages
     # Settings a front-end could not honour, each "argument: reason" (warned once at build).
     notes: tuple[str, ...] = ()
@@ -165,6 +170,8 @@ class Plan:
             lines.append("gradients divided before and after each reduction")
         if self.unsynced_grad_sum is not UnsyncedGradSum.REDUCE_DTYPE:
             lines.append(f"unsynchronised gradients summed in: {self.unsynced_grad_sum.value}")
+        if self.rereduce_kept_grad:
+            lines.append("kept gradients reduced again where shards are whole")
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -77,6 +77,7 @@ class FlatGroup:
         reduce_dtype: torch.dtype,
         sync_module_states: bool,
         unsynced_grad_sum: UnsyncedGradSum = UnsyncedGradSum.REDUCE_DTYPE,
+        rereduce_kept_grad: bool = False,
     ):
         self.unit_name = layout.unit_name
         self.slots = layout.slots
@@ -87,6 +88,7 @@ class FlatGroup:
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
         self.unsynced_grad_sum = unsynced_grad_sum
+        self.rereduce_kept_grad = rereduce_kept_grad
         self.numels = [slot.numel for slot in self.slots]
         self._init_layout()
         self.master = self._build_master(device, sync_module_states)
@@ -480,14 +482,48 @@ class FlatGroup:
         it: the sum starts as the first gradient laid out in `unsynced_dtype`, and each later
         gradient, laid out in its own dtype, is added into it."""
         if self.unsynced_grad is None:
-            self.unsynced_grad = torch.empty(
-                self.padded_numel, dtype=self.unsynced_dtype, device=self.device
-            )
-            self.write_full_grad(grads, self.unsynced_grad)
-            return
+            kept = self._take_kept_grad_to_rereduce()
+            if kept is None:
+                self.unsynced_grad = torch.empty(
+                    self.padded_numel, dtype=self.unsynced_dtype, device=self.device
+                )
+                self.write_full_grad(grads, self.unsynced_grad)
+                return
+            self.unsynced_grad = kept
         full = torch.empty(self.padded_numel, dtype=self.compute_dtype, device=self.device)
         self.write_full_grad(grads, full)
         self.unsynced_grad.add_(full)
+
+    def _rereduces_kept_grad(self) -> bool:
+        """[Note: a kept gradient reduced again] Where a rank's gradient shard is the whole
+        gradient (a shard group of one rank: NO_SHARD, hybrid sharding over groups of one, a
+        world of one), FSDP1 leaves a gradient kept from an earlier backward (several
+        synchronised micro-steps, or `.grad` not zeroed) in its flat parameter's `.grad`:
+        autograd adds the next backward's gradient into it, in the kept gradient's dtype, and
+        FSDP1 reduces that sum again (cast to the reduce dtype, divided, all-reduced, divided)
+        and makes the result the new gradient. Mathematically that is the kept gradient plus
+        the new mean, but it rounds otherwise than adding the new mean to the kept gradient,
+        which FSDP1 does wherever shards are parts, and FSDP2 everywhere. Under
+        `Plan.rereduce_kept_grad` the kept gradient (the pieces whose `.grad` the user dropped
+        as zero) starts the backward's local sum, as FSDP1 computes it, and the reduced sum
+        then replaces it rather than being added to it. A no_sync backward starts from it too,
+        as FSDP1's autograd adds into the same `.grad`."""
+        return (self.rereduce_kept_grad and self.comm.shard_size == 1
+                and self.grad_cycle is GradCycle.CLOSED and self._kept_grad_shard() is not None)
+
+    def _take_kept_grad_to_rereduce(self) -> Optional[torch.Tensor]:
+        """A copy of the kept gradient to start a local sum with, on the compute device, when
+        it is to be reduced again (see [Note: a kept gradient reduced again]); the group
+        then no longer counts it as a gradient to add the reduction to."""
+        if not self._rereduces_kept_grad():
+            return None
+        kept = self._kept_grad_shard()
+        assert kept is not None
+        for index, param in enumerate(self.local_params):
+            if param.grad is None:  # dropped on its own: it counts as zero
+                self._piece(kept, index).zero_()
+        self.grad_shard_ref = None
+        return kept.to(self.device, copy=True)
 
     def take_unsynced_grad(self, grads: Optional[tuple] = None) -> torch.Tensor:
         """The no_sync sum, with `grads` (the synchronising backward's, if any) added, in the
@@ -502,7 +538,7 @@ class FlatGroup:
         """Start reducing one backward's gradients (and any no_sync sum), each rank's part
         divided by `predivide` first; returns (work, shard-sized result tensor, what the
         reduction reads from until it is done)."""
-        if self.unsynced_grad is not None:
+        if self.unsynced_grad is not None or self._rereduces_kept_grad():
             full = self.take_unsynced_grad(grads)
         elif self.comm.swaps_halves and self.custom_reduce_scatter is None:
             return self._start_pair_reduce(grads, predivide)
@@ -523,8 +559,10 @@ class FlatGroup:
         if predivide != 1:
             theirs.div_(predivide)
         own = self.grad_part_pieces(grads, rank)
-        if predivide != 1:  # divided in the reduce dtype, as a laid-out gradient is
-            own = [(at, piece / predivide) for at, piece in own]
+        if predivide != 1:  # divided in the reduce dtype, as a laid-out gradient is (an fp16
+            # piece the reduce dtype holds exactly is kept as it is, but halving it in fp16
+            # would round its subnormals)
+            own = [(at, piece.to(self.reduce_dtype) / predivide) for at, piece in own]
         output = torch.empty_like(theirs)
 
         def add_own() -> None:

@@ -262,6 +262,7 @@ class ShardedModel:
             reduce_dtype=mp.effective_reduce_dtype(layout.dtype),
             sync_module_states=self.plan.sync_module_states,
             unsynced_grad_sum=self.plan.unsynced_grad_sum,
+            rereduce_kept_grad=self.plan.rereduce_kept_grad,
         )
         if isinstance(group, ExtensionGroup):  # the pre-hook's `mp_policy`
             group.mp_policy = MixedPrecisionPolicy(mp.param_dtype, mp.reduce_dtype,

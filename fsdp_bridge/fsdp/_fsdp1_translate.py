@@ -393,6 +393,7 @@ def build_plan(
         sync_module_states=sync_module_states,
         divide_around_reduce=True,
         unsynced_grad_sum=UnsyncedGradSum.COMPUTE_DTYPE,
+        rereduce_kept_grad=True,
         cpu_offload=bool(cpu_offload and cpu_offload.offload_params),
         frontend=frontend,
         notes=notes,

@@ -167,12 +167,13 @@ def build_plan(model: nn.Module, config, world: int) -> Plan:
                                 output_dtype=torch.float32))
     mode = ShardingMode.REPLICATE if fsdp == 1 else (ShardingMode.HYBRID if dp > 1
                                                      else ShardingMode.SHARD)
-    # TorchAcc's eager backend wraps with torch's FSDP1: its reductions and no_sync sums
-    # follow FSDP1's arithmetic.
+    # TorchAcc's eager backend wraps with torch's FSDP1: its reductions, no_sync sums and kept
+    # gradients follow FSDP1's arithmetic.
     return Plan(units=tuple(units) + (UnitSpec("", mode is not ShardingMode.REPLICATE),),
                 mode=mode, mixed_precision=precision,
                 sync_module_states=bool(fc.sync_module_states), divide_around_reduce=True,
-                unsynced_grad_sum=UnsyncedGradSum.COMPUTE_DTYPE, frontend=FRONTEND, notes=notes)
+                unsynced_grad_sum=UnsyncedGradSum.COMPUTE_DTYPE, rereduce_kept_grad=True,
+                frontend=FRONTEND, notes=notes)
 
 
 

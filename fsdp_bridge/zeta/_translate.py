@@ -98,7 +98,9 @@ def build_plan(model, auto_wrap=False, mp="fp32", shard_strat="NO_SHARD",
     dtype = _MP[mp]
     precision = (MixedPrecision(cast_root_forward_inputs=False) if dtype is None else
                  MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype))
-    # Zeta wraps with torch's FSDP1: its reductions and no_sync sums follow FSDP1's arithmetic.
+    # Zeta wraps with torch's FSDP1: its reductions, no_sync sums and kept gradients follow
+    # FSDP1's arithmetic.
     return Plan(units=tuple(units) + (UnitSpec("", reshard),), mode=mode,
                 mixed_precision=precision, divide_around_reduce=True,
-                unsynced_grad_sum=UnsyncedGradSum.COMPUTE_DTYPE, frontend=FRONTEND)
+                unsynced_grad_sum=UnsyncedGradSum.COMPUTE_DTYPE, rereduce_kept_grad=True,
+                frontend=FRONTEND)

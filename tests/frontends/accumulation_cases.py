@@ -127,8 +127,10 @@ def _torch_clip(model, max_norm=MAX_NORM):
 
 
 def fsdp1(which: str, rank: int, world: int, param, reduce, micro: int, strategy="FULL_SHARD",
-          use_orig_params=False, offload=False, mesh=None) -> dict:
-    """torch's FSDP1 script with `torch.distributed.fsdp` ("native") or `fsdp_bridge.fsdp`."""
+          use_orig_params=False, offload=False, mesh=None, sync_every_step=False) -> dict:
+    """torch's FSDP1 script with `torch.distributed.fsdp` ("native") or `fsdp_bridge.fsdp`;
+    accumulation by `no_sync()` (or every micro-step synchronised: gradients accumulate in
+    `.grad` across reducing backwards)."""
     import importlib
 
     fsdp = importlib.import_module({"native": "torch.distributed.fsdp",
@@ -144,7 +146,14 @@ def fsdp1(which: str, rank: int, world: int, param, reduce, micro: int, strategy
     if mesh is not None:
         kwargs["device_mesh"] = _mesh(mesh)
     model = fsdp.FullyShardedDataParallel(tiny_lm(), **kwargs)
-    return train(model, rank, world, micro, _no_sync_of(model), _fsdp1_clip)
+    backward_sync = _synced if sync_every_step else _no_sync_of(model)
+    return train(model, rank, world, micro, backward_sync, _fsdp1_clip)
+
+
+def _synced(last: bool):
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def _mesh(shape):
@@ -341,6 +350,13 @@ WORLD2 = {
     "fsdp1 fp16/fp32, 2 micro-steps, NO_SHARD": _pair(fsdp1, param=FP16, reduce=FP32, micro=2,
                                                      strategy="NO_SHARD"),
     "fsdp1 fp32/bf16, 1 micro-step": _pair(fsdp1, param=FP32, reduce=BF16, micro=1),
+    # ... except where a rank's shard is the whole gradient (NO_SHARD): a gradient kept from
+    # an earlier reducing backward is reduced again with the next one.
+    "fsdp1 fp16/bf16, 3 synchronised micro-steps, NO_SHARD": _pair(
+        fsdp1, param=FP16, reduce=BF16, micro=3, strategy="NO_SHARD", use_orig_params=True,
+        sync_every_step=True),
+    "fsdp1 fp16/fp32, 2 synchronised micro-steps": _pair(fsdp1, param=FP16, reduce=FP32,
+                                                        micro=2, sync_every_step=True),
     # FSDP2: sums in reduce_dtype, each gradient after the first added unrounded.
     "fsdp2 fp32 params, fp16 reduce, 3 micro-steps": _fsdp2_pair(param=FP32, reduce=FP16,
                                                                  micro=3),

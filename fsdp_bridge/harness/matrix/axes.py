@@ -68,7 +68,7 @@ AXES: dict[str, tuple[tuple, str]] = {
     "tied": ((False, True), "the output head's weight tied to the embedding"),
     "frozen": ((False, True), "one block's up-projection frozen (requires_grad=False)"),
     "ignored": ((False, True), "a side module left out of sharding (ignored_states / "
-                               "ignored_params)"),
+                               "ignored_params); its user averages its gradients"),
     "orig_params": ((True, False), "FSDP1's use_orig_params"),
     "init": (("real", "meta", "rank0"),
              "initialisation: real weights; meta + param_init_fn (FSDP2: to_empty + "
@@ -226,14 +226,6 @@ def _odd_args(s):
     return None
 
 
-def _diverging_replicas(s):
-    if s.get("strategy") == "hybrid" and s.get("ignored") and s.get("clip"):
-        return ("clipping with ignored parameters under hybrid sharding: each rank clips by its "
-                "own norm (its ignored gradients are its own), so replicas of a shard diverge, "
-                "natively too, and the digest cannot count them once")
-    return None
-
-
 def _compile_reentrant(s):
     if s.get("compile", "off") != "off" and s.get("ac", "off").endswith("reentrant"):
         return "reentrant checkpointing is a graph break torch.compile does not trace"
@@ -253,7 +245,7 @@ def _compile_flat(s):
 
 
 _RULES: tuple[Rule, ...] = (_micro_steps, _hybrid_world, _reduce_dtype, _buffer_dtype,
-                            _plain_model, _odd_args, _diverging_replicas, _compile_reentrant,
+                            _plain_model, _odd_args, _compile_reentrant,
                             _meta_tied, _compile_flat)
 
 

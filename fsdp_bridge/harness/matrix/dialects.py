@@ -81,6 +81,21 @@ def _checkpoint(model: nn.Module, mode: str) -> None:
         check_fn=lambda module: isinstance(module, M.Block))
 
 
+def _average_gradients_of(module: nn.Module) -> None:
+    """[Note: an ignored module's user keeps it in sync] The wrap leaves an ignored module
+    alone: nothing reduces its gradients, so each rank would train its copy on its own data and
+    the copies drift apart, natively too. Which copy a sharded checkpoint keeps then depends on
+    the layout (DCP writes a replicated tensor from the rank that writes least so far), and so
+    does a hybrid clip's coefficient. As its user would (with DDP, or by hand), each backward's
+    gradient is averaged over the ranks as it accumulates, on both sides of a cell."""
+    def average(param: torch.Tensor) -> None:
+        dist.all_reduce(param.grad, op=dist.ReduceOp.AVG)
+
+    for param in module.parameters():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(average)
+
+
 def _unwrapped(model: nn.Module) -> nn.Module:
     """The model under torch.compile's OptimizedModule."""
     return getattr(model, "_orig_mod", model)
@@ -140,6 +155,8 @@ class CellBackend(Backend):
     def wrap(self, model, recipe, env):
         torch.manual_seed(recipe.seed)  # initialisation from meta draws from here
         wrapped = self.shard(model, recipe, env)
+        if self.cell.ignored and env.world_size > 1:
+            _average_gradients_of(model.side)
         if self.cell.ac.startswith("after"):
             _checkpoint(wrapped, self.cell.ac)
         if self.cell.late_param:  # a new Parameter in place of one the wrap already holds
