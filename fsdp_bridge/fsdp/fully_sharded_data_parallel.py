@@ -64,7 +64,12 @@ from torch.distributed.fsdp.fully_sharded_data_parallel import (  # noqa: F401
 )
 
 from fsdp_bridge import devices, engine
-from fsdp_bridge.fsdp._fsdp1_translate import FRONTEND, build_plan, parse_sharding_strategy
+from fsdp_bridge.fsdp._fsdp1_translate import (
+    FRONTEND,
+    build_plan,
+    parse_sharding_strategy,
+    strategy_of,
+)
 from fsdp_bridge.mixed_dialects import refuse_other_dialects
 from fsdp_bridge.topology import Topology, resolve_topology
 from fsdp_bridge.translation import bad_argument, check_param_init_fn
@@ -124,6 +129,7 @@ def check_nested_groups(module: nn.Module, shard_group, replicate_group) -> None
 
 class FullyShardedDataParallel(ShardedWrapper):
     _frontend = FRONTEND
+    _wrapper_per_unit = True  # see [Note: one wrapper per unit] in fsdp_bridge/wrapper.py
 
     # torch's own: it names parameters by walking the model with wrapper children left out (ours
     # and activation checkpointing's) and numbers them as the optimizer does, which reads our
@@ -180,13 +186,23 @@ class FullyShardedDataParallel(ShardedWrapper):
         # failure anywhere puts it back as it was (see engine/rollback.py).
         check_nested_groups(module, topology.shard_group, topology.replicate_group)
         with engine.restored_on_failure(module):
-            nested = self.release_nested(module)
+            nested, unit_wrappers = self.take_out_wrappers(module)
             plan = build_plan(module, nested=nested, **translate_kwargs)
             sharded = shard_flat(module, plan, shard_group=topology.shard_group,
                                  replicate_group=topology.replicate_group, device=device,
                                  param_init_fn=param_init_fn)
+            if not use_orig_params:  # see [Note: flat parameters] in engine/flat_params.py
+                engine.expose_flat_params(sharded)
             self._attach(module, sharded, dict(translate_kwargs, process_group=process_group,
-                                               device_mesh=device_mesh), nested)
+                                               device_mesh=device_mesh), unit_wrappers)
+
+    def _unit_wrapper_kwargs(self, unit) -> dict:
+        """A unit's wrapper reports the root's arguments with its own sharding strategy (a
+        CustomPolicy may have changed its resharding)."""
+        spec = next(spec for spec in self._sharded.plan.units if spec.name == unit.name)
+        return dict(self._fsdp_kwargs,
+                    sharding_strategy=strategy_of(self._sharded.plan.mode,
+                                                  spec.reshard_after_forward))
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:
