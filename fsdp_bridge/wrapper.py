@@ -60,6 +60,7 @@ from fsdp_bridge import engine
 from fsdp_bridge.mixed_dialects import refuse_taken_over
 from fsdp_bridge.state_dicts import (
     below_root,
+    flat_optim,
     fsdp1_optim,
     model_state,
     optim_state,
@@ -226,9 +227,16 @@ class ShardedWrapper(nn.Module):
         return {k: self._fsdp_kwargs.get(k) for k in ("sharding_strategy", "mixed_precision")}
 
     def _groups(self, recurse: bool = True) -> list:
-        """The flat groups of this wrapper's unit (and, with `recurse`, of the units inside it)."""
-        units = engine.units_within(self._sharded, self._modules[WRAPPED]) if recurse \
-            else [self._unit]
+        """The flat groups of the units inside this wrapper; without `recurse`, only of those
+        that no wrapper inside it stands for (its own unit, with a wrapper per unit)."""
+        inner = self._modules[WRAPPED]
+        units = engine.units_within(self._sharded, inner)
+        if not recurse:
+            nested = [sub._modules[WRAPPED] for sub in inner.modules()
+                      if isinstance(sub, ShardedWrapper)]
+            theirs = {id(unit) for sub in nested
+                      for unit in engine.units_within(self._sharded, sub)}
+            units = [unit for unit in units if id(unit) not in theirs]
         return [group for unit in units for group in unit.groups]
 
     # -- the wrapped model --------------------------------------------------------------------
@@ -489,7 +497,9 @@ class ShardedWrapper(nn.Module):
             yield (name.replace(WRAPPED + ".", "") if clean else name), buffer
 
     def apply(self, fn):
-        with ShardedWrapper.summon_full_params(self, writeback=True):
+        """`fn` on every module, with full parameters: each wrapper gathers its own unit while
+        `nn.Module.apply` reaches it (as torch's FSDP1), so no unit is gathered twice."""
+        with ShardedWrapper.summon_full_params(self, recurse=False, writeback=True):
             return nn.Module.apply(self, fn)
 
     @staticmethod
@@ -522,7 +532,8 @@ class ShardedWrapper(nn.Module):
         """FSDP1's full optimizer state dict, named from `model` (see [Note: the optimizer of
         a model holding the wrapper])."""
         if model is root:
-            return engine.full_optim_state_dict(root._sharded, optim, rank0_only=rank0_only)
+            return engine.full_optim_state_dict(root._sharded, flat_optim.pieces_of(optim),
+                                                rank0_only=rank0_only)
         full = optim_state.get_optimizer_state_dict(model, [optim], full_state_dict=True)
         return {} if rank0_only and parts.world_rank() != 0 else full
 
@@ -542,7 +553,9 @@ class ShardedWrapper(nn.Module):
                 result = optim_state.optimizer_states_to_load(model, [optim],
                                                               optim_state_dict)[0]
             else:
-                result = engine.optim_state_dict_to_load(root._sharded, optim, optim_state_dict)
+                pieces = flat_optim.pieces_of(optim)
+                result = flat_optim.for_optimizer(pieces, engine.optim_state_dict_to_load(
+                    root._sharded, pieces, optim_state_dict))
         if load_directly:
             optim.load_state_dict(result)
         return result
@@ -587,7 +600,9 @@ class ShardedWrapper(nn.Module):
                                               full_optim_state_dict)
         if model is not root:  # see [Note: the optimizer of a model holding the wrapper]
             return optim_state.optimizer_states_to_load(model, [optim], full_optim_state_dict)[0]
-        return engine.optim_state_dict_to_load(root._sharded, optim, full_optim_state_dict)
+        pieces = flat_optim.pieces_of(optim)
+        return flat_optim.for_optimizer(pieces, engine.optim_state_dict_to_load(
+            root._sharded, pieces, full_optim_state_dict))
 
     @staticmethod
     def scatter_full_optim_state_dict(full_optim_state_dict: Optional[dict], model: nn.Module,
