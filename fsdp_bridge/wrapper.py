@@ -166,9 +166,14 @@ class ShardedWrapper(nn.Module):
         object.__setattr__(self, "_fsdp_kwargs", kwargs)
         self._set_state_dict_settings(StateDictSettings(StateDictType.FULL_STATE_DICT,
                                                         *_default_config(StateDictType.FULL_STATE_DICT)))
-        if "_hooked_into_loads" not in self.__dict__:
-            below_root.hook_into_parent_loads(self)
-            self.__dict__["_hooked_into_loads"] = True
+        # A root's loads through a parent module cover the units' wrappers inside it (and a
+        # root wrapped by hand inside another becomes a unit's wrapper).
+        handles = self.__dict__.pop("_parent_load_hooks", ())
+        if unit.is_root:
+            self.__dict__["_parent_load_hooks"] = handles or below_root.hook_into_parent_loads(self)
+        else:
+            for handle in handles:
+                handle.remove()
 
     def _wrap_units(self, reuse: dict) -> None:
         """Put a wrapper above each non-root unit's module, in its parent, inner units first."""

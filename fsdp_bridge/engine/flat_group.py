@@ -47,7 +47,7 @@ from torch import nn
 
 from fsdp_bridge.engine.buffers import GatherBuffer
 from fsdp_bridge.engine.comm import Comm
-from fsdp_bridge.engine.layout import FLATTENED_MARK, GroupLayout
+from fsdp_bridge.engine.layout import FLATTENED_MARK, HIDDEN_ORIGINALS, GroupLayout
 
 
 class GradCycle(enum.Enum):
@@ -309,15 +309,13 @@ class FlatGroup:
         flat = nn.Parameter(self.master, requires_grad=self.requires_grad)  # same storage
         setattr(flat, "_fsdp_bridge_replicas", self.comm.replicate_size)
         setattr(flat, FLATTENED_MARK, True)
+        setattr(flat, HIDDEN_ORIGINALS, tuple(self.local_params))
         self.flat_param = flat
         self.resting = [_storage_less(slot.shape, self.master.dtype, self.device)
                         for slot in self.slots]
         for param in self.local_params:
             param.grad = None
         return flat
-
-    def drop_flat_param(self) -> None:
-        self.flat_param = self.resting = None
 
     # -- gathering ----------------------------------------------------------------------------
 

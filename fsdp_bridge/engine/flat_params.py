@@ -50,6 +50,11 @@ def exposes_flat_params(sharded: ShardedModel) -> bool:
     return bool(_flat_units(sharded))
 
 
+def shows_flat_params(sharded: ShardedModel) -> bool:
+    """Whether the modules hold the flat parameters now (not inside `originals_registered`)."""
+    return exposes_flat_params(sharded) and not _OPEN.get(sharded, 0)
+
+
 def expose(sharded: ShardedModel) -> None:
     """Give every unit of `sharded` its flat parameter (see [Note: flat parameters]); each unit
     must have at most one flat group."""
@@ -59,18 +64,20 @@ def expose(sharded: ShardedModel) -> None:
             continue
         assert len(unit.groups) == 1, f"unit {unit.name!r} has several flat groups"
         flat = unit.groups[0].make_flat_param()
-        setattr(flat, OWNER_ATTRIBUTE, ref)
+        for tensor in [flat, *(unit.groups[0].resting or ())]:
+            setattr(tensor, OWNER_ATTRIBUTE, ref)  # the model a module's tensors belong to
         _register_flat(unit, unit.groups[0])
 
 
 def withdraw(sharded: ShardedModel) -> None:
-    """Undo `expose`: the original parameters registered again, no flat parameters."""
+    """Undo `expose` in the module tree (releasing the model): the original parameters
+    registered again, no flat parameters. The groups keep theirs: a failed wrap around this
+    model puts the tree back as it was (see engine/rollback.py), and with it this state."""
     for unit, group in _flat_units(sharded):
         _register_originals(unit, group)
         for slot in group.slots:
             for owner, attr in slot.owners:
                 owner.__dict__.pop(attr, None)
-        group.drop_flat_param()
     _OPEN.pop(sharded, None)
 
 
@@ -119,13 +126,16 @@ def _register_flat(unit: Unit, group: FlatGroup) -> None:
 
 def displaced_flat_param(sharded: ShardedModel) -> Optional[tuple[str, Optional[torch.Tensor]]]:
     """(name, what its module holds now) for the first flat parameter its unit's module no
-    longer holds, or None (see `ownership.displaced_parameter`)."""
-    if _OPEN.get(sharded, 0):
-        return None
+    longer holds, or for the first original parameter whose module registers a parameter
+    again, or None (see `ownership.displaced_parameter`)."""
     for unit, group in _flat_units(sharded):
         now = unit.module._parameters.get(FLAT_PARAM)
         if now is not group.flat_param:
             return (f"{unit.name}.{FLAT_PARAM}" if unit.name else FLAT_PARAM), now
+        for slot in group.slots:
+            for owner, attr in slot.owners:
+                if owner._parameters.get(attr) is not None:
+                    return slot.fqn, owner._parameters[attr]
     return None
 
 

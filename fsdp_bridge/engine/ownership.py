@@ -52,7 +52,7 @@ def displaced_parameter(sharded: ShardedModel) -> Optional[tuple[str, Optional[t
     redone after wrapping) and `summon_full_params`'s full ones are not displaced. With flat
     parameters, what each unit's module must hold is its flat parameter (see
     engine/flat_params.py)."""
-    if flat_params.exposes_flat_params(sharded):
+    if flat_params.shows_flat_params(sharded):
         return flat_params.displaced_flat_param(sharded)
     for group in sharded.flat_groups():
         if isinstance(group, RowGroup):

@@ -46,7 +46,11 @@ TABLE = register_table(
             translated("auto_wrap_policy", "Plan.units: torch's own policy code is run "
                        "(`_Policy._run_policy`, or `_recursive_wrap` for callables, with FSDP1's "
                        "recursion and numel bookkeeping), post-order, root last; CustomPolicy "
-                       "dicts are per-unit overrides"),
+                       "dicts are per-unit overrides; each unit becomes a "
+                       "FullyShardedDataParallel around its module in the tree, as natively "
+                       "(names, fsdp_modules, isinstance check_fns, per-unit state dicts and "
+                       "summon_full_params; clip_grad_norm_ and no_sync on the root only); "
+                       "hand-nested wrappers stay where they are, as units"),
             translated("mixed_precision", "MixedPrecision(param_dtype, reduce_dtype (None -> "
                        "param_dtype, as FSDP1), buffer_dtype, cast_forward_inputs, "
                        "cast_root_forward_inputs)"),
@@ -81,10 +85,16 @@ TABLE = register_table(
             translated("device_id", "the compute device (an int is a CUDA index)"),
             translated("sync_module_states", "Plan.sync_module_states: rank 0's parameters and "
                        "buffers are broadcast (works on CPU, unlike native FSDP1)"),
-            translated("use_orig_params", "both values: parameters are always the user's "
-                       "own Parameter objects (1-D local shards under their names), so an "
-                       "optimizer built before wrapping trains; False only changes what native "
-                       "FSDP1 shows in named_parameters() (FlatParameters)"),
+            translated("use_orig_params", "False: named_parameters() gives each unit's flat "
+                       "parameter (`..._fsdp_wrapped_module._flat_param`), native's local flat "
+                       "shard (same order, padding and shape) and the unit's master shard "
+                       "itself, so an optimizer over them trains as native's; FSDP1's "
+                       "optimizer-state APIs name its state per original parameter, torch's "
+                       "get/set_optimizer_state_dict refuse it; an optimizer built before the "
+                       "wrap is refused at its first step (native trains nothing with it); a "
+                       "unit mixing dtypes or requires_grad is refused, as natively. True: the "
+                       "user's own Parameter objects as 1-D local shards under their names, so "
+                       "an optimizer built before wrapping trains"),
             ignored("backward_prefetch", "the engine chooses the point by device: on the "
                     "CPU a unit's gather starts when the unit before it has finished its "
                     "backward, beside that unit's reduction (BACKWARD_POST's point, for the "

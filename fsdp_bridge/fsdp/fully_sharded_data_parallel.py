@@ -1,17 +1,22 @@
 """FSDP1's `FullyShardedDataParallel` over our engine.
 
+The module tree is native FSDP1's (see [Note: one wrapper per unit] in fsdp_bridge/wrapper.py):
+with an auto-wrap policy or hand-nested wrappers, every unit is a FullyShardedDataParallel
+around its module, with native's attribute and parameter names, all of them faces of one
+engine. With `use_orig_params=False` (the default) `named_parameters()` gives one flat
+parameter per unit, shaped as native's local flat shard, which is the engine's master shard
+itself (see [Note: flat parameters] in fsdp_bridge/engine/flat_params.py); with True, the
+original parameters as 1-D local pieces.
+
 Differences users can see (all documented in the argument table):
-- Wrappers never stay nested: auto-wrapped units are units of the Plan, not wrapper modules in
-  the tree, and hand-nested wrappers are adopted by the outer one (see `fsdp_bridge.wrapper`).
-  `FSDP.fsdp_modules(model)` therefore lists the root wrappers only.
-- Parameters are always the user's own Parameter objects (1-D local shards, as
-  `use_orig_params=True`), whatever `use_orig_params` says: an optimizer built before wrapping
-  trains.
 - A hand-nested wrapper over other ranks than the root's is refused (see check_nested_groups).
 - LOCAL_STATE_DICT holds our flat groups under `<unit>._bridge_flat_param.<i>`, not native's
-  `<wrapper>._flat_param`, whose packing is torch's: a native LOCAL dict is refused by name
-  (see fsdp_bridge/engine/local_state.py). The legacy `sharded_optim_state_dict` gives
-  DTensors where native gives ShardedTensors; `flatten_sharded_optim_state_dict` reads both.
+  `<wrapper>._flat_param`: a native LOCAL dict is refused by name (see
+  fsdp_bridge/engine/local_state.py). The legacy `sharded_optim_state_dict` gives DTensors
+  where native gives ShardedTensors; `flatten_sharded_optim_state_dict` reads both.
+- torch's `get_optimizer_state_dict` / `set_optimizer_state_dict` refuse an optimizer over the
+  flat parameters (see [Note: torch's helpers and flat parameters] in
+  fsdp_bridge/state_dicts/torch_helpers.py); FSDP1's own optimizer-state APIs take it.
 - It runs on CPU without `device_id`, with `sync_module_states`, CPU offload and full state
   dicts offloaded to CPU (all of which native FSDP1 refuses on a CPU-only build).
 """

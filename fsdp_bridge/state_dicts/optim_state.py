@@ -363,6 +363,22 @@ def rows_as_pieces(optimizer, state_dict: dict) -> dict:
     return {STATE: state, GROUPS: state_dict[GROUPS]}
 
 
+def refuse_hidden_originals(optimizer) -> None:
+    """An optimizer built before a wrap with `use_orig_params=False` holds the original
+    parameters, which the model no longer registers and no backward gives a gradient (native
+    FSDP1 then trains nothing, silently): refuse its first step, naming the fix."""
+    for entry in flat_piece_entries(_optimizer_params(optimizer)).values():
+        if entry.group.flat_param is not None:
+            slot = entry.group.slots[entry.index]
+            raise RuntimeError(
+                f"{type(optimizer).__name__} steps parameter {slot.fqn!r}, which "
+                "FullyShardedDataParallel(use_orig_params=False) flattened into its unit's flat "
+                "parameter: no backward gives it a gradient any more, so this step would train "
+                "nothing (native FSDP1 silently does). Build the optimizer after wrapping, over "
+                "model.parameters() (the flat parameters), or wrap with use_orig_params=True to "
+                "keep an optimizer built before.")
+
+
 def check_local_shapes(optimizer) -> None:
     """Every per-parameter state tensor of a flat piece must be shaped like the piece."""
     params = _optimizer_params(optimizer)
