@@ -55,6 +55,7 @@ from torch.distributed.fsdp import (
     StateDictSettings,
     StateDictType,
 )
+from torch.distributed.fsdp.fully_sharded_data_parallel import FLAT_PARAM
 
 from fsdp_bridge import engine
 from fsdp_bridge.mixed_dialects import refuse_taken_over
@@ -333,6 +334,11 @@ class ShardedWrapper(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         inner = self._modules[WRAPPED]
         if called_by_torch_helpers():
+            if engine.exposes_flat_params(self._sharded):
+                # torch's helpers add what they find registered (the flat parameters, under
+                # `..._flat_param`) to a full state dict they load: not the model's keys.
+                state_dict = {key: value for key, value in state_dict.items()
+                              if key.rpartition(".")[2] != FLAT_PARAM}
             return self._load_rows_state_dict(state_dict, strict)
         if self._state_dict_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             return self._load_sharded_state_dict(state_dict, strict)
