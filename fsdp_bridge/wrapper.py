@@ -277,10 +277,10 @@ class ShardedWrapper(nn.Module):
         refuses on its non-root instances."""
         if not self._unit.is_root:
             raise RuntimeError(
-                f"`{method}()` should only be called on the root {self._frontend} instance: "
-                f"this one wraps the unit {self._unit.name!r} inside it. Call root.{method}(...) "
-                "on the outermost wrapper, which covers every unit (as torch's FSDP1 "
-                "requires).")
+                f"{self._frontend}.{method}() should only be called on the root instance: "
+                f"this one wraps the unit {self._unit.name!r} inside another. Call "
+                f"root.{method}(...) on the outermost wrapper, which covers every unit (torch's "
+                "FSDP1 refuses it on inner instances too).")
 
     # -- training -----------------------------------------------------------------------------
 

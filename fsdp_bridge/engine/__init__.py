@@ -4,7 +4,8 @@ Its public verbs, one module each, are re-exported here: `shard_model` / `get_sh
 `ownership` (owner_of, release), `summon` (summon_full_params), `grad_norm` (grad_norm,
 clip_grads_), `state_dict` (full and per-rank state dicts), `local_state` (FSDP1's
 LOCAL_STATE_DICT: the flat shards), `optim_state` (FSDP1's full
-optimizer state dicts), `unit_verbs` (FSDP2's per-unit unshard / reshard / divide factor).
+optimizer state dicts), `unit_verbs` (FSDP2's per-unit unshard / reshard / divide factor),
+`flat_params` (FSDP1's one parameter per unit over its master shard, `use_orig_params=False`).
 
 It applies a `fsdp_bridge.plan.Plan` and knows nothing of FSDP dialects; front-ends build the
 Plan. Entry point: `shard_model(module, plan, ...)`.

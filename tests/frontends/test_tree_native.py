@@ -3,8 +3,9 @@
 and one of 3, `use_orig_params` False and True, FULL_SHARD and SHARD_GRAD_OP: module and
 parameter names, shapes, `requires_grad`, `fsdp_modules`, the units an `isinstance` `check_fn`
 checkpoints (each block then runs its forward twice a step), every unit's FULL state dict,
-`summon_full_params` on a unit, `clip_grad_norm_` refused on a unit, and three AdamW steps with
-by-name param groups, bit for bit; also hand-nested wrappers and Zeta's auto-wrapped tree."""
+`summon_full_params` on a unit, `clip_grad_norm_` refused on a unit, hooks on a unit, a unit's
+FULL state dict loaded back, and three AdamW steps with by-name param groups, bit for bit; also
+hand-nested wrappers and Zeta's auto-wrapped tree."""
 
 from __future__ import annotations
 
@@ -46,13 +47,17 @@ def test_tree_and_training_equal_native(world, name):
         result = case(results, name, rank)
         ours, native = result["ours"], result["native"]
         assert ours["tree"] == native["tree"]
+        assert ours["unit_tree"] == native["unit_tree"]
         assert ours["tree_after_ac"] == native["tree_after_ac"]
+        # Each step runs the unit's forward and, checkpointed, again in backward: hooks too.
+        assert ours["unit_hook_calls"] == native["unit_hook_calls"] == ["pre", "post"] * 2 * C.STEPS
         assert ours["checkpointed"] == native["checkpointed"] == [
             f"_fsdp_wrapped_module.layers.{i}" for i in range(3)]
         assert ours["forwards"] == native["forwards"] == [2 * C.STEPS] * 3  # recomputed
         assert ours["summoned"] == native["summoned"]
         assert ours["unit_clip"] == native["unit_clip"] == "RuntimeError"
         _same_training(ours, native)
+        _same_tensors(ours["after_unit_load"], native["after_unit_load"], "unit loaded")
         if name.startswith("flat"):  # one flat parameter per unit: nothing matches by name
             assert native["no_decay"] == 0 and ours["tree"]["count"] == 4
 

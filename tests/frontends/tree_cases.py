@@ -110,9 +110,7 @@ def _train(fsdp, model: nn.Module, rank: int) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    with fsdp.state_dict_type(model, StateDictType.FULL_STATE_DICT):
-        state = {k: v.clone() for k, v in model.state_dict().items()}
-    return {"losses": losses, "state": state,
+    return {"losses": losses, "state": _full(fsdp, model),
             "no_decay": len(groups[1]["params"]), "decay": len(groups[0]["params"]),
             "forwards": [block.forwards for block in _blocks(model)]}
 
@@ -125,12 +123,22 @@ def _wrap(which: str, use_orig_params: bool, strategy: ShardingStrategy):
     return fsdp, model
 
 
+def _full(fsdp, module: nn.Module) -> dict:
+    with fsdp.state_dict_type(module, StateDictType.FULL_STATE_DICT):
+        return {k: v.clone() for k, v in module.state_dict().items()}
+
+
 def _side(which: str, rank: int, use_orig_params: bool, strategy: ShardingStrategy) -> dict:
     fsdp, model = _wrap(which, use_orig_params, strategy)
     out = {"tree": _tree(fsdp, model)}
     unit = model.layers[1]
+    out["unit_tree"] = _tree(fsdp, unit)
     with fsdp.summon_full_params(unit):
         out["summoned"] = [(n, tuple(p.shape)) for n, p in unit.named_parameters()]
+    initial = _full(fsdp, unit)
+    calls = out["unit_hook_calls"] = []
+    unit.register_forward_pre_hook(lambda module, args: calls.append("pre"))
+    unit.register_forward_hook(lambda module, args, output: calls.append("post"))
     try:
         unit.clip_grad_norm_(1.0)
         out["unit_clip"] = "no error"
@@ -145,6 +153,9 @@ def _side(which: str, rank: int, use_orig_params: bool, strategy: ShardingStrate
     out["tree_after_ac"] = _tree(fsdp, model)
     out.update(_train(fsdp, model, rank))
     out["unit_state_dicts"] = _unit_state_dicts(fsdp, model)
+    with fsdp.state_dict_type(unit, StateDictType.FULL_STATE_DICT):  # an adapter loaded back
+        unit.load_state_dict(initial)
+    out["after_unit_load"] = _full(fsdp, model)
     return out
 
 
