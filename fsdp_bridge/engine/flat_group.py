@@ -38,6 +38,7 @@ gather; FSDP2 issues it, and its all-gather, on a stream of their own.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import weakref
 from typing import Optional
@@ -58,6 +59,15 @@ class GradCycle(enum.Enum):
 
     CLOSED = "closed"  # no reduced gradient held; `.grad` (if any) is the user's
     OPEN = "open"  # reductions are being summed into the accumulator
+
+
+@dataclasses.dataclass
+class ShownFlat:
+    """A group shown as FSDP1's flat parameter (see [Note: flat parameters] in
+    flat_params.py)."""
+
+    param: nn.Parameter  # over the master shard: the same storage
+    resting: list[torch.Tensor]  # per parameter, what its owners hold outside forward
 
 
 class FlatGroup:
@@ -95,10 +105,8 @@ class FlatGroup:
         # Per parameter, whether a backward of the cycle gave it a gradient (None: no
         # backward yet). See [Note: parameters without a gradient].
         self.grads_seen: Optional[list[bool]] = None
-        # FSDP1's flat parameter over the master, and per parameter the storage-less tensor
-        # its owners hold outside forward; None unless shown (see engine/flat_params.py).
-        self.flat_param: Optional[nn.Parameter] = None
-        self.resting: Optional[list[torch.Tensor]] = None
+        # FSDP1's flat parameter over the master, if shown (see engine/flat_params.py).
+        self.shown_flat: Optional[ShownFlat] = None
 
     # Derived, not stored: each attribute an instance stores counts against the key-sharing
     # dict CPython gives instances of one class (30 keys), and past that every group pays for
@@ -107,6 +115,14 @@ class FlatGroup:
     def device(self) -> torch.device:
         """Where the group computes and reduces (its master may live on the host)."""
         return self.gate.device
+
+    @property
+    def flat_param(self) -> Optional[nn.Parameter]:
+        return self.shown_flat.param if self.shown_flat is not None else None
+
+    @property
+    def resting(self) -> Optional[list[torch.Tensor]]:
+        return self.shown_flat.resting if self.shown_flat is not None else None
 
     @property
     def numel(self) -> int:
@@ -310,9 +326,8 @@ class FlatGroup:
         setattr(flat, "_fsdp_bridge_replicas", self.comm.replicate_size)
         setattr(flat, FLATTENED_MARK, True)
         setattr(flat, HIDDEN_ORIGINALS, tuple(self.local_params))
-        self.flat_param = flat
-        self.resting = [_storage_less(slot.shape, self.master.dtype, self.device)
-                        for slot in self.slots]
+        self.shown_flat = ShownFlat(flat, [_storage_less(slot.shape, self.master.dtype,
+                                                         self.device) for slot in self.slots])
         for param in self.local_params:
             param.grad = None
         return flat
@@ -580,8 +595,10 @@ class FlatGroup:
             return
         self.grad_shard = kept
         for index, param in enumerate(self.local_params):
-            if param.grad is None and self.flat_param is None:  # dropped on its own: it
-                self._piece(kept, index).zero_()                # starts again from zero
+            # A `.grad` the user dropped on its own starts again from zero (the pieces of a
+            # flat parameter have none: its own `.grad` is the shard kept).
+            if param.grad is None and self.flat_param is None:
+                self._piece(kept, index).zero_()
         self.accumulator = first
 
     @property
@@ -674,11 +691,15 @@ class FlatGroup:
 
 
 def _storage_less(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A plain tensor of `shape` without storage (none is allocated): what native FSDP1's
-    modules hold for their flattened parameters outside forward."""
+    """A plain tensor of `shape` whose storage is freed: what native FSDP1's modules hold for
+    their flattened parameters outside forward. Giving it the shape sizes its storage (not
+    written, so not touched), which is freed at once: one parameter's worth for an instant."""
     stride = torch.empty(shape, device="meta").stride()
-    empty = torch.empty(0, dtype=dtype, device=device)
-    return empty.set_(empty.untyped_storage(), 0, shape, stride)
+    tensor = torch.empty(0, dtype=dtype, device=device)
+    storage = tensor.untyped_storage()
+    tensor.set_(storage, 0, shape, stride)
+    storage.resize_(0)
+    return tensor
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:

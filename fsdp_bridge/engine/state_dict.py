@@ -60,7 +60,6 @@ def held_entries(sharded: ShardedModel, module: Optional[nn.Module] = None
                                     keep_vars=True)
 
 
-
 def groups_holding(sharded: ShardedModel, entries: dict[str, torch.Tensor]) -> list:
     """The flat groups (in the model's order, the same on every rank) that hold a piece of
     one of `entries`' tensors."""

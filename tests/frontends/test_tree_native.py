@@ -49,8 +49,10 @@ def test_tree_and_training_equal_native(world, name):
         assert ours["tree"] == native["tree"]
         assert ours["unit_tree"] == native["unit_tree"]
         assert ours["tree_after_ac"] == native["tree_after_ac"]
-        # Each step runs the unit's forward and, checkpointed, again in backward: hooks too.
-        assert ours["unit_hook_calls"] == native["unit_hook_calls"] == ["pre", "post"] * 2 * C.STEPS
+        # Each step runs the unit's forward and, checkpointed, again in backward (its hooks
+        # too; torch's recomputation stops once it has what backward needs).
+        assert ours["unit_hook_calls"] == native["unit_hook_calls"]
+        assert native["unit_hook_calls"].count("pre") == 2 * C.STEPS
         assert ours["checkpointed"] == native["checkpointed"] == [
             f"_fsdp_wrapped_module.layers.{i}" for i in range(3)]
         assert ours["forwards"] == native["forwards"] == [2 * C.STEPS] * 3  # recomputed
