@@ -229,8 +229,10 @@ class ShardedWrapper(nn.Module):
         return tuple(found), wrappers
 
     def _unit_kwargs(self) -> dict:
-        """The settings a unit made from this wrapper keeps when an outer wrapper adopts it."""
-        return {k: self._fsdp_kwargs.get(k) for k in ("sharding_strategy", "mixed_precision")}
+        """The settings a unit made from this wrapper keeps when an outer wrapper adopts it
+        (the outer one refuses those it cannot honour per unit: see `build_plan`)."""
+        keys = ("sharding_strategy", "mixed_precision", "use_orig_params")
+        return {k: self._fsdp_kwargs[k] for k in keys if k in self._fsdp_kwargs}
 
     def _groups(self, recurse: bool = True) -> list:
         """The flat groups of the units inside this wrapper; without `recurse`, only of those

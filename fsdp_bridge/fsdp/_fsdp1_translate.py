@@ -92,7 +92,8 @@ TABLE = register_table(
                        "optimizer-state APIs name its state per original parameter, torch's "
                        "get/set_optimizer_state_dict refuse it; an optimizer built before the "
                        "wrap is refused at its first step (native trains nothing with it); a "
-                       "unit mixing dtypes or requires_grad is refused, as natively. True: the "
+                       "unit mixing dtypes or requires_grad is refused, as natively, and so is "
+                       "a nested wrapper with another value than the root's. True: the "
                        "user's own Parameter objects as 1-D local shards under their names, so "
                        "an optimizer built before wrapping trains"),
             ignored("backward_prefetch", "the engine chooses the point by device: on the "
