@@ -87,13 +87,24 @@ def refuse_other_dialects(frontend: str, module: nn.Module) -> None:
     inside a model another of our dialects already shards (the outer one wrapped first)."""
     outer = OURS.get(frontend, frontend)
     _refuse_wrappers_inside(frontend, outer, module)
-    for name, param in module.named_parameters():
+    for name, param in _sharded_tensors(module):
         owner = engine.owner_of(param)
         inner = OURS.get(owner.plan.frontend, owner.plan.frontend) if owner else outer
         if inner != outer:
             found = Shown(f"a module inside the {type(owner.module).__name__} that {inner} "
                           f"already shards (its parameter {name!r})")
             raise _mixed(outer, inner, found)
+
+
+def _sharded_tensors(module: nn.Module):
+    """(name, tensor) for the parameters of `module`, and for the tensors its modules hold in
+    place of parameters flattened into a unit's flat parameter (FSDP1's `use_orig_params=False`
+    de-registers them: see engine/flat_params.py)."""
+    yield from module.named_parameters()
+    for path, sub in module.named_modules():
+        for attr, value in vars(sub).items():
+            if isinstance(value, torch.Tensor) and engine.owner_of(value) is not None:
+                yield (f"{path}.{attr}" if path else attr), value
 
 
 def _mixed(outer: str, inner: str, found: Shown) -> ValueError:

@@ -19,14 +19,22 @@ rows (see [Note: sharded state dicts are DTensors over the rows] there), and loa
 or full form, from any world size, gathering each value before keeping this rank's range.
 Optimizer state dicts follow the same rule (keyed by parameter name, as native FSDP1's).
 
-[Note: nesting]
-Wrappers never stay nested: when a wrapper is built over a module that already contains
-wrappers (FSDP1 manual wrapping, `enable_wrap`/`wrap`), the inner ones are released (their
-engine state is undone) and replaced in the tree by the modules they wrapped; the outer wrapper
-shards everything with them as units. So the module tree below a wrapper, and every
-`state_dict()` key, are those of the unwrapped model. A released wrapper the user still holds
-answers `check_is_root()` with False and refuses the methods that need engine state
-(`clip_grad_norm_`, `no_sync`, `state_dict`, `load_state_dict`), naming the root to call.
+[Note: one wrapper per unit]
+Torch's FSDP1 builds one FullyShardedDataParallel instance per unit: with an auto-wrap policy
+each unit's module is replaced in its parent by a wrapper around it, and hand-nested wrappers
+stay where the user put them. Training code walks that tree (`FSDP.fsdp_modules`, a `check_fn`
+of `isinstance(m, FSDP)` for activation checkpointing, per-unit state dicts, names with
+`_fsdp_wrapped_module.`), so front-ends whose native library builds it (`_wrapper_per_unit`)
+build it too: one engine shards the whole model with the units of its Plan, and once it has,
+each non-root unit's module is put under a wrapper of the root's class, in its place. Such a
+unit wrapper holds no engine state of its own: it is a face of its unit in the root's engine
+(`_unit`), and its methods act on that unit and the units inside it (state dicts with keys
+relative to it, `summon_full_params`); `clip_grad_norm_` and `no_sync` are the root's alone, as
+natively. When a wrapper is built over a module that already contains wrappers (FSDP1 manual
+wrapping, `enable_wrap`/`wrap`), they are taken out of the tree and their engines released,
+the outer wrapper shards everything with them as units, and the same wrapper objects are put
+back as the faces of those units. The engine's walks of the model by state-dict key pass
+through the unit wrappers (see [Note: reading what the modules hold] in engine/state_dict.py).
 """
 
 from __future__ import annotations
@@ -47,11 +55,13 @@ from torch.distributed.fsdp import (
     StateDictSettings,
     StateDictType,
 )
+from torch.distributed.fsdp.fully_sharded_data_parallel import FLAT_PARAM
 
 from fsdp_bridge import engine
 from fsdp_bridge.mixed_dialects import refuse_taken_over
 from fsdp_bridge.state_dicts import (
     below_root,
+    flat_optim,
     fsdp1_optim,
     model_state,
     optim_state,
@@ -149,6 +159,22 @@ def _frontend_of(module) -> str:
     return ShardedWrapper._frontend
 
 
+def _outermost(wrappers: list) -> list:
+    """The wrappers of `wrappers` that are not inside another of them."""
+    inside = {id(sub) for wrapper in wrappers for sub in wrapper._modules[WRAPPED].modules()}
+    return [wrapper for wrapper in wrappers if id(wrapper) not in inside]
+
+
+def _refuse_grads_of_flat_params(module: nn.Module, models: list) -> None:
+    """Native FSDP1 cannot summon gradients with `use_orig_params=False`: refuse it too."""
+    if any(engine.exposes_flat_params(sharded) for sharded in models):
+        raise bad_argument(_frontend_of(module), "with_grads", True, "False with "
+                           "use_orig_params=False (as torch's FSDP1, which raises "
+                           "NotImplementedError)", "Wrap with use_orig_params=True to summon "
+                           "gradients, or read the flat parameters' .grad.",
+                           exc=NotImplementedError)
+
+
 class ShardedWrapper(nn.Module):
     """Base of our wrapper modules; `_frontend` names the dialect in messages."""
 
@@ -157,41 +183,104 @@ class ShardedWrapper(nn.Module):
 
     # -- construction -------------------------------------------------------------------------
 
-    def _attach(self, module: nn.Module, sharded, kwargs: dict, nested=()) -> None:
+    # Whether each non-root unit is a wrapper of this class in the module tree (see [Note: one
+    # wrapper per unit]); front-ends whose native library wraps the model once keep False.
+    _wrapper_per_unit = False
+
+    def _attach(self, module: nn.Module, sharded, kwargs: dict,
+                unit_wrappers: Optional[dict] = None) -> None:
+        """Wrap `module`, which `sharded` shards, as the root; with `_wrapper_per_unit`, put a
+        wrapper above every other unit (`unit_wrappers`: FQN -> a wrapper to reuse)."""
         self._modules[WRAPPED] = module
+        self._bind(sharded, sharded.units[-1], kwargs)
+        if self._wrapper_per_unit:
+            self._wrap_units(unit_wrappers or {})
+
+    def _bind(self, sharded, unit, kwargs: dict) -> None:
         object.__setattr__(self, "_sharded", sharded)
+        object.__setattr__(self, "_unit", unit)  # the engine's unit this wrapper stands for
         object.__setattr__(self, "_fsdp_kwargs", kwargs)
-        object.__setattr__(self, "_nested_units", tuple(nested))
         self._set_state_dict_settings(StateDictSettings(StateDictType.FULL_STATE_DICT,
                                                         *_default_config(StateDictType.FULL_STATE_DICT)))
-        below_root.hook_into_parent_loads(self)
+        # A root's loads through a parent module cover the units' wrappers inside it (and a
+        # root wrapped by hand inside another becomes a unit's wrapper).
+        handles = self.__dict__.pop("_parent_load_hooks", ())
+        if unit.is_root:
+            self.__dict__["_parent_load_hooks"] = handles or below_root.hook_into_parent_loads(self)
+        else:
+            for handle in handles:
+                handle.remove()
+
+    def _wrap_units(self, reuse: dict) -> None:
+        """Put a wrapper above each non-root unit's module, in its parent, inner units first."""
+        sharded = self._sharded
+        for unit in sharded.units[:-1]:  # post-order: a unit's path holds no wrapper yet
+            parent_name, _, attr = unit.name.rpartition(".")
+            parent = sharded.module.get_submodule(parent_name)
+            if parent._modules.get(attr) is not unit.module:
+                continue  # a module the model holds under another name first
+            wrapper = reuse.get(unit.name)
+            if wrapper is None:
+                wrapper = type(self).__new__(type(self))
+                nn.Module.__init__(wrapper)
+                wrapper._modules[WRAPPED] = unit.module
+                kwargs = self._unit_wrapper_kwargs(unit)
+            else:  # a wrapper the user built keeps the arguments it was given
+                kwargs = wrapper._fsdp_kwargs
+            assert wrapper._modules[WRAPPED] is unit.module
+            wrapper._bind(sharded, unit, kwargs)
+            parent._modules[attr] = wrapper
+
+    def _unit_wrapper_kwargs(self, unit) -> dict:
+        """The constructor arguments a unit's wrapper reports (the root's, by default)."""
+        return self._fsdp_kwargs
 
     @staticmethod
-    def release_nested(module: nn.Module) -> tuple[tuple[str, dict], ...]:
-        """Release wrappers inside `module` (post-order, outermost first in each branch) and put
-        their modules back in the tree; returns (FQN in `module`, kwargs) for each unit,
-        including units the released wrappers had themselves adopted."""
+    def take_out_wrappers(module: nn.Module) -> tuple[tuple[tuple[str, dict], ...], dict]:
+        """Take every wrapper of ours out of `module`'s tree, putting the module each wraps in
+        its place, and release their engines (see [Note: one wrapper per unit]). Returns
+        (FQN in `module`, kwargs) for each unit they stood for, inner units first, and
+        FQN -> wrapper, to put the same objects back above the new units."""
         found: list[tuple[str, dict]] = []
+        wrappers: dict[str, ShardedWrapper] = {}
+        released: list = []
 
         def visit(parent: nn.Module, prefix: str) -> None:
             for name, child in list(parent.named_children()):
                 path = f"{prefix}{name}"
-                if isinstance(child, ShardedWrapper):
-                    inner = child._modules[WRAPPED]
-                    engine.release(child._sharded)
-                    child.__dict__["_adopted_as"] = path
-                    parent._modules[name] = inner
-                    found.extend((f"{path}.{n}", kw) for n, kw in child._nested_units)
-                    found.append((path, child._unit_kwargs()))
-                else:
+                if not isinstance(child, ShardedWrapper):
                     visit(child, path + ".")
+                    continue
+                inner = child._modules[WRAPPED]
+                parent._modules[name] = inner
+                if all(child._sharded is not done for done in released):
+                    engine.release(child._sharded)
+                    released.append(child._sharded)
+                wrappers[path] = child
+                visit(inner, path + ".")
+                found.append((path, child._unit_kwargs()))
 
         visit(module, "")
-        return tuple(found)
+        return tuple(found), wrappers
 
     def _unit_kwargs(self) -> dict:
-        """The settings a unit made from this wrapper keeps when an outer wrapper adopts it."""
-        return {k: self._fsdp_kwargs.get(k) for k in ("sharding_strategy", "mixed_precision")}
+        """The settings a unit made from this wrapper keeps when an outer wrapper adopts it
+        (the outer one refuses those it cannot honour per unit: see `build_plan`)."""
+        keys = ("sharding_strategy", "mixed_precision", "use_orig_params")
+        return {k: self._fsdp_kwargs[k] for k in keys if k in self._fsdp_kwargs}
+
+    def _groups(self, recurse: bool = True) -> list:
+        """The flat groups of the units inside this wrapper; without `recurse`, only of those
+        that no wrapper inside it stands for (its own unit, with a wrapper per unit)."""
+        inner = self._modules[WRAPPED]
+        units = engine.units_within(self._sharded, inner)
+        if not recurse:
+            nested = [sub._modules[WRAPPED] for sub in inner.modules()
+                      if isinstance(sub, ShardedWrapper)]
+            theirs = {id(unit) for sub in nested
+                      for unit in engine.units_within(self._sharded, sub)}
+            units = [unit for unit in units if id(unit) not in theirs]
+        return [group for unit in units for group in unit.groups]
 
     # -- the wrapped model --------------------------------------------------------------------
 
@@ -204,7 +293,8 @@ class ShardedWrapper(nn.Module):
         return self._sharded.plan
 
     def forward(self, *args, **kwargs):
-        refuse_taken_over(self._frontend, self._sharded)
+        if self._unit.is_root:  # a unit's wrapper runs inside the root's forward
+            refuse_taken_over(self._frontend, self._sharded)
         return self._modules[WRAPPED](*args, **kwargs)
 
     def __getattr__(self, name: str):
@@ -217,20 +307,17 @@ class ShardedWrapper(nn.Module):
         return self._modules[WRAPPED].__getitem__(key)
 
     def check_is_root(self) -> bool:
-        return "_adopted_as" not in self.__dict__
+        return self._unit.is_root
 
     def _only_on_root(self, method: str) -> None:
-        """A wrapper adopted by an outer one (see [Note: nesting]) holds no engine state of its
-        own any more: like torch's FSDP1 for non-root instances, refuse instead of acting on
-        nothing."""
-        path = self.__dict__.get("_adopted_as")
-        if path is not None:
+        """A unit's wrapper (see [Note: one wrapper per unit]) refuses what torch's FSDP1
+        refuses on its non-root instances."""
+        if not self._unit.is_root:
             raise RuntimeError(
-                f"{self._frontend}.{method}() should only be called on the root instance: this "
-                f"one was wrapped inside another and is now its unit {path!r}. Call "
+                f"{self._frontend}.{method}() should only be called on the root instance: "
+                f"this one wraps the unit {self._unit.name!r} inside another. Call "
                 f"root.{method}(...) on the outermost wrapper, which covers every unit (torch's "
-                "FSDP1 refuses clip_grad_norm_ and no_sync on inner instances too)."
-            )
+                "FSDP1 refuses it on inner instances too).")
 
     # -- training -----------------------------------------------------------------------------
 
@@ -257,7 +344,9 @@ class ShardedWrapper(nn.Module):
         object.__setattr__(self, "_state_dict_settings", settings)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        self._only_on_root("state_dict")
+        inner = self._modules[WRAPPED]
+        if engine.reading_held_tensors():  # see [Note: reading what the modules hold]
+            return inner.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         settings = self._state_dict_settings
         if called_by_torch_helpers():  # see [Note: answering torch's state-dict helpers]
             result = model_state.get_model_state_dict(self)
@@ -266,31 +355,39 @@ class ShardedWrapper(nn.Module):
         elif settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
             offload = getattr(settings.state_dict_config, "offload_to_cpu", False)
             if self._local_is_full():
-                result = engine.full_state_dict(self._sharded, cpu_offload=offload)
+                result = engine.full_state_dict(self._sharded, cpu_offload=offload, module=inner)
             else:
-                result = engine.local_state_dict(self._sharded, cpu_offload=offload)
+                result = engine.local_state_dict(self._sharded, cpu_offload=offload, module=inner)
         else:
             config = settings.state_dict_config
             result = engine.full_state_dict(
                 self._sharded,
                 rank0_only=getattr(config, "rank0_only", False),
                 cpu_offload=getattr(config, "offload_to_cpu", False),
+                module=inner,
             )
         return placed(result, destination, prefix)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        self._only_on_root("load_state_dict")
+        inner = self._modules[WRAPPED]
         if called_by_torch_helpers():
+            if engine.exposes_flat_params(self._sharded):
+                # torch's helpers add what they find registered (the flat parameters, under
+                # `..._flat_param`) to a full state dict they load: not the model's keys.
+                state_dict = {key: value for key, value in state_dict.items()
+                              if key.rpartition(".")[2] != FLAT_PARAM}
             return self._load_rows_state_dict(state_dict, strict)
         if self._state_dict_settings.state_dict_type is StateDictType.SHARDED_STATE_DICT:
             return self._load_sharded_state_dict(state_dict, strict)
         if self._state_dict_settings.state_dict_type is StateDictType.LOCAL_STATE_DICT:
             if self._local_is_full():
-                engine.load_full_state_dict(self._sharded, state_dict, strict=strict)
+                engine.load_full_state_dict(self._sharded, state_dict, strict=strict,
+                                            module=inner)
                 return nn.modules.module._IncompatibleKeys([], [])
-            missing, unexpected = engine.load_local_state_dict(self._sharded, state_dict, strict)
+            missing, unexpected = engine.load_local_state_dict(self._sharded, state_dict,
+                                                               strict, module=inner)
             return nn.modules.module._IncompatibleKeys(missing, unexpected)
-        engine.load_full_state_dict(self._sharded, state_dict, strict=strict)
+        engine.load_full_state_dict(self._sharded, state_dict, strict=strict, module=inner)
         return nn.modules.module._IncompatibleKeys([], [])
 
     def _load_overlap(self, state_dict: dict) -> tuple[list, list]:
@@ -331,7 +428,8 @@ class ShardedWrapper(nn.Module):
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["ShardedWrapper"]:
-        return [m for m in module.modules() if isinstance(m, ShardedWrapper)]
+        return [m for m in module.modules()
+                if isinstance(m, ShardedWrapper) and (not root_only or m.check_is_root())]
 
     @staticmethod
     def set_state_dict_type(
@@ -387,10 +485,12 @@ class ShardedWrapper(nn.Module):
     def summon_full_params(module: nn.Module, recurse: bool = True, writeback: bool = True,
                            rank0_only: bool = False, offload_to_cpu: bool = False,
                            with_grads: bool = False):
-        """FSDP1's `summon_full_params`. Inside, `named_parameters()` / `named_buffers()` of a
-        wrapper give clean names (no `_fsdp_wrapped_module.`), as FSDP1's do. `module` may also
-        be a submodule of a wrapped model (FSDP1 users pass an auto-wrapped layer): the whole
-        model it belongs to is gathered then (a collective over its ranks either way)."""
+        """FSDP1's `summon_full_params`: the units of the wrappers in `module` (each with the
+        units inside it; with `recurse=False`, the outermost wrappers' own units only) hold
+        their full parameters. Inside, `named_parameters()` / `named_buffers()` of a wrapper
+        give clean names (no `_fsdp_wrapped_module.`), as FSDP1's do. `module` may also be a
+        submodule of a wrapped model without a wrapper in it: the whole model it belongs to
+        is gathered then (a collective over its ranks either way)."""
         for name, value in (("recurse", recurse), ("writeback", writeback),
                             ("rank0_only", rank0_only), ("offload_to_cpu", offload_to_cpu),
                             ("with_grads", with_grads)):
@@ -400,17 +500,29 @@ class ShardedWrapper(nn.Module):
                                "rank0_only=True", "Other ranks hold no full parameters to write "
                                "back; pass writeback=False (as torch's FSDP1 requires).")
         wrappers = ShardedWrapper.fsdp_modules(module)
-        models = [wrapper._sharded for wrapper in wrappers]
-        if not models:  # a module inside a wrapped model: its owner, found by its parameters
+        summoned: list[tuple] = []  # (engine state, its groups to gather or None for all)
+        for wrapper in _outermost(wrappers):
+            groups = wrapper._groups(recurse)
+            for index, (sharded, known) in enumerate(summoned):
+                if sharded is wrapper._sharded:
+                    summoned[index] = (sharded, known + [g for g in groups if g not in known])
+                    break
+            else:
+                summoned.append((wrapper._sharded, groups))
+        if not wrappers:  # a module inside a wrapped model: its owner, found by its parameters
             for param in module.parameters():
                 owner = engine.owner_of(param)
-                if owner is not None and all(owner is not m for m in models):
-                    models.append(owner)
+                if owner is not None and all(owner is not s for s, _ in summoned):
+                    summoned.append((owner, None))
+        if with_grads:
+            _refuse_grads_of_flat_params(module, [sharded for sharded, _ in summoned])
         with contextlib.ExitStack() as stack:
-            for sharded in models:
+            for sharded, groups in summoned:
+                ordered = None if groups is None else [g for g in sharded.flat_groups()
+                                                       if g in groups]
                 stack.enter_context(engine.summon_full_params(
                     sharded, writeback=writeback, rank0_only=rank0_only,
-                    with_grads=with_grads, offload_to_cpu=offload_to_cpu))
+                    with_grads=with_grads, offload_to_cpu=offload_to_cpu, groups=ordered))
             for wrapper in wrappers:
                 wrapper.__dict__["_summoning"] = wrapper.__dict__.get("_summoning", 0) + 1
                 stack.callback(wrapper.__dict__.__setitem__, "_summoning",
@@ -437,7 +549,9 @@ class ShardedWrapper(nn.Module):
             yield (name.replace(WRAPPED + ".", "") if clean else name), buffer
 
     def apply(self, fn):
-        with ShardedWrapper.summon_full_params(self, writeback=True):
+        """`fn` on every module, with full parameters: each wrapper gathers its own unit while
+        `nn.Module.apply` reaches it (as torch's FSDP1), so no unit is gathered twice."""
+        with ShardedWrapper.summon_full_params(self, recurse=False, writeback=True):
             return nn.Module.apply(self, fn)
 
     @staticmethod
@@ -470,7 +584,8 @@ class ShardedWrapper(nn.Module):
         """FSDP1's full optimizer state dict, named from `model` (see [Note: the optimizer of
         a model holding the wrapper])."""
         if model is root:
-            return engine.full_optim_state_dict(root._sharded, optim, rank0_only=rank0_only)
+            return engine.full_optim_state_dict(root._sharded, flat_optim.pieces_of(optim),
+                                                rank0_only=rank0_only)
         full = optim_state.get_optimizer_state_dict(model, [optim], full_state_dict=True)
         return {} if rank0_only and parts.world_rank() != 0 else full
 
@@ -490,7 +605,9 @@ class ShardedWrapper(nn.Module):
                 result = optim_state.optimizer_states_to_load(model, [optim],
                                                               optim_state_dict)[0]
             else:
-                result = engine.optim_state_dict_to_load(root._sharded, optim, optim_state_dict)
+                pieces = flat_optim.pieces_of(optim)
+                result = flat_optim.for_optimizer(pieces, engine.optim_state_dict_to_load(
+                    root._sharded, pieces, optim_state_dict))
         if load_directly:
             optim.load_state_dict(result)
         return result
@@ -535,7 +652,9 @@ class ShardedWrapper(nn.Module):
                                               full_optim_state_dict)
         if model is not root:  # see [Note: the optimizer of a model holding the wrapper]
             return optim_state.optimizer_states_to_load(model, [optim], full_optim_state_dict)[0]
-        return engine.optim_state_dict_to_load(root._sharded, optim, full_optim_state_dict)
+        pieces = flat_optim.pieces_of(optim)
+        return flat_optim.for_optimizer(pieces, engine.optim_state_dict_to_load(
+            root._sharded, pieces, full_optim_state_dict))
 
     @staticmethod
     def scatter_full_optim_state_dict(full_optim_state_dict: Optional[dict], model: nn.Module,

@@ -4,7 +4,8 @@ Its public verbs, one module each, are re-exported here: `shard_model` / `get_sh
 `ownership` (owner_of, release), `summon` (summon_full_params), `grad_norm` (grad_norm,
 clip_grads_), `state_dict` (full and per-rank state dicts), `local_state` (FSDP1's
 LOCAL_STATE_DICT: the flat shards), `optim_state` (FSDP1's full
-optimizer state dicts), `unit_verbs` (FSDP2's per-unit unshard / reshard / divide factor).
+optimizer state dicts), `unit_verbs` (FSDP2's per-unit unshard / reshard / divide factor),
+`flat_params` (FSDP1's one parameter per unit over its master shard, `use_orig_params=False`).
 
 It applies a `fsdp_bridge.plan.Plan` and knows nothing of FSDP dialects; front-ends build the
 Plan. Entry point: `shard_model(module, plan, ...)`.
@@ -20,6 +21,14 @@ from torch import nn
 
 from fsdp_bridge.engine.comm import CollectiveStats, Comm
 from fsdp_bridge.engine.device import backends_of, device_for_backends
+from fsdp_bridge.engine.flat_params import (
+    expose as expose_flat_params,
+)
+from fsdp_bridge.engine.flat_params import (
+    exposes_flat_params,
+    flat_param_group,
+    originals_registered,
+)
 from fsdp_bridge.engine.grad_norm import clip_grads_, grad_norm
 from fsdp_bridge.engine.local_state import load_local_state_dict, local_state_dict
 from fsdp_bridge.engine.optim_state import (
@@ -32,14 +41,17 @@ from fsdp_bridge.engine.ownership import (
     owner_of,
     release,
     tag_parameters,
+    units_within,
 )
 from fsdp_bridge.engine.rollback import restored_on_failure
 from fsdp_bridge.engine.row_group import register_sharded
 from fsdp_bridge.engine.runtime import ShardedModel
 from fsdp_bridge.engine.state_dict import (
     full_state_dict,
+    held_entries,
     load_full_state_dict,
     load_sharded_state_dict,
+    reading_held_tensors,
     sharded_state_dict,
 )
 from fsdp_bridge.engine.summon import summon_full_params
@@ -70,7 +82,14 @@ __all__ = [
     "clip_grads_",
     "displaced_parameter",
     "end_forward_method",
+    "expose_flat_params",
     "expose_unit",
+    "exposes_flat_params",
+    "flat_param_group",
+    "held_entries",
+    "originals_registered",
+    "reading_held_tensors",
+    "units_within",
     "forwards_begun",
     "hook_module_inside",
     "register_sharded",

@@ -38,6 +38,7 @@ gather; FSDP2 issues it, and its all-gather, on a stream of their own.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import weakref
 from typing import Any, Optional
@@ -47,7 +48,7 @@ from torch import nn
 
 from fsdp_bridge.engine.buffers import GatherBuffer
 from fsdp_bridge.engine.comm import Comm
-from fsdp_bridge.engine.layout import FLATTENED_MARK, GroupLayout
+from fsdp_bridge.engine.layout import FLATTENED_MARK, HIDDEN_ORIGINALS, GroupLayout
 from fsdp_bridge.plan import UnsyncedGradSum
 
 
@@ -59,6 +60,15 @@ class GradCycle(enum.Enum):
 
     CLOSED = "closed"  # no reduced gradient held; `.grad` (if any) is the user's
     OPEN = "open"  # reductions are being summed into the accumulator
+
+
+@dataclasses.dataclass
+class ShownFlat:
+    """A group shown as FSDP1's flat parameter (see [Note: flat parameters] in
+    flat_params.py)."""
+
+    param: nn.Parameter  # over the master shard: the same storage
+    resting: list[torch.Tensor]  # per parameter, what its owners hold outside forward
 
 
 class FlatGroup:
@@ -108,6 +118,8 @@ class FlatGroup:
         # Per parameter, whether a backward of the cycle gave it a gradient (None: no
         # backward yet). See [Note: parameters without a gradient].
         self.grads_seen: Optional[list[bool]] = None
+        # FSDP1's flat parameter over the master, if shown (see engine/flat_params.py).
+        self.shown_flat: Optional[ShownFlat] = None
 
     # Derived, not stored: each attribute an instance stores counts against the key-sharing
     # dict CPython gives instances of one class (30 keys), and past that every group pays for
@@ -124,6 +136,14 @@ class FlatGroup:
         if self.unsynced_grad_sum is UnsyncedGradSum.COMPUTE_DTYPE:
             return self.compute_dtype
         return self.reduce_dtype
+
+    @property
+    def flat_param(self) -> Optional[nn.Parameter]:
+        return self.shown_flat.param if self.shown_flat is not None else None
+
+    @property
+    def resting(self) -> Optional[list[torch.Tensor]]:
+        return self.shown_flat.resting if self.shown_flat is not None else None
 
     @property
     def numel(self) -> int:
@@ -171,6 +191,8 @@ class FlatGroup:
         master, in their dtype, as native FSDP1 casts its flat parameters; the parameters
         (and gradients kept across the cast) become views of it again. Returns whether the
         master's dtype changed: the runtime then rebuilds this group's buffers."""
+        if self.flat_param is not None:
+            return self._adopt_cast_flat_param()
         master_ptr = self.master.untyped_storage().data_ptr()
         moved = [index for index, slot in enumerate(self.slots)
                  if slot.param.untyped_storage().data_ptr() != master_ptr
@@ -205,6 +227,35 @@ class FlatGroup:
             for index, param in enumerate(self.local_params):
                 param.grad = self._grad_of(index)
             self.grad_shard_ref, self.grad_shard = weakref.ref(grads), None
+        return retyped
+
+    def _adopt_cast_flat_param(self) -> bool:
+        """`adopt_replaced_params` for a group shown as one flat parameter: the cast reached
+        the flat parameter (and its gradient), whose new values become the master."""
+        flat = self.flat_param
+        assert flat is not None
+        if (flat.untyped_storage().data_ptr() == self.master.untyped_storage().data_ptr()
+                and flat.dtype == self.master.dtype):
+            return False
+        problem = None
+        if flat.device != self.master.device:
+            problem = f"moved to {flat.device} (sharded on {self.master.device})"
+        elif tuple(flat.shape) != (self.shard_numel,):
+            problem = f"given shape {tuple(flat.shape)} (its shard has {(self.shard_numel,)})"
+        elif self.grad_cycle is GradCycle.OPEN or self.unsynced_grad is not None:
+            problem = "cast in the middle of a gradient accumulation cycle"
+        if problem is not None:
+            raise ValueError(
+                f"fsdp_bridge: the flat parameter of unit {self.unit_name or '<root>'!r} was "
+                f"{problem} after wrapping; accepted: a cast of the whole model to one floating "
+                "dtype between optimizer steps (e.g. model.half()). Move the model before "
+                "wrapping it (device_id), and load new values with load_state_dict.")
+        retyped = flat.dtype != self.master.dtype
+        self.invalidate()
+        self.master = flat.detach()
+        for index in range(len(self.slots)):
+            self._point_at_master(index)
+        self.grad_shard = self.accumulator = self.grad_shard_ref = None
         return retyped
 
     def _check_castable(self, moved: list[int]) -> None:
@@ -274,6 +325,8 @@ class FlatGroup:
         self.master = host
         for index in range(len(self.slots)):
             self._point_at_master(index)
+        if self.flat_param is not None:
+            self.flat_param.data = self.master
 
     @property
     def _pins_master(self) -> bool:
@@ -286,6 +339,19 @@ class FlatGroup:
         param = self.slots[index].param
         param.grad = None  # a full-shaped gradient would not fit the shard
         param.data = self.master[lo:hi]
+
+    def make_flat_param(self) -> nn.Parameter:
+        """This group as one parameter over its master shard, and the storage-less tensors
+        its owners hold outside forward (see [Note: flat parameters] in flat_params.py)."""
+        flat = nn.Parameter(self.master, requires_grad=self.requires_grad)  # same storage
+        setattr(flat, "_fsdp_bridge_replicas", self.comm.replicate_size)
+        setattr(flat, FLATTENED_MARK, True)
+        setattr(flat, HIDDEN_ORIGINALS, tuple(self.local_params))
+        self.shown_flat = ShownFlat(flat, [_storage_less(slot.shape, self.master.dtype,
+                                                         self.device) for slot in self.slots])
+        for param in self.local_params:
+            param.grad = None
+        return flat
 
     # -- gathering ----------------------------------------------------------------------------
 
@@ -390,9 +456,12 @@ class FlatGroup:
                 owner.__dict__[attr] = view
 
     def hide_views(self) -> None:
-        for slot in self.slots:
+        for index, slot in enumerate(self.slots):
             for owner, attr in slot.owners:
-                owner.__dict__.pop(attr, None)
+                if self.resting is None:
+                    owner.__dict__.pop(attr, None)
+                else:
+                    owner.__dict__[attr] = self.resting[index]
 
     # -- gradients ----------------------------------------------------------------------------
 
@@ -650,7 +719,9 @@ class FlatGroup:
             return
         self.grad_shard = kept
         for index, param in enumerate(self.local_params):
-            if param.grad is None:  # dropped on its own: it starts again from zero
+            # A `.grad` the user dropped on its own starts again from zero (the pieces of a
+            # flat parameter have none: its own `.grad` is the shard kept).
+            if param.grad is None and self.flat_param is None:
                 self._piece(kept, index).zero_()
         self.accumulator = first
 
@@ -659,7 +730,10 @@ class FlatGroup:
         return GradCycle.CLOSED if self.accumulator is None else GradCycle.OPEN
 
     def _kept_grad_shard(self) -> Optional[torch.Tensor]:
-        """Last cycle's gradient shard if the user still holds any `.grad` view of it."""
+        """Last cycle's gradient shard if the user still holds any `.grad` view of it (with a
+        flat parameter: its `.grad`, whatever tensor that now is)."""
+        if self.flat_param is not None:
+            return self.flat_param.grad
         shard = self.grad_shard_ref() if self.grad_shard_ref is not None else None
         if shard is None or all(p.grad is None for p in self.local_params):
             return None
@@ -677,9 +751,12 @@ class FlatGroup:
             self.grad_shard.add_(self.accumulator, alpha=1.0 / divisor)
         elif divisor != 1:  # a divide by one would be a pass over the shard for nothing
             self.grad_shard.div_(divisor)
-        for index, param in enumerate(self.local_params):
-            if index not in without_grad or param.grad is not None:
-                param.grad = self._grad_of(index)
+        if self.flat_param is not None:
+            self.flat_param.grad = self.grad_shard
+        else:
+            for index, param in enumerate(self.local_params):
+                if index not in without_grad or param.grad is not None:
+                    param.grad = self._grad_of(index)
         self.grad_shard_ref = weakref.ref(self.grad_shard)
         self.grad_shard = self.accumulator = None  # closes the cycle
 
@@ -696,6 +773,8 @@ class FlatGroup:
     def whole_grad_shard(self) -> list[torch.Tensor]:
         """This rank's gradient shard, padding included, as one tensor (FSDP1's flat
         parameter's gradient), when every `.grad` is still a view of it; else []."""
+        if self.flat_param is not None:
+            return [] if self.flat_param.grad is None else [self.flat_param.grad]
         shard = self._kept_grad_shard()
         if shard is None or any(p.grad is None or p.grad._base is not shard
                                 for p in self.local_params):
@@ -704,6 +783,8 @@ class FlatGroup:
 
     def local_grads(self) -> list[torch.Tensor]:
         """This rank's pieces of the parameters' gradients, as plain tensors."""
+        if self.flat_param is not None:
+            return self.whole_grad_shard()
         return [local_part(p.grad) for p in self.local_params if p.grad is not None]
 
     # -- full (unsharded) values --------------------------------------------------------------
@@ -731,6 +812,18 @@ class FlatGroup:
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a full flat tensor laid out as `split` reads it."""
         return full[self.shard_start : self.shard_start + self.shard_numel]
+
+
+def _storage_less(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A plain tensor of `shape` whose storage is freed: what native FSDP1's modules hold for
+    their flattened parameters outside forward. Giving it the shape sizes its storage (not
+    written, so not touched), which is freed at once: one parameter's worth for an instant."""
+    stride = torch.empty(shape, device="meta").stride()
+    tensor = torch.empty(0, dtype=dtype, device=device)
+    storage = tensor.untyped_storage()
+    tensor.set_(storage, 0, shape, stride)
+    storage.resize_(0)
+    return tensor
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,9 @@ GATHERED_FORM = "_fsdp_bridge_gathered_form"
 # On each local parameter: a weakref to its ShardedModel (see ownership.py); here so that the
 # rollback can recognise the engine's parameters without importing the runtime.
 OWNER_ATTRIBUTE = "_fsdp_bridge_owner"
+# On a unit's flat parameter (see engine/flat_params.py): the original parameters it stands for,
+# which the modules no longer register; here so that the rollback records them too.
+HIDDEN_ORIGINALS = "_fsdp_bridge_originals"
 # torch FSDP1's mark of a parameter already flattened into an FSDP unit, on every parameter the
 # engine shards: see [Note: flattened, as torch's FSDP1 reads it] in flat_group.py. Written out,
 # not imported from torch's private module (which may move).

@@ -18,7 +18,10 @@ offsets are checked); FULL_STATE_DICT or SHARDED_STATE_DICT move between layouts
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch import nn
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, init_from_local_shards
 from torch.distributed.fsdp.fully_sharded_data_parallel import FLAT_PARAM
 
@@ -28,6 +31,7 @@ from fsdp_bridge.engine.state_dict import (
     _buffer_dtypes,
     _check_shape,
     _saved_copy,
+    held_entries,
     load_unmanaged,
     unmanaged_entries,
 )
@@ -35,14 +39,19 @@ from fsdp_bridge.engine.state_dict import (
 LOCAL_KEY = "_bridge_flat_param"
 
 
-def _local_keys(sharded: ShardedModel) -> dict:
-    """key -> flat group, units in module order (root first), as native FSDP1 lists its flat
-    parameters."""
-    order = {name: index for index, (name, _) in enumerate(sharded.module.named_modules())}
+def _local_keys(sharded: ShardedModel, module: Optional[nn.Module] = None) -> dict:
+    """key -> flat group, for the units of the model (or inside `module`, the module of one of
+    its units, keys relative to it), in module order (the outer unit first), as native FSDP1
+    lists its flat parameters."""
+    top = sharded.module if module is None else module
+    order = {id(sub): index for index, sub in enumerate(top.modules())}
+    base = next(unit.name for unit in sharded.units if unit.module is top)
     keys = {}
-    for unit in sorted(sharded.units, key=lambda unit: order.get(unit.name, len(order))):
+    for unit in sorted((u for u in sharded.units if id(u.module) in order),
+                       key=lambda unit: order[id(unit.module)]):
+        name = unit.name[len(base) + 1:] if base else unit.name
         # Without activation checkpointing's child, as native FSDP1 names its flat parameters.
-        prefix = state_dict_key(f"{unit.name}.") if unit.name else ""
+        prefix = state_dict_key(f"{name}.") if name else ""
         for index, group in enumerate(unit.groups):
             keys[f"{prefix}{LOCAL_KEY}.{index}"] = group
     return keys
@@ -54,11 +63,13 @@ def _valid_range(group) -> tuple[int, int]:
     return start, min(group.shard_numel, group.numel - start)
 
 
-def local_state_dict(sharded: ShardedModel, cpu_offload: bool = False) -> dict:
-    """Every rank's LOCAL state dict (see [Note: LOCAL_STATE_DICT keys are ours]). Building a
-    ShardedTensor is a collective over the shard group: call it on every rank."""
+def local_state_dict(sharded: ShardedModel, cpu_offload: bool = False,
+                     module: Optional[nn.Module] = None) -> dict:
+    """Every rank's LOCAL state dict (see [Note: LOCAL_STATE_DICT keys are ours]), of the model
+    or of one unit's `module`. Building a ShardedTensor is a collective over the shard group:
+    call it on every rank."""
     result = {}
-    for key, group in _local_keys(sharded).items():
+    for key, group in _local_keys(sharded, module).items():
         start, count = _valid_range(group)
         piece = group.master.detach()[:count]
         if cpu_offload:
@@ -70,7 +81,7 @@ def local_state_dict(sharded: ShardedModel, cpu_offload: bool = False) -> dict:
         result[key] = init_from_local_shards(shards, group.numel,
                                              process_group=group.comm.shard_group)
     dtypes = _buffer_dtypes(sharded)
-    for key, held in unmanaged_entries(sharded).items():
+    for key, held in unmanaged_entries(sharded, held_entries(sharded, module)).items():
         value = _saved_copy(key, held, dtypes)
         result[key] = value.cpu() if cpu_offload else value
     return result
@@ -117,12 +128,14 @@ def _mismatch(missing: list, unexpected: list) -> ValueError:
         "state dict of this model (or pass strict=False to load the overlap).")
 
 
-def load_local_state_dict(sharded: ShardedModel, state_dict: dict, strict: bool = True):
-    """Load what `local_state_dict` gave (same model, layout and world size). Returns the
-    (missing, unexpected) keys; with `strict`, any of them is an error."""
+def load_local_state_dict(sharded: ShardedModel, state_dict: dict, strict: bool = True,
+                          module: Optional[nn.Module] = None):
+    """Load what `local_state_dict` gave (same model, layout and world size), into the model
+    or one unit's `module`. Returns the (missing, unexpected) keys; with `strict`, any of them
+    is an error."""
     _refuse_native(state_dict)
-    groups = _local_keys(sharded)
-    unmanaged = unmanaged_entries(sharded)
+    groups = _local_keys(sharded, module)
+    unmanaged = unmanaged_entries(sharded, held_entries(sharded, module))
     expected = list(groups) + list(unmanaged)
     missing = [key for key in expected if key not in state_dict]
     unexpected = [key for key in state_dict if key not in expected]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fsdp_bridge.engine.layout import state_dict_key
 from fsdp_bridge.engine.runtime import ShardedModel
+from fsdp_bridge.engine.state_dict import held_entries
 
 
 def _param_index(sharded: ShardedModel):
@@ -70,10 +70,11 @@ def full_optim_state_dict(sharded: ShardedModel, optimizer, rank0_only: bool = F
 def _unmanaged_names(sharded: ShardedModel, managed) -> dict:
     """Name (as state dicts give it) -> parameter for the parameters of the model the engine
     does not shard."""
-    found = {}
-    for name, param in nn.Module.named_parameters(sharded.module):
-        if id(param) not in managed:
-            found[state_dict_key(name)] = param
+    found, seen = {}, set()
+    for name, held in held_entries(sharded).items():
+        if isinstance(held, nn.Parameter) and id(held) not in managed and id(held) not in seen:
+            found[name] = held  # a tied parameter under its first name, as named_parameters()
+            seen.add(id(held))
     return found
 
 

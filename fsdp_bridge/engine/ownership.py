@@ -14,7 +14,9 @@ import weakref
 from typing import Optional
 
 import torch
+from torch import nn
 
+from fsdp_bridge.engine import flat_params
 from fsdp_bridge.engine.layout import FLATTENED_MARK, OWNER_ATTRIBUTE
 from fsdp_bridge.engine.row_group import RowGroup
 from fsdp_bridge.engine.runtime import ShardedModel
@@ -35,13 +37,23 @@ def owner_of(param: torch.Tensor) -> Optional[ShardedModel]:
     return ref() if ref is not None else None
 
 
+def units_within(sharded: ShardedModel, module: nn.Module) -> list:
+    """The units of `sharded` whose module is `module` or inside it, in the Plan's order."""
+    inside = {id(sub) for sub in module.modules()}
+    return [unit for unit in sharded.units if id(unit.module) in inside]
+
+
 def displaced_parameter(sharded: ShardedModel) -> Optional[tuple[str, Optional[torch.Tensor]]]:
     """(name, what its module holds now) for the first parameter of a flat layout whose module
     no longer holds it, or None. Its place is empty or holds a plain tensor (torch's FSDP1
     around the model, which flattens it), or a parameter that is not this model's (torch's
     fully_shard around the model, or a parameter assigned after wrapping): see [Note: one
     dialect per model] in fsdp_bridge/mixed_dialects.py. The model's own parameters (a tie
-    redone after wrapping) and `summon_full_params`'s full ones are not displaced."""
+    redone after wrapping) and `summon_full_params`'s full ones are not displaced. With flat
+    parameters, what each unit's module must hold is its flat parameter (see
+    engine/flat_params.py)."""
+    if flat_params.shows_flat_params(sharded):
+        return flat_params.displaced_flat_param(sharded)
     for group in sharded.flat_groups():
         if isinstance(group, RowGroup):
             continue  # DTensor parameters: torch's wrappers refuse them when they wrap
@@ -61,6 +73,7 @@ def release(sharded: ShardedModel) -> None:
     every rank must call it."""
     for handle in sharded.hook_handles:
         handle.remove()
+    flat_params.withdraw(sharded)
     with torch.no_grad():
         for group in sharded.flat_groups():
             group.invalidate()

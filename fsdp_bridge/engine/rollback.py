@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from fsdp_bridge.engine.layout import OWNER_ATTRIBUTE
+from fsdp_bridge.engine.layout import HIDDEN_ORIGINALS, OWNER_ATTRIBUTE
 
 _ACTIVE: dict[int, "WrapRecord"] = {}  # id(model) -> the record of the wrap under way
 
@@ -108,11 +108,13 @@ class WrapRecord:
         self.modules = [_record_module(m) for m in model.modules()]
         self.params: dict[int, _ParamState] = {}
         for module in model.modules():
-            for param in module._parameters.values():
-                if param is not None and id(param) not in self.params:
-                    self.params[id(param)] = _ParamState(
-                        param, param.data, param.device, param.grad, param.requires_grad,
-                        dict(param.__dict__))
+            for registered in module._parameters.values():
+                # A flat parameter's originals too: a released nested wrapper refills them.
+                for param in (registered, *getattr(registered, HIDDEN_ORIGINALS, ())):
+                    if param is not None and id(param) not in self.params:
+                        self.params[id(param)] = _ParamState(
+                            param, param.data, param.device, param.grad,
+                            param.requires_grad, dict(param.__dict__))
         self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.rebuilds: list[tuple[Sequence[nn.Parameter], Callable[[], Sequence[torch.Tensor]]]] = []
         if buffer_values:

@@ -888,8 +888,9 @@ class ShardedModel:
         norm_type = float(norm_type)
         if self.comm.shard_size == 1 and not whole_shards:  # as FSDP1 when nothing is sharded:
             return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm, norm_type)
-        order = {name: index for index, (name, _) in enumerate(self.module.named_modules())}
-        sharded = [g for unit in sorted(self.units, key=lambda u: order[u.name])
+        # By identity: front-ends may have put wrapper modules in the tree since the wrap.
+        order = {id(module): index for index, module in enumerate(self.module.modules())}
+        sharded = [g for unit in sorted(self.units, key=lambda u: order[id(u.module)])
                    for group in unit.groups
                    for g in (group.whole_grad_shard() if whole_shards else None)
                    or group.local_grads()]

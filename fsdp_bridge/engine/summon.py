@@ -4,10 +4,12 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Optional
 
 import torch
 from torch import nn
 
+from fsdp_bridge.engine.flat_params import originals_registered
 from fsdp_bridge.engine.runtime import ShardedModel
 
 SUMMONED = "_fsdp_bridge_summoned"  # on each full parameter put in place here
@@ -20,15 +22,27 @@ def summon_full_params(
     rank0_only: bool = False,
     with_grads: bool = False,
     offload_to_cpu: bool = False,
+    groups: Optional[list] = None,
 ):
-    """Inside the context, every parameter is its full fp32 value (a plain `nn.Parameter`);
-    with `writeback`, in-place changes are copied back into the shards on exit. With
-    `rank0_only`, other ranks keep their shards; with `offload_to_cpu`, the full values (and
-    gradients) live on the CPU. A collective: every rank must enter."""
+    """Inside the context, every parameter (of `groups`, default all) is its full fp32 value
+    (a plain `nn.Parameter`); with `writeback`, in-place changes are copied back into the
+    shards on exit. With `rank0_only`, other ranks keep their shards; with `offload_to_cpu`,
+    the full values (and gradients) live on the CPU. With flat parameters, the original
+    parameters are registered meanwhile, as native FSDP1 does. A collective: every rank must
+    enter."""
+    with originals_registered(sharded):
+        with _summoned(sharded, writeback, rank0_only, with_grads, offload_to_cpu,
+                       sharded.flat_groups() if groups is None else groups):
+            yield
+
+
+@contextlib.contextmanager
+def _summoned(sharded: ShardedModel, writeback: bool, rank0_only: bool, with_grads: bool,
+              offload_to_cpu: bool, groups: list):
     on_this_rank = not rank0_only or sharded.comm.world_rank == 0
     swapped = []  # (owner, attr, local param)
     gathered = []  # (group, full flat)
-    for group in sharded.flat_groups():
+    for group in groups:
         flat = group.gather_full_master()
         if offload_to_cpu and on_this_rank:
             flat = flat.cpu()  # written back from here on exit

@@ -17,9 +17,11 @@ from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
 
 from fsdp_bridge import policies
 from fsdp_bridge.engine.init import still_ignored_params
+from fsdp_bridge.engine.layout import GroupLayout, assign_groups
 from fsdp_bridge.plan import MixedPrecision, Plan, ShardingMode, UnitSpec, UnsyncedGradSum
 from fsdp_bridge.translation import (
     ArgumentTable,
+    Shown,
     bad_argument,
     check_bool,
     check_own_params,
@@ -44,7 +46,11 @@ TABLE = register_table(
             translated("auto_wrap_policy", "Plan.units: torch's own policy code is run "
                        "(`_Policy._run_policy`, or `_recursive_wrap` for callables, with FSDP1's "
                        "recursion and numel bookkeeping), post-order, root last; CustomPolicy "
-                       "dicts are per-unit overrides"),
+                       "dicts are per-unit overrides; each unit becomes a "
+                       "FullyShardedDataParallel around its module in the tree, as natively "
+                       "(names, fsdp_modules, isinstance check_fns, per-unit state dicts and "
+                       "summon_full_params; clip_grad_norm_ and no_sync on the root only); "
+                       "hand-nested wrappers stay where they are, as units"),
             translated("mixed_precision", "MixedPrecision(param_dtype, reduce_dtype (None -> "
                        "param_dtype, as FSDP1), buffer_dtype, cast_forward_inputs, "
                        "cast_root_forward_inputs)"),
@@ -79,10 +85,17 @@ TABLE = register_table(
             translated("device_id", "the compute device (an int is a CUDA index)"),
             translated("sync_module_states", "Plan.sync_module_states: rank 0's parameters and "
                        "buffers are broadcast (works on CPU, unlike native FSDP1)"),
-            translated("use_orig_params", "both values: parameters are always the user's "
-                       "own Parameter objects (1-D local shards under their names), so an "
-                       "optimizer built before wrapping trains; False only changes what native "
-                       "FSDP1 shows in named_parameters() (FlatParameters)"),
+            translated("use_orig_params", "False: named_parameters() gives each unit's flat "
+                       "parameter (`..._fsdp_wrapped_module._flat_param`), native's local flat "
+                       "shard (same order, padding and shape) and the unit's master shard "
+                       "itself, so an optimizer over them trains as native's; FSDP1's "
+                       "optimizer-state APIs name its state per original parameter, torch's "
+                       "get/set_optimizer_state_dict refuse it; an optimizer built before the "
+                       "wrap is refused at its first step (native trains nothing with it); a "
+                       "unit mixing dtypes or requires_grad is refused, as natively, and so is "
+                       "a nested wrapper with another value than the root's. True: the "
+                       "user's own Parameter objects as 1-D local shards under their names, so "
+                       "an optimizer built before wrapping trains"),
             ignored("backward_prefetch", "the engine chooses the point by device: on the "
                     "CPU a unit's gather starts when the unit before it has finished its "
                     "backward, beside that unit's reduction (BACKWARD_POST's point, for the "
@@ -111,6 +124,15 @@ _STRATEGIES = {
     ShardingStrategy.HYBRID_SHARD: (ShardingMode.HYBRID, True),
     ShardingStrategy._HYBRID_SHARD_ZERO2: (ShardingMode.HYBRID, False),
 }
+
+def strategy_of(mode: ShardingMode, reshard_after_forward: bool) -> ShardingStrategy:
+    """The FSDP1 strategy a unit of `mode` with this resharding reports."""
+    for strategy, (known_mode, reshard) in _STRATEGIES.items():
+        if known_mode is mode and (reshard is reshard_after_forward
+                                   or mode is ShardingMode.REPLICATE):
+            return strategy
+    raise AssertionError(f"no FSDP1 strategy for {mode} / {reshard_after_forward}")
+
 
 # Defaults of arguments we ignore: giving one of these values is silent.
 IGNORED_DEFAULTS: dict[str, Any] = {
@@ -384,7 +406,7 @@ def build_plan(
     units.append(UnitSpec("", reshard))
     skipped_names = tuple(paths[id(m)] for m in skipped_modules)
     ignored_names = _still_ignored(module, units, skipped_names, ignored_names)
-    return Plan(
+    plan = Plan(
         units=tuple(units),
         mode=mode,
         mixed_precision=mp,
@@ -398,3 +420,28 @@ def build_plan(
         frontend=frontend,
         notes=notes,
     )
+    if not use_orig_params:
+        check_one_flat_parameter_per_unit(module, plan)
+    return plan
+
+
+def check_one_flat_parameter_per_unit(module: nn.Module, plan: Plan) -> None:
+    """With `use_orig_params=False` each unit is one flat parameter (see [Note: flat
+    parameters] in engine/flat_params.py), so its parameters must share a dtype and
+    `requires_grad`: native FSDP1 refuses a unit that mixes them (ValueError), and so do we."""
+    seen: dict[str, GroupLayout] = {}
+    for layout in assign_groups(module, plan):
+        first = seen.setdefault(layout.unit_name, layout)
+        if first is layout:
+            continue
+        what = ("requires_grad" if first.requires_grad != layout.requires_grad else "dtype")
+        found = Shown(f"unit {layout.unit_name or '<root>'!r} holding {first.slots[0].fqn!r} "
+                      f"({what} {first.requires_grad if what == 'requires_grad' else first.dtype}) "
+                      f"and {layout.slots[0].fqn!r} ({what} "
+                      f"{layout.requires_grad if what == 'requires_grad' else layout.dtype})")
+        raise bad_argument(
+            FRONTEND, "use_orig_params", False, "True when a unit's parameters differ in "
+            f"{what} ({found})", "With use_orig_params=False a unit is one flat parameter, so "
+            "torch's FSDP1 refuses this too. Pass use_orig_params=True, or wrap the parameters "
+            "that differ as units of their own (auto_wrap_policy), or give them one "
+            f"{what}.")

@@ -1,17 +1,22 @@
 """FSDP1's `FullyShardedDataParallel` over our engine.
 
+The module tree is native FSDP1's (see [Note: one wrapper per unit] in fsdp_bridge/wrapper.py):
+with an auto-wrap policy or hand-nested wrappers, every unit is a FullyShardedDataParallel
+around its module, with native's attribute and parameter names, all of them faces of one
+engine. With `use_orig_params=False` (the default) `named_parameters()` gives one flat
+parameter per unit, shaped as native's local flat shard, which is the engine's master shard
+itself (see [Note: flat parameters] in fsdp_bridge/engine/flat_params.py); with True, the
+original parameters as 1-D local pieces.
+
 Differences users can see (all documented in the argument table):
-- Wrappers never stay nested: auto-wrapped units are units of the Plan, not wrapper modules in
-  the tree, and hand-nested wrappers are adopted by the outer one (see `fsdp_bridge.wrapper`).
-  `FSDP.fsdp_modules(model)` therefore lists the root wrappers only.
-- Parameters are always the user's own Parameter objects (1-D local shards, as
-  `use_orig_params=True`), whatever `use_orig_params` says: an optimizer built before wrapping
-  trains.
 - A hand-nested wrapper over other ranks than the root's is refused (see check_nested_groups).
 - LOCAL_STATE_DICT holds our flat groups under `<unit>._bridge_flat_param.<i>`, not native's
-  `<wrapper>._flat_param`, whose packing is torch's: a native LOCAL dict is refused by name
-  (see fsdp_bridge/engine/local_state.py). The legacy `sharded_optim_state_dict` gives
-  DTensors where native gives ShardedTensors; `flatten_sharded_optim_state_dict` reads both.
+  `<wrapper>._flat_param`: a native LOCAL dict is refused by name (see
+  fsdp_bridge/engine/local_state.py). The legacy `sharded_optim_state_dict` gives DTensors
+  where native gives ShardedTensors; `flatten_sharded_optim_state_dict` reads both.
+- torch's `get_optimizer_state_dict` / `set_optimizer_state_dict` refuse an optimizer over the
+  flat parameters (see [Note: torch's helpers and flat parameters] in
+  fsdp_bridge/state_dicts/torch_helpers.py); FSDP1's own optimizer-state APIs take it.
 - It runs on CPU without `device_id`, with `sync_module_states`, CPU offload and full state
   dicts offloaded to CPU (all of which native FSDP1 refuses on a CPU-only build).
 """
@@ -64,7 +69,12 @@ from torch.distributed.fsdp.fully_sharded_data_parallel import (  # noqa: F401
 )
 
 from fsdp_bridge import devices, engine
-from fsdp_bridge.fsdp._fsdp1_translate import FRONTEND, build_plan, parse_sharding_strategy
+from fsdp_bridge.fsdp._fsdp1_translate import (
+    FRONTEND,
+    build_plan,
+    parse_sharding_strategy,
+    strategy_of,
+)
 from fsdp_bridge.mixed_dialects import refuse_other_dialects
 from fsdp_bridge.topology import Topology, resolve_topology
 from fsdp_bridge.translation import bad_argument, check_param_init_fn
@@ -124,6 +134,7 @@ def check_nested_groups(module: nn.Module, shard_group, replicate_group) -> None
 
 class FullyShardedDataParallel(ShardedWrapper):
     _frontend = FRONTEND
+    _wrapper_per_unit = True  # see [Note: one wrapper per unit] in fsdp_bridge/wrapper.py
 
     # torch's own: it names parameters by walking the model with wrapper children left out (ours
     # and activation checkpointing's) and numbers them as the optimizer does, which reads our
@@ -180,13 +191,23 @@ class FullyShardedDataParallel(ShardedWrapper):
         # failure anywhere puts it back as it was (see engine/rollback.py).
         check_nested_groups(module, topology.shard_group, topology.replicate_group)
         with engine.restored_on_failure(module):
-            nested = self.release_nested(module)
+            nested, unit_wrappers = self.take_out_wrappers(module)
             plan = build_plan(module, nested=nested, **translate_kwargs)
             sharded = shard_flat(module, plan, shard_group=topology.shard_group,
                                  replicate_group=topology.replicate_group, device=device,
                                  param_init_fn=param_init_fn)
+            if not use_orig_params:  # see [Note: flat parameters] in engine/flat_params.py
+                engine.expose_flat_params(sharded)
             self._attach(module, sharded, dict(translate_kwargs, process_group=process_group,
-                                               device_mesh=device_mesh), nested)
+                                               device_mesh=device_mesh), unit_wrappers)
+
+    def _unit_wrapper_kwargs(self, unit) -> dict:
+        """A unit's wrapper reports the root's arguments with its own sharding strategy (a
+        CustomPolicy may have changed its resharding)."""
+        spec = next(spec for spec in self._sharded.plan.units if spec.name == unit.name)
+        return dict(self._fsdp_kwargs,
+                    sharding_strategy=strategy_of(self._sharded.plan.mode,
+                                                  spec.reshard_after_forward))
 
     @property
     def sharding_strategy(self) -> ShardingStrategy:

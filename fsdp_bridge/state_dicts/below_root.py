@@ -27,11 +27,12 @@ from fsdp_bridge.state_dicts.torch_helpers import called_by_torch_helpers
 LOADED_UNDER = "_fsdp_bridge_loaded_under"
 
 
-def hook_into_parent_loads(wrapper: nn.Module) -> None:
+def hook_into_parent_loads(wrapper: nn.Module) -> tuple:
     """Install the load hooks of [Note: loaded through a parent module] on `wrapper`, which
-    defines `_hidden_child` (its inner attribute) and `_load_overlap(state_dict)`."""
-    wrapper.register_load_state_dict_pre_hook(_load_from_parent)
-    wrapper.register_load_state_dict_post_hook(_inner_keys_loaded)
+    defines `_hidden_child` (its inner attribute) and `_load_overlap(state_dict)`; returns
+    their handles."""
+    return (wrapper.register_load_state_dict_pre_hook(_load_from_parent),
+            wrapper.register_load_state_dict_post_hook(_inner_keys_loaded))
 
 
 def load_overlap(wrapper: nn.Module, state_dict: dict) -> tuple[list, list]:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_bridge import engine
-from fsdp_bridge.engine.layout import state_dict_key
+from fsdp_bridge.state_dicts import flat_optim
 from fsdp_bridge.translation import bad_argument
 
 
@@ -27,29 +27,46 @@ def from_rank0(value, group=None):
     return holder[0]
 
 
+class _ModelOrder:
+    """The parameters of a model as an optimizer built on them would hold them."""
+
+    def __init__(self, param_groups: list[dict]):
+        self.param_groups = param_groups
+        self.state: dict = {}
+
+
 def by_model_order(model: nn.Module, sharded, frontend: str, full_osd: dict) -> dict:
     """This rank's part of a full (name-keyed) optimizer state dict, keyed by position in
     `model.parameters()` (how an optimizer built on them numbers them), one param group per
-    saved one with its positions sorted, as FSDP1 gives it when no optimizer is passed."""
-    position = {id(p): i for i, p in enumerate(model.parameters())}
-    # Saved names are state-dict keys: without activation checkpointing's wrapper child.
-    by_name = {state_dict_key(fqn): param
-               for fqn, param in nn.Module.named_parameters(sharded.module)}
+    saved one with its positions sorted, as FSDP1 gives it when no optimizer is passed. With
+    flat parameters those are the positions of the flat parameters, each with its state laid
+    out flat (see [Note: optimizer state of flat parameters] in flat_optim.py)."""
+    params = list(model.parameters())
+    position = {id(p): i for i, p in enumerate(params)}
+    holder = {}  # id(original parameter or piece) -> the parameter of `params` holding it
+    for param in params:
+        group = engine.flat_param_group(param)
+        for piece in (group.local_params if group is not None else [param]):
+            holder[id(piece)] = param
+    # Saved names are state-dict keys: without our wrappers' and activation checkpointing's
+    # children.
+    by_name = {key: holder.get(id(held)) for key, held in engine.held_entries(sharded).items()
+               if isinstance(held, nn.Parameter)}
     groups = []
     for saved in full_osd["param_groups"]:
-        unknown = [fqn for fqn in saved["params"]
-                   if fqn not in by_name or id(by_name[fqn]) not in position]
+        unknown = [fqn for fqn in saved["params"] if by_name.get(fqn) is None]
         if unknown:
             raise bad_argument(frontend, "full_optim_state_dict",
                                f"<a param group holding {unknown[:4]}>",
                                "the full optimizer state dict of this model's parameters",
                                "Load the state saved from this model (these names are not its "
                                "parameters).")
-        params = sorted((by_name[fqn] for fqn in saved["params"]), key=lambda p: position[id(p)])
-        groups.append({"params": params})
+        held = {id(by_name[fqn]): by_name[fqn] for fqn in saved["params"]}
+        groups.append({"params": sorted(held.values(), key=lambda p: position[id(p)])})
     # The engine numbers parameters as an optimizer's param_groups list them: give it ours.
-    in_model_order = type("ModelOrder", (), {"param_groups": groups})()
-    local = engine.optim_state_dict_to_load(sharded, in_model_order, full_osd)
+    in_model_order = flat_optim.pieces_of(_ModelOrder(groups))
+    local = flat_optim.for_optimizer(in_model_order, engine.optim_state_dict_to_load(
+        sharded, in_model_order, full_osd))
     order = [position[id(p)] for group in groups for p in group["params"]]
     local["state"] = {order[i]: value for i, value in local["state"].items()}
     for group in local["param_groups"]:

@@ -97,10 +97,14 @@ def get_model_state_dict(model: nn.Module, *, full_state_dict: bool = False,
     [Note: sharded state dicts are DTensors over the rows]); full: plain fp32 tensors, on rank 0
     only when `cpu_offload` (torch's convention). A collective: every rank must call it."""
     parts = find_parts(model)
+    ents = entries(model, parts)
+    held = {id(entry.group) for entry in ents if entry.part is not None}
     values: dict[int, torch.Tensor] = {}
     for part in parts:
         mesh = None if full_state_dict else mesh_of(part.sharded)
         for group in part.sharded.flat_groups():
+            if id(group) not in held:  # none of its parameters is in `model` (a unit's)
+                continue
             flat = group.gather_full_master()
             for index, (_, value) in enumerate(group.split(flat)):
                 value = value.clone() if mesh is None else to_dtensor(value, mesh)
@@ -109,7 +113,7 @@ def get_model_state_dict(model: nn.Module, *, full_state_dict: bool = False,
     if full_state_dict and cpu_offload and world_rank() != 0:
         return {}
     result = {}
-    for entry in entries(model, parts):
+    for entry in ents:
         if entry.part is not None:
             if ignore_frozen_params and not entry.group.requires_grad:
                 continue

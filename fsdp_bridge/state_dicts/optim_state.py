@@ -21,6 +21,7 @@ from torch import nn
 
 from fsdp_bridge.engine import default_device
 from fsdp_bridge.engine.device import backends_of, collective_device
+from fsdp_bridge.state_dicts import flat_optim
 from fsdp_bridge.state_dicts.model_state import global_shape, to_dtensor, to_full
 from fsdp_bridge.state_dicts.parts import (
     entries,
@@ -38,7 +39,9 @@ def _init_optim_state(optim) -> None:
     # every rank reports (and can load) the same keys before the first real step.
     from torch.distributed.checkpoint.state_dict import _init_optim_state as init
 
-    init(optim)
+    init(flat_optim.real(optim))
+    if isinstance(optim, flat_optim.PieceView):
+        optim.refresh()
 
 
 def _names(model: nn.Module, parts):
@@ -78,7 +81,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizers: Iterable, *,
     parts = find_parts(model)
     named = _names(model, parts)
     result: dict[str, Any] = {STATE: {}, GROUPS: []}
-    for optim in optimizers:
+    for optim in map(flat_optim.pieces_of, optimizers):
         _init_optim_state(optim)
         params = [p for pg in optim.param_groups for p in pg[PARAMS]]
         unknown = [i for i, p in enumerate(params) if id(p) not in named]
@@ -176,22 +179,22 @@ def optimizer_states_to_load(model: nn.Module, optimizers: Iterable, state_dict:
         raise ValueError(
             f"optimizer state dict: state for {len(unknown)} parameter(s) the model does not "
             f"have: {unknown[:8]}. Load the optimizer state of this model.")
-    optimizers = list(optimizers)
-    fresh = [not optim.state for optim in optimizers]
+    optimizers = [flat_optim.pieces_of(optim) for optim in optimizers]
+    fresh = [not flat_optim.real(optim).state for optim in optimizers]
     plans = []
     for optim in optimizers:  # check everything before loading anything
         _init_optim_state(optim)
         plans.append(_plan_load(optim, named, saved_state, saved_groups))
     for optim, was_fresh in zip(optimizers, fresh):
         if was_fresh:  # the zero-lr step of `_init_optim_state` made state: drop it
-            optim.state.clear()
+            flat_optim.real(optim).state.clear()
     to_load = []
-    for groups, order in plans:
+    for optim, (groups, order) in zip(optimizers, plans):
         state = {}
         with torch.no_grad():
             for position, param, saved in order:
                 state[position] = _local_state(param, named[id(param)], saved)
-        to_load.append({STATE: state, GROUPS: groups})
+        to_load.append(flat_optim.for_optimizer(optim, {STATE: state, GROUPS: groups}))
     return to_load
 
 
@@ -358,6 +361,22 @@ def rows_as_pieces(optimizer, state_dict: dict) -> dict:
             _check_state_shapes(key, param, entry, state[key])
             state[key] = _local_state(param, (key, entry), state[key])
     return {STATE: state, GROUPS: state_dict[GROUPS]}
+
+
+def refuse_hidden_originals(optimizer) -> None:
+    """An optimizer built before a wrap with `use_orig_params=False` holds the original
+    parameters, which the model no longer registers and no backward gives a gradient (native
+    FSDP1 then trains nothing, silently): refuse its first step, naming the fix."""
+    for entry in flat_piece_entries(_optimizer_params(optimizer)).values():
+        if entry.group.flat_param is not None:
+            slot = entry.group.slots[entry.index]
+            raise RuntimeError(
+                f"{type(optimizer).__name__} steps parameter {slot.fqn!r}, which "
+                "FullyShardedDataParallel(use_orig_params=False) flattened into its unit's flat "
+                "parameter: no backward gives it a gradient any more, so this step would train "
+                "nothing (native FSDP1 silently does). Build the optimizer after wrapping, over "
+                "model.parameters() (the flat parameters), or wrap with use_orig_params=True to "
+                "keep an optimizer built before.")
 
 
 def check_local_shapes(optimizer) -> None:

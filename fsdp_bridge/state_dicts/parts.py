@@ -11,6 +11,7 @@ state-dict helpers name a native FSDP1 model (and as our wrappers' own `state_di
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Optional
 
@@ -55,11 +56,11 @@ def _transparent_child(module: nn.Module) -> Optional[str]:
     activation-checkpointing wrappers (whose state-dict hooks drop it, as native FSDP1 does)."""
     if isinstance(module, ActivationWrapper):
         return CHECKPOINT_CHILD
-    sharded = getattr(module, "_sharded", None)
-    if isinstance(sharded, ShardedModel):
-        for name, child in module._modules.items():
-            if child is sharded.module:
-                return name
+    # Read from the instance: our wrappers hand unknown attributes on to the module inside.
+    if isinstance(module.__dict__.get("_sharded"), ShardedModel):
+        hidden = getattr(type(module), "_hidden_child", None)
+        if hidden in module._modules:
+            return hidden
     return None
 
 
@@ -77,6 +78,8 @@ def find_parts(model: nn.Module) -> list[Part]:
 
     def visit(module: nn.Module, prefix: str) -> None:
         sharded = engine.get_sharded(module)
+        if sharded is None and isinstance(module.__dict__.get("_sharded"), ShardedModel):
+            sharded = module.__dict__["_sharded"]  # a wrapper of one unit of a sharded model
         if sharded is not None:
             parts.append(Part(prefix, sharded))
             return
@@ -156,7 +159,10 @@ def entries(model: nn.Module, parts: list[Part]) -> list[Entry]:
             if child is not None:
                 visit(child, prefix if name == hidden else f"{prefix}{name}.")
 
-    visit(model, "")
+    with contextlib.ExitStack() as stack:  # the original parameters in their places
+        for part in parts:
+            stack.enter_context(engine.originals_registered(part.sharded))
+        visit(model, "")
     return result
 
 

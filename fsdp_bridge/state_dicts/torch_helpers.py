@@ -34,7 +34,7 @@ import weakref
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fsdp_bridge.state_dicts import optim_state
+from fsdp_bridge.state_dicts import flat_optim, optim_state
 
 TORCH_HELPERS_MODULE = "torch.distributed.checkpoint.state_dict"
 
@@ -63,8 +63,10 @@ def _equip(optimizer, args, kwargs) -> None:
     seen = _SEEN.get(optimizer)
     if seen is not None and seen[0] == count:
         return
+    optim_state.refuse_hidden_originals(optimizer)
     hooked = seen is not None and seen[1]
-    if not hooked and optim_state.holds_flat_pieces(optimizer):
+    if not hooked and (optim_state.holds_flat_pieces(optimizer)
+                       or flat_optim.holds_flat_params(optimizer)):
         # State loaded before the optimizer first stepped went in unconverted: refuse it here
         # rather than let a whole-parameter value broadcast against a piece.
         optim_state.check_local_shapes(optimizer)
@@ -77,10 +79,30 @@ def _equip(optimizer, args, kwargs) -> None:
 def _describe(optimizer, state_dict: dict):
     if not called_by_torch_helpers():
         return None
+    _refuse_flat_params(optimizer, "get_optimizer_state_dict")
     return optim_state.pieces_as_rows(optimizer, state_dict)
 
 
 def _take(optimizer, state_dict: dict):
     if not called_by_torch_helpers():
         return None
+    _refuse_flat_params(optimizer, "set_optimizer_state_dict")
     return optim_state.rows_as_pieces(optimizer, state_dict)
+
+
+def _refuse_flat_params(optimizer, helper: str) -> None:
+    """[Note: torch's helpers and flat parameters] torch's state-dict helpers name optimizer
+    state by the model's parameters. With `use_orig_params=False` those are FSDP1's flat
+    parameters, which torch maps back to the original names only for its own FSDP1 class (and
+    then cannot load them again: it looks for state under `_flat_param`). Keyed by our flat
+    parameters, the state would only load back at the same world size and wrapping: refuse,
+    naming the APIs that give native's per-parameter form."""
+    if flat_optim.holds_flat_params(optimizer):
+        raise ValueError(
+            f"torch.distributed.checkpoint.state_dict.{helper}: this optimizer steps "
+            "FullyShardedDataParallel's flat parameters (use_orig_params=False), which torch's "
+            "helpers can only name by the flat parameters themselves, not by the model's "
+            "parameter names. Use FullyShardedDataParallel.optim_state_dict(model, optim) and "
+            "FullyShardedDataParallel.optim_state_dict_to_load(model, optim, state) (native "
+            "FSDP1's per-parameter form, loadable at any world size), or wrap with "
+            "use_orig_params=True.")

@@ -3,7 +3,11 @@ is an argument.
 
 TorchAcc's eager backend builds torch FSDP1 with `ModuleWrapPolicy(wrap_layer_cls)`,
 FULL_SHARD (HYBRID_SHARD with groups (fsdp, dp) when dp > 1), `MixedPrecision(param=bf16|fp16,
-reduce=fp32, buffer=fp32)` and outputs cast to fp32; we do the same on our engine.
+reduce=fp32, buffer=fp32)` and outputs cast to fp32; we do the same on our engine. The module
+tree stays one wrapper around the model: `accelerate` returns TorchAcc's own module, around
+torch's FSDP1 (eager) or torch_xla's FSDP (lazy), and its checkpoint helpers
+(`get_shard_metadata`, `consolidate_sharded_model_checkpoints`) are torch_xla's, which ours
+follow (this rank's pieces under the original names), not FSDP1's per-unit wrappers.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ class ZetaFSDP(ShardedWrapper):
     clip_grad_norm_, state_dict_type, summon_full_params, ...)."""
 
     _frontend = FRONTEND
+    # Zeta's fsdp() calls torch's FSDP1 with its auto-wrap policy: a wrapper per unit.
+    _wrapper_per_unit = True
 
     def __init__(self, model: nn.Module, plan):
         super().__init__()

@@ -31,7 +31,9 @@ TABLE = register_table(
         (
             translated("model", "the model; the result is a wrapper with FSDP1's methods"),
             translated("auto_wrap", "True -> every TransformerBlock instance is a unit "
-                       "(transformer_auto_wrap_policy); False -> the root is the only unit"),
+                       "(transformer_auto_wrap_policy), wrapped in the tree by a wrapper of "
+                       "its own as torch's FSDP1 does (Zeta calls it); False -> the root is the "
+                       "only unit"),
             translated("mp", "'fp32' -> no mixed precision; 'bf16' / 'fp16' -> param, reduce "
                        "and buffer dtype all bf16 / fp16 (Zeta reduces in low precision)"),
             translated("shard_strat", "'FULL_SHARD' -> ZeRO-3; 'SHARD_GRAD' or 'SHARD_GRAD_OP' "

@@ -231,8 +231,6 @@ FSDP1 = [
          _nested_inner("clip_grad_norm_"), ("", "'0'", "on the root instance")),
     Case("fsdp1 inner.no_sync after the outer wrap", "FSDP1", "error", _nested_inner("no_sync"),
          ("", "'0'", "on the root instance")),
-    Case("fsdp1 inner.state_dict after the outer wrap", "FSDP1", "error",
-         _nested_inner("state_dict"), ("", "'0'", "on the root instance")),
     Case("fsdp1 summon_full_params(writeback='no')", "FSDP1", "error",
          _summon(writeback="no"), ("writeback", "'no'", "True or False")),
     Case("fsdp1 summon_full_params(with_grads=1)", "FSDP1", "error",
