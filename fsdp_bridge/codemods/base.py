@@ -25,6 +25,7 @@ from libcst.codemod.visitors._remove_imports import RemovedNodeVisitor
 from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider, QualifiedNameSource
 
 from fsdp_bridge.codemods.helpers import (
+    dotted,
     drops_a_comment,
     has_todo,
     keep_pragma_line,
@@ -173,7 +174,12 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
         None also when the name is bound to FSDP's *or* something else depending on which
         branch ran (`try: from torch...fsdp import FSDP / except ImportError: FSDP = None`):
         such a name is not FSDP's for certain (see `ambiguous`).
+
+        An attribute of a call's result is an instance's (`FSDP(model).to(device)`), never one of
+        the class's static methods, though libcst names it after the call's function.
         """
+        if isinstance(node, cst.Attribute) and dotted(node) is None:
+            return None
         names = self.qualified(node)
         shorts = {fsdp_name(name) for name in names}
         if None in shorts:

@@ -131,7 +131,7 @@ class FactsMixin:
         # by a call in this file (`accumulate(model, ...)` after `model = FSDP(...)`)
         self.fsdp1_parameters: set[str] = set()
         self.assigned_values: dict[int, cst.BaseExpression] = {}  # id(Name target) -> value of `x = value`
-        self.config_arguments: set[int] = set()  # ids of the config arguments of state_dict_type calls
+        self.config_arguments: set[int] = set()  # ids of the type and config arguments of state_dict_type calls
         self.fsdp_targets: set[int] = set()  # ids of the Name targets of `x = FSDP(...)`
         self.top_level_targets: set[int] = set()  # ... of those that are a top-level statement of their scope
         self.class_attributes: dict = {}  # id(ClassDef) -> `self.x` names only ever assigned FSDP(...)
@@ -201,7 +201,7 @@ class FactsMixin:
         for call in facts.attribute_calls:
             if self.fsdp(call.func) == STATE_DICT_TYPE:
                 bound = call_arguments(call, STATE_DICT_TYPE_PARAMS) or {}
-                self.config_arguments.update(id(bound[name].value) for name in STATE_DICT_TYPE_PARAMS[2:]
+                self.config_arguments.update(id(bound[name].value) for name in STATE_DICT_TYPE_PARAMS[1:]
                                              if name in bound)
             if (self.fsdp(call.func) or "").startswith(FSDP1 + ".") and call.args and not call.args[0].keyword:
                 name = dotted(call.args[0].value)
@@ -293,11 +293,12 @@ class FactsMixin:
             isinstance(getattr(r, "node", None), cst.CSTNode) and 0 < self.line_of(r.node) < line for r in others
         )
 
-    def literal_value(self, node: cst.BaseExpression) -> cst.BaseExpression | None:
-        """The value of `name = value` for a `name` passed as a state_dict_type config, when that
+    def literal_value(self, node: cst.BaseExpression, any_use: bool = False) -> cst.BaseExpression | None:
+        """The value of `name = value` for a `name` passed as a state_dict_type type or config, when that
         is the only assignment of the name that can reach `node` (libcst's scopes) and every use
         of the name is such an argument, so nothing can change the object before it is read;
-        None otherwise (another assignment, an attribute set, the object passed elsewhere)."""
+        None otherwise (another assignment, an attribute set, the object passed elsewhere).
+        `any_use`: the value cannot change (an enum member), so other uses do not matter."""
         scope = self.get_metadata(ScopeProvider, node, None) if isinstance(node, cst.Name) else None
         if scope is None:
             return None
@@ -306,7 +307,8 @@ class FactsMixin:
             return None
         (assignment,) = referents
         value = self.assigned_values.get(id(getattr(assignment, "node", None)))
-        if value is None or any(id(use.node) not in self.config_arguments for use in assignment.references):
+        if value is None or not any_use and any(id(use.node) not in self.config_arguments
+                                                for use in assignment.references):
             return None
         return value
 

@@ -128,10 +128,12 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
 
     def leave_Name(self, original: cst.Name, updated: cst.Name) -> cst.Name:
         self.check_reference(original)
-        return updated
+        return self.annotation_ref(original, updated)
 
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
         self.check_attribute(original)
+        if id(original) in self.annotation_refs:
+            return self.annotation_ref(original, updated)
         if not self.uses_fsdp1 or id(original) in self.store_targets:
             return updated
         if original.attr.value == "module":

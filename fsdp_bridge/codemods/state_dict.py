@@ -23,6 +23,7 @@ from fsdp_bridge.codemods.helpers import (
     call_arguments,
     call_like,
     code,
+    comments_in,
     dotted,
     keyword_arg,
     leftmost,
@@ -100,6 +101,16 @@ def _options(full: bool, offload_to_cpu: bool, rank0_only: bool) -> tuple[str, s
         "not in device memory")
 
 
+def _own_state(bound: dict[str, cst.Arg]) -> bool:
+    """True for `FSDP.optim_state_dict(model, optim, optim_state_dict=optim.state_dict())`: the
+    optimizer's own state dict, which is what FSDP1 reads when the argument is left out."""
+    state, optim = bound.get("optim_state_dict"), bound.get("optim")
+    value = state.value if state is not None else None
+    return (optim is not None and isinstance(value, cst.Call) and not value.args and not comments_in(code(state))
+            and isinstance(value.func, cst.Attribute) and value.func.attr.value == "state_dict"
+            and dotted(value.func.value) is not None and dotted(value.func.value) == dotted(optim.value))
+
+
 def _operand(node: cst.BaseExpression) -> str:
     """`node`'s code, parenthesised where `x or {}` would otherwise bind into it."""
     text = code(node)
@@ -113,8 +124,9 @@ def _takes_optimizer_state(resolve: Resolve, node: cst.With) -> bool:
 
 
 def _takes_model_state(node: cst.With, model: str) -> bool:
-    """True if the block calls `model.state_dict()` or `model.load_state_dict(...)`."""
-    return any(isinstance(call.func, cst.Attribute) and call.func.attr.value in STATE_DICT_METHODS
+    """True if the block calls `model.state_dict()` (where the state dict lives matters only for
+    one taken: a load reads what it is given, wherever offload_to_cpu would have put it)."""
+    return any(isinstance(call.func, cst.Attribute) and call.func.attr.value == "state_dict"
                and dotted(call.func.value) == model for call in m.findall(node.body, m.Call()))
 
 
@@ -331,6 +343,8 @@ class StateDictRules:
                     "is_named_optimizer": "False", "load_directly": "False", "rank0_only": "True"}
         if method == "optim_state_dict":
             defaults.pop("optim_state_dict")  # the no-argument form only
+            if _own_state(bound):
+                bound.pop("optim_state_dict")  # optim.state_dict() passed: what FSDP1 reads when none is
         for name, arg in bound.items():
             if name not in wanted and not (name in defaults and code(arg.value) == defaults[name]):
                 return None
@@ -518,7 +532,7 @@ class StateDictRules:
         args = call_arguments(call, STATE_DICT_TYPE_PARAMS)
         if args is None or "state_dict_type" not in args or "module" not in args:
             return None
-        kind = self.fsdp(args["state_dict_type"].value) or ""
+        kind = self.fsdp(self._config_value(args["state_dict_type"])) or ""
         if kind == "StateDictType.LOCAL_STATE_DICT":
             return None
         model = dotted(args["module"].value)
@@ -552,10 +566,14 @@ class StateDictRules:
         return True
 
     def _config_value(self, arg: cst.Arg | None) -> cst.BaseExpression | None:
-        """A config argument as written, or the literal call a variable passed there holds
-        (`cfg = FullStateDictConfig(...)`, see `literal_value`), so both translate alike."""
+        """A type or config argument as written, or the literal a variable passed there holds
+        (`cfg = FullStateDictConfig(...)`, `kind = StateDictType.FULL_STATE_DICT`, see
+        `literal_value`), so both translate alike."""
         if arg is None:
             return None
+        value = self.literal_value(arg.value, any_use=True)
+        if value is not None and (self.fsdp(value) or "").startswith("StateDictType."):
+            return value  # an enum member: no use of the name can change it
         return self.literal_value(arg.value) or arg.value
 
     def translate_state_dict_block(self, original: cst.With, updated: cst.With, context):

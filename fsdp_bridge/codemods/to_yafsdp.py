@@ -301,7 +301,7 @@ class ToYafsdpCommand(StateDictRules, Fsdp1Codemod):
         if len(node.items) > 1 or node.items[0].asname or not isinstance(node.items[0].item, cst.Call):
             return None
         args = call_arguments(node.items[0].item, STATE_DICT_TYPE_PARAMS) or {}
-        kind = self.fsdp(args["state_dict_type"].value) if "state_dict_type" in args else None
+        kind = self.fsdp(self._config_value(args["state_dict_type"])) if "state_dict_type" in args else None
         if kind != "StateDictType.FULL_STATE_DICT":
             return None
         config = args.get("state_dict_config")
