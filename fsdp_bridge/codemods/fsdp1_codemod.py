@@ -14,12 +14,21 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import ScopeProvider
 
+from fsdp_bridge.codemods import rules
 from fsdp_bridge.codemods.base import FsdpCodemod
 from fsdp_bridge.codemods.diagnostics import WRAP_FUNCTIONS, DiagnosticsRules
 from fsdp_bridge.codemods.facts import FactsMixin
 from fsdp_bridge.codemods.fsdp1 import current_keywords
-from fsdp_bridge.codemods.helpers import dotted
-from fsdp_bridge.codemods.names import ATTRIBUTE_BY_NAME, FSDP1, FSDP2_MARKERS, RUNTIME_CONSTRUCTORS, TYPE_CHECKS
+from fsdp_bridge.codemods.helpers import code, dotted
+from fsdp_bridge.codemods.names import (
+    ATTRIBUTE_BY_NAME,
+    FSDP1,
+    FSDP1_STATIC_METHODS,
+    FSDP2_MARKERS,
+    LOAD_SHARDED_OPTIMIZER,
+    RUNTIME_CONSTRUCTORS,
+    TYPE_CHECKS,
+)
 from fsdp_bridge.codemods.type_checks import TypeCheckRules
 from fsdp_bridge.codemods.unwrap import UnwrapRule
 
@@ -55,6 +64,10 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
 
     def check_method_elsewhere(self, original: cst.Call) -> None:
         """`x.method(...)` in a file that names no FSDP1 class (default: nothing to say)."""
+
+    def translate_sharded_optimizer_load(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        """`load_sharded_optimizer_state_dict(...)`, FSDP1's sharded optimizer resume (default: unchanged)."""
+        return updated
 
     def translate_no_sync_reference(self, original: cst.Attribute, updated: cst.Attribute):
         """`model.no_sync` used as a value, not called (default: unchanged)."""
@@ -213,11 +226,28 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
             return self.translate_type_check(original, updated)
         if qualified & ATTRIBUTE_BY_NAME:
             self.check_attribute_by_name(original)
+        if qualified & LOAD_SHARDED_OPTIMIZER and not self.in_fsdp2_function:
+            return self.translate_sharded_optimizer_load(original, updated)
         if isinstance(original.func, cst.Attribute) and not self.imported(original.func):
             if self.uses_fsdp1:
-                return self.translate_method(original, updated)
+                return self._static_through_instance(original, updated) or self.translate_method(original, updated)
             self.check_method_elsewhere(original)
         return updated
+
+    def _static_through_instance(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression | None:
+        """`model.optim_state_dict_to_load(model, optim, osd)`: one of FSDP1's static methods reached
+        through an object that may hold an FSDP1 model; neither target class has it, so it is
+        translated as `FSDP.<method>(...)` is (None: not such a call)."""
+        method = original.func.attr.value
+        if method not in FSDP1_STATIC_METHODS or self.receiver(original.func.value) is None:
+            return None
+        if method == "state_dict_type":
+            self.todo(rules.OTHER_FSDP1_USE, original, f"{code(original.func)}(...)",
+                      "FSDP1's state_dict_type reached through the model: the migrated model has no such method; "
+                      "write FullyShardedDataParallel.state_dict_type(...) and migrate again, or pass "
+                      "StateDictOptions where the state dict is taken")
+            return updated
+        return self.translate_static_method(original, updated, method)
 
     # -- shared by the constructor translations ------------------------------------------------
 

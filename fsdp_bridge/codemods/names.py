@@ -47,6 +47,18 @@ TYPE_CHECKS = frozenset({"builtins.isinstance", "builtins.issubclass"})
 STATE_DICT_TYPE = f"{FSDP1}.state_dict_type"
 STATE_DICT_METHODS = ("state_dict", "load_state_dict")
 
+# FSDP1's resume of a sharded optimizer state (ShardedTensors), by its qualified names.
+LOAD_SHARDED_OPTIMIZER = frozenset({
+    "torch.distributed.checkpoint.load_sharded_optimizer_state_dict",
+    "torch.distributed.checkpoint.optimizer.load_sharded_optimizer_state_dict",
+})
+# FSDP1's static methods, which code also reaches through an instance (`model.optim_state_dict_to_load(...)`).
+FSDP1_STATIC_METHODS = frozenset({
+    "optim_state_dict", "full_optim_state_dict", "optim_state_dict_to_load", "scatter_full_optim_state_dict",
+    "shard_full_optim_state_dict", "sharded_optim_state_dict", "flatten_sharded_optim_state_dict",
+    "rekey_optim_state_dict", "fsdp_modules", "state_dict_type", "set_state_dict_type", "get_state_dict_type",
+})
+
 # Names that show code already speaks FSDP2 (dual-dialect detection).
 FSDP2_NAMES = {"FSDPModule", "fully_shard", "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy"}
 FSDP2_MARKERS = {"fsdp_version"}

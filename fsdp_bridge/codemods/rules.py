@@ -107,6 +107,11 @@ RUNTIME_HELPER = _rule("FB107", "FSDP1 API with no one-call FSDP2 form", (FSDP2,
     too) where it does or cannot be known; `FSDP.scatter_full_optim_state_dict` and
     `model.no_sync` used as a value become calls of the runtime helpers that give the same
     result for FSDP2 modules.""")
+SHARDED_OPTIMIZER_LOAD = _rule("FB108", "load_sharded_optimizer_state_dict", (FSDP2, YAFSDP), """
+    `torch.distributed.checkpoint.load_sharded_optimizer_state_dict(...)` builds FSDP1's
+    ShardedTensors, which the migrated model's optimizer cannot step with: it becomes
+    `fsdp1_load_sharded_optimizer_state_dict(...)`, which reads the same checkpoint into DTensors
+    sharded as the model's parameters (and calls torch's function for a model left as FSDP1).""")
 DROPPED_COMMENT = _rule("FB110", "comment on a dropped argument", (FSDP2, YAFSDP), """
     An FSDP1 argument the new call does not take carried a comment: the comment moves into a
     TODO above the statement, so nothing the user wrote is lost.""")

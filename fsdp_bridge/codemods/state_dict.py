@@ -18,7 +18,7 @@ from libcst.metadata import GlobalScope, QualifiedNameProvider, ScopeProvider
 from fsdp_bridge.codemods import rules
 from fsdp_bridge.codemods.base import IN_PLACE, RUNTIME
 from fsdp_bridge.codemods.facts import PROVEN
-from fsdp_bridge.codemods.fsdp1 import STATE_DICT_TYPE_PARAMS, Resolve, state_dict_config
+from fsdp_bridge.codemods.fsdp1 import STATE_DICT_TYPE_PARAMS, Qualified, Resolve, state_dict_config
 from fsdp_bridge.codemods.helpers import (
     call_arguments,
     call_like,
@@ -31,7 +31,16 @@ from fsdp_bridge.codemods.helpers import (
     unwrap_with,
     with_comments_of,
 )
-from fsdp_bridge.codemods.names import DCP, FSDP1, RUNTIME_MODULE, STATE_DICT_METHODS, STATE_DICT_TYPE
+from fsdp_bridge.codemods.names import (
+    ATTRIBUTE_BY_NAME,
+    DCP,
+    FSDP1,
+    FSDP1_STATIC_METHODS,
+    RUNTIME_MODULE,
+    STATE_DICT_METHODS,
+    STATE_DICT_TYPE,
+    TYPE_CHECKS,
+)
 from fsdp_bridge.codemods.result_uses import LOAD, SAVE, ResultUse, result_uses
 
 # Static methods of the FSDP1 class we leave alone, with the reason.
@@ -117,10 +126,19 @@ def _operand(node: cst.BaseExpression) -> str:
     return text if isinstance(node, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)) else f"({text})"
 
 
-def _takes_optimizer_state(resolve: Resolve, node: cst.With) -> bool:
+def _static_on(call: cst.Call, model: str | None) -> bool:
+    """True for one of FSDP1's static methods reached through `model` (`model.optim_state_dict(model, optim)`)."""
+    func = call.func
+    return (isinstance(func, cst.Attribute) and func.attr.value in FSDP1_STATIC_METHODS
+            and func.attr.value != "state_dict_type" and model is not None and dotted(func.value) == model)
+
+
+def _takes_optimizer_state(resolve: Resolve, node: cst.With, model: str) -> bool:
     """True if the block takes an optimizer state dict under its config: `FSDP.optim_state_dict`
     (loading one is exact whatever offload_to_cpu says; full_optim_state_dict has its own flags)."""
-    return any(resolve(call.func) == f"{FSDP1}.optim_state_dict" for call in m.findall(node.body, m.Call()))
+    return any(resolve(call.func) == f"{FSDP1}.optim_state_dict"
+               or _static_on(call, model) and call.func.attr.value == "optim_state_dict"
+               for call in m.findall(node.body, m.Call()))
 
 
 def _takes_model_state(node: cst.With, model: str) -> bool:
@@ -130,7 +148,7 @@ def _takes_model_state(node: cst.With, model: str) -> bool:
                and dotted(call.func.value) == model for call in m.findall(node.body, m.Call()))
 
 
-def configures_elsewhere(node: cst.With, model: str | None, resolve: Resolve) -> bool:
+def configures_elsewhere(node: cst.With, model: str | None, resolve: Resolve, qualified: Qualified) -> bool:
     """True unless the block's only business with the model is its own state-dict calls.
 
     `with FSDP.state_dict_type(trainer.model, ...): trainer.save_model()` configures a call
@@ -142,11 +160,13 @@ def configures_elsewhere(node: cst.With, model: str | None, resolve: Resolve) ->
     base, handled = model.split(".")[0], False
     for call in m.findall(node.body, m.Call()):
         func, name = call.func, resolve(call.func) or ""
+        if qualified(func) & (TYPE_CHECKS | ATTRIBUTE_BY_NAME):
+            continue  # isinstance(model, FSDP), getattr(model, ...): a test reads no state-dict setting
         if isinstance(func, cst.Attribute) and func.attr.value in STATE_DICT_METHODS and dotted(func.value) == model:
             handled = True
             continue
-        if name.startswith(FSDP1 + ".") and name != STATE_DICT_TYPE:
-            handled = True  # FSDP.optim_state_dict(model, optim) and friends
+        if name.startswith(FSDP1 + ".") and name != STATE_DICT_TYPE or _static_on(call, model):
+            handled = True  # FSDP.optim_state_dict(model, optim) and friends, also as model.optim_state_dict(...)
             continue
         root = leftmost(func) if isinstance(func, cst.Attribute) else None
         if isinstance(root, cst.Name) and root.value == base:
@@ -246,6 +266,18 @@ class StateDictRules:
                                   "FSDP1 returned a state for optim.load_state_dict(); DCP loads it directly "
                                   "(set_optimizer_state_dict), so the helper loads it and returns the loaded state "
                                   f"for that call ({no_torch_form})")
+
+    def translate_sharded_optimizer_load(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        """`load_sharded_optimizer_state_dict(model_state_dict, key, reader)` -> the runtime helper,
+        same arguments (FB108)."""
+        self.site(rules.SHARDED_OPTIMIZER_LOAD, RUNTIME, original, f"{code(original.func)}(...)",
+                  "torch's function builds FSDP1 ShardedTensors, and the migrated model's optimizer fails at its "
+                  "first step with them: fsdp1_load_sharded_optimizer_state_dict() reads the checkpoint into "
+                  "DTensors sharded as the model state dict's parameters (torch's function still runs for a "
+                  "model left as FSDP1)")
+        self.need(RUNTIME_MODULE, "fsdp1_load_sharded_optimizer_state_dict")
+        self.drop_import_of(original.func)
+        return updated.with_changes(func=cst.Name("fsdp1_load_sharded_optimizer_state_dict"))
 
     # -- torch's own call where the file shows the helper's differences cannot matter ----------
 
@@ -500,7 +532,7 @@ class StateDictRules:
                 args = call_arguments(call, STATE_DICT_TYPE_PARAMS) or {}
                 model = dotted(args["module"].value) if "module" in args else None
                 # A kept block is decided first: its configs are not translated (nor flagged as inexact).
-                kept = item.asname is not None or configures_elsewhere(node, model, self.fsdp)
+                kept = item.asname is not None or configures_elsewhere(node, model, self.fsdp, self.qualified)
                 context = None if kept else self._state_dict_context(call)
                 self.state_dict_blocks[-1] = KEPT if context is None else context
 
@@ -551,7 +583,7 @@ class StateDictRules:
                     self.todo(rules.INEXACT_STATE_DICT_OPTIONS, call, "state_dict_config", model_problem)
                 if optim_problem and optim_cfg == (True, False):
                     optim_options = None  # FSDP1's default optimizer config: the helper's own default
-                elif optim_problem and _takes_optimizer_state(self.fsdp, self._with_node):
+                elif optim_problem and _takes_optimizer_state(self.fsdp, self._with_node, model):
                     self.todo(rules.INEXACT_STATE_DICT_OPTIONS, call, "optim_state_dict_config", optim_problem)
                 return Block(model, model_options, optim_options, _load_options(full, optim_cfg[1]))
         # Non-literal type or configs: translate when the script runs.

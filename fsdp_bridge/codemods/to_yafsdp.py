@@ -322,7 +322,8 @@ class ToYafsdpCommand(StateDictRules, Fsdp1Codemod):
         if isinstance(context, Block):
             return self.translate_state_dict_block(original, updated, context)
         args = call_arguments(item.item, STATE_DICT_TYPE_PARAMS) or {}
-        if configures_elsewhere(original, dotted(args["module"].value) if "module" in args else None, self.fsdp):
+        if configures_elsewhere(original, dotted(args["module"].value) if "module" in args else None, self.fsdp,
+                                self.qualified):
             self.todo(rules.STATE_DICT_TYPE_ELSEWHERE, original, "with FSDP.state_dict_type(...)",
                       "the block does more than take this model's state dict (calls made elsewhere "
                       "read the setting): YaFSDP's state_dict() is always full; check what those calls "

@@ -12,7 +12,7 @@ fsdp_bridge's front-ends and engine. The sharding is torch's own `fully_shard` f
 --to fsdp2:  fsdp1_fully_shard, fsdp1_no_sync, fsdp1_clip_grad_norm_, fsdp1_state_dict_options,
              fsdp1_state_dict_type, fsdp1_state_dict, fsdp1_load_state_dict, fsdp1_optim_state_dict,
              fsdp1_optim_state_dict_to_load, fsdp1_scatter_full_optim_state_dict, fsdp1_fsdp_modules,
-             fsdp1_unwrap
+             fsdp1_unwrap, fsdp1_load_sharded_optimizer_state_dict, fsdp1_module_class
 --to yafsdp: fsdp1_to_yafsdp, yafsdp_zero_stage, yafsdp_modules_to_wrap, fsdp1_unwrap
 """
 
@@ -70,6 +70,7 @@ __all__ = [
     "fsdp1_load_state_dict",
     "fsdp1_optim_state_dict",
     "fsdp1_scatter_full_optim_state_dict",
+    "fsdp1_load_sharded_optimizer_state_dict",
     "fsdp1_fsdp_modules",
     "fsdp1_unwrap",
     "fsdp1_to_yafsdp",
@@ -665,6 +666,64 @@ def fsdp1_scatter_full_optim_state_dict(full_optim_state_dict: dict | None, mode
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_optimizer_state_dict(model, optim, full_optim_state_dict or {}, options=options)
     return optim.state_dict()
+
+
+def fsdp1_load_sharded_optimizer_state_dict(model_state_dict: dict[str, Any], optimizer_key: str,
+                                            storage_reader: Any, planner: Any = None) -> dict[str, Any]:
+    """torch's `load_sharded_optimizer_state_dict` for a model whose sharded state dict holds
+    DTensors (FSDP2, YaFSDP): `{optimizer_key: state}` read from a DCP checkpoint, each state
+    tensor of a parameter sharded as that parameter is, for `set_optimizer_state_dict`.
+
+    torch's own function builds FSDP1 ShardedTensors, which an FSDP2 optimizer cannot step with;
+    it is still what runs for a state dict of ShardedTensors (a model left as FSDP1).
+    """
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+    from torch.distributed.tensor import DTensor
+
+    sharded = [value for value in model_state_dict.values() if isinstance(value, DTensor)]
+    if not sharded:
+        return load_sharded_optimizer_state_dict(model_state_dict, optimizer_key, storage_reader, planner)
+    device = sharded[0].device
+    metadata = storage_reader.read_metadata()
+    placeholders: dict[str, Any] = {}
+    for key, stored in metadata.state_dict_metadata.items():
+        path = metadata.planner_data[key]
+        if path[0] != optimizer_key:
+            continue
+        if isinstance(stored, BytesStorageMetadata):
+            placeholders[key] = "<bytes_io>"  # param_groups and other pickled entries
+            continue
+        # ("optim", "state", <parameter name>, <state name>): shaped as the parameter, sharded as it.
+        like = model_state_dict.get(path[2]) if len(path) == 4 and path[1] == "state" else None
+        if isinstance(like, DTensor) and like.shape == stored.size:
+            placeholders[key] = torch.empty_like(like, dtype=stored.properties.dtype)
+        else:
+            placeholders[key] = torch.empty(stored.size, dtype=stored.properties.dtype, device=device)
+    dcp_load(placeholders, storage_reader=storage_reader, planner=planner)
+    return _nested(placeholders, metadata.planner_data)
+
+
+def _nested(flat: dict[str, Any], paths: dict[str, tuple]) -> dict[str, Any]:
+    """A flat DCP state dict put back into its nesting: `paths` gives each flat key's path of
+    dict keys and list indices, as DCP's metadata records it."""
+    root: dict[str, Any] = {}
+    for key, value in flat.items():
+        node: Any = root
+        path = paths[key]
+        for part, following in zip(path, path[1:]):
+            empty: Any = [] if isinstance(following, int) else {}
+            if isinstance(node, list):
+                node.extend([None] * (part + 1 - len(node)))
+                node[part] = empty if node[part] is None else node[part]
+            else:
+                node.setdefault(part, empty)
+            node = node[part]
+        if isinstance(node, list):
+            node.extend([None] * (path[-1] + 1 - len(node)))
+        node[path[-1]] = value
+    return root
 
 
 def fsdp1_fsdp_modules(module: nn.Module, root_only: bool = False) -> list[nn.Module]:
