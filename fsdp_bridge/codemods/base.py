@@ -25,6 +25,8 @@ from libcst.codemod.visitors._remove_imports import RemovedNodeVisitor
 from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider, QualifiedNameSource
 
 from fsdp_bridge.codemods.helpers import (
+    NOTE_TAG,
+    TODO_TAG,
     dotted,
     drops_a_comment,
     has_todo,
@@ -94,6 +96,7 @@ class _Pending:
     """Edits requested for one statement while its children were being transformed."""
 
     todos: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    notes: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     comments: list[str] = dataclasses.field(default_factory=list)
     before: list[cst.BaseStatement] = dataclasses.field(default_factory=list)
 
@@ -264,9 +267,20 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
 
     def todo(self, rule: str, node: cst.CSTNode, what: str, reason: str) -> None:
         """Leave the enclosing statement as it is, under one tagged TODO comment."""
+        reason += self.todo_context()
         self.site(rule, TODO, node, what, reason)
         if self._pending:
             self._pending[-1].todos.append((rule, f"{what}: {reason}"))
+
+    def note(self, rule: str, text: str) -> None:
+        """One tagged NOTE comment above the enclosing statement (none added on a second run)."""
+        if self._pending:
+            self._pending[-1].notes.append((rule, text))
+
+    def todo_context(self) -> str:
+        """What a TODO must add about where its statement ran (a rule family that removes an
+        enclosing context says which it was)."""
+        return ""
 
     def comment_above(self, *comments: str) -> None:
         if self._pending:
@@ -296,16 +310,17 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
         if isinstance(result, cst.RemovalSentinel):
             return result
         statements = list(result.nodes) if isinstance(result, cst.FlattenSentinel) else [result]
-        if not (pending.todos or pending.comments or pending.before):
+        if not (pending.todos or pending.notes or pending.comments or pending.before):
             return result
         first = statements[0]
         comments = list(pending.comments)
-        seen = set()
-        for rule, text in pending.todos:
-            if rule in seen or has_todo(first.leading_lines, rule):
-                continue  # one TODO per rule and statement; none added on a second run
-            seen.add(rule)
-            comments.append(todo_comment(rule, text))
+        for tag, wishes in ((TODO_TAG, pending.todos), (NOTE_TAG, pending.notes)):
+            seen = set()
+            for rule, text in wishes:
+                if rule in seen or has_todo(first.leading_lines, rule, tag):
+                    continue  # one per rule and statement; none added on a second run
+                seen.add(rule)
+                comments.append(todo_comment(rule, text, tag))
         if pending.before:
             # The original leading lines (blank lines, comments) stay on top of the new block.
             head = pending.before[0].with_changes(leading_lines=first.leading_lines)

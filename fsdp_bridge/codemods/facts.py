@@ -147,6 +147,7 @@ class FactsMixin:
         self.check_fn_names: set[str] = set()  # see FileFacts
         self.check_fn_lambdas: set[int] = set()
         self.fsdp_file = False  # the file names FSDP1 or ShardingStrategy (FB213 applies)
+        self.uses_no_sync = False  # the file reads or calls some `x.no_sync` (gradient accumulation)
 
     def read_file_facts(self, node: cst.Module) -> None:
         facts = FileFacts()
@@ -155,6 +156,7 @@ class FactsMixin:
         self.uses_fsdp1 = FSDP1 in heads
         self.fsdp_file = self.uses_fsdp1 or "ShardingStrategy" in heads
         self.names_in_file = {n.value for n in facts.names if isinstance(n, cst.Name)}
+        self.uses_no_sync = any(isinstance(n, cst.Attribute) and n.attr.value == "no_sync" for n in facts.names)
         self.built_by_own_classes = {
             name for assign, _ in facts.assigns if isinstance(assign, cst.Assign) and isinstance(assign.value, cst.Call)
             and isinstance(assign.value.func, cst.Name) and assign.value.func.value in facts.class_names

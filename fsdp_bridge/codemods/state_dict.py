@@ -76,6 +76,7 @@ class Block:
     model_options: str
     optim_save_options: str | None  # None: FSDP1's default optimizer config, which the helper applies
     optim_load_options: str
+    written: str = ""  # the state_dict_type call as written, for the TODOs left in the block
 
 
 def _load_options(full: bool, rank0_only: bool) -> str:
@@ -507,6 +508,14 @@ class StateDictRules:
 
     # -- with FSDP.state_dict_type(...) blocks -----------------------------------------------
 
+    def todo_context(self) -> str:
+        """A TODO left inside a translated `state_dict_type` block loses the context it ran in when
+        the block goes: the TODO says which it was."""
+        block = self.current_state_dict_block()
+        if block is None or not block.written:
+            return ""
+        return f" (this ran inside `with {block.written}:`, which the migration removed)"
+
     def current_state_dict_block(self):
         """The innermost enclosing translated state_dict_type block (a `Block`), or None."""
         return next((ctx for ctx in reversed(self.state_dict_blocks) if ctx not in (None, KEPT)), None)
@@ -585,12 +594,13 @@ class StateDictRules:
                     optim_options = None  # FSDP1's default optimizer config: the helper's own default
                 elif optim_problem and _takes_optimizer_state(self.fsdp, self._with_node, model):
                     self.todo(rules.INEXACT_STATE_DICT_OPTIONS, call, "optim_state_dict_config", optim_problem)
-                return Block(model, model_options, optim_options, _load_options(full, optim_cfg[1]))
+                return Block(model, model_options, optim_options, _load_options(full, optim_cfg[1]), code(call))
         # Non-literal type or configs: translate when the script runs.
         passed = ", ".join(f"{a.keyword.value}={code(a.value)}" if a.keyword else code(a.value)
                            for a in call.args if a is not args["module"])
         optim = f"fsdp1_state_dict_options({passed}, for_optimizer=True)"
-        return Block(model, f"fsdp1_state_dict_options({passed})", optim, optim)  # the load helper adapts it
+        # (the load helper adapts the optimizer's options to a load)
+        return Block(model, f"fsdp1_state_dict_options({passed})", optim, optim, code(call))
 
     def model_state_by_dcp(self) -> bool:
         """True if the model's own state-dict calls in the block being entered become DCP calls

@@ -109,12 +109,25 @@ class ToYafsdpCommand(StateDictRules, Fsdp1Codemod):
         self._check_precision(original, values.get("mixed_precision"))
         reasons = self._needs_runtime(original, args, values)
         if reasons:
-            self.site(rules.YAFSDP_AT_RUN_TIME, RUNTIME, original, "FullyShardedDataParallel(...)", "; ".join(reasons))
+            self.site(rules.YAFSDP_AT_RUN_TIME, RUNTIME, original, "FullyShardedDataParallel(...)",
+                      "; ".join(reasons) + self._accumulation_note(rules.YAFSDP_AT_RUN_TIME))
             self.need(RUNTIME_MODULE, "fsdp1_to_yafsdp")
             self.drop_import_of(original.func)
             return fit(updated.with_changes(func=cst.Name("fsdp1_to_yafsdp"), args=append_args(
                 updated.args, [keyword_arg("gradient_accumulation_steps", "1")])), original)
         return self._in_place(original, updated, args)
+
+    def _accumulation_note(self, rule: str) -> str:
+        """`gradient_accumulation_steps=1` in a file that accumulates gradients with `no_sync()`: a
+        note above the call says why 1 is right (for the report: the same, after "; ")."""
+        if not self.uses_no_sync:
+            return ""
+        why = ("gradient_accumulation_steps=1 although this file accumulates gradients with no_sync(): "
+               "fsdp_bridge's YaFSDP keeps FSDP's no_sync(), which holds the reduction back until the "
+               "backward outside the block, as FSDP1 did; upstream YaFSDP has no no_sync() and needs the "
+               "number of micro-batches here instead")
+        self.note(rule, why)
+        return "; " + why
 
     def _check_precision(self, call: cst.Call, node: cst.BaseExpression | None) -> None:
         """A TODO for the precision settings of a literal MixedPrecision YaFSDP cannot express."""
@@ -231,8 +244,9 @@ class ToYafsdpCommand(StateDictRules, Fsdp1Codemod):
             extra.append(keyword_arg("bit16_reduce_scatter", "True"))
             reasons.append("gradients reduced in param_dtype, as FSDP1 does (bit16_reduce_scatter=True)")
         extra.append(keyword_arg("gradient_accumulation_steps", "1"))
+        summary = "; ".join(reasons) or "YaFSDP with the same settings"
         self.site(rules.YAFSDP_IN_PLACE, IN_PLACE, original, "FullyShardedDataParallel(...)",
-                  "; ".join(reasons) or "YaFSDP with the same settings")
+                  summary + self._accumulation_note(rules.YAFSDP_IN_PLACE))
         self.need(YAFSDP_MODULE, "YaFSDP")
         self.drop_import_of(original.func)
         result = fit(updated.with_changes(func=cst.Name("YaFSDP"),

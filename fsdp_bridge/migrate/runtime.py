@@ -437,26 +437,40 @@ def _materialize(module: nn.Module, param_init_fn, device_type: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _under_activation_wrappers(model: Any) -> Any:
+    """The module inside torch's activation checkpoint or offload wrappers (`checkpoint_wrapper`,
+    `offload_wrapper`): they forward attribute reads to it, which is how FSDP1's methods were
+    reached through them; the migrated model's methods are not, so the helpers look inside."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+    while isinstance(model, ActivationWrapper):
+        model = model._checkpoint_wrapped_module
+    return model
+
+
 @contextlib.contextmanager
 def fsdp1_no_sync(model: nn.Module) -> Iterator[None]:
-    """`with model.no_sync():` for FSDP2 modules (and anything else that has `no_sync`).
+    """`with model.no_sync():` for FSDP2 modules (and anything else that has `no_sync`), also
+    under an activation checkpoint or offload wrapper.
 
     Gradient sync is switched off for the block and restored even if the block raises.
     """
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(False)
+    sharded = _under_activation_wrappers(model)
+    if isinstance(sharded, FSDPModule):
+        sharded.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)
+            sharded.set_requires_gradient_sync(True)
         return
     with model.no_sync():
         yield
 
 
 def fsdp1_clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """`model.clip_grad_norm_(max_norm, norm_type)` for FSDP2 modules: returns a plain tensor."""
-    if not isinstance(model, FSDPModule):
+    """`model.clip_grad_norm_(max_norm, norm_type)` for FSDP2 modules (also under an activation
+    checkpoint or offload wrapper, through which FSDP1's method was reached): a plain tensor."""
+    if not isinstance(_under_activation_wrappers(model), FSDPModule):
         return model.clip_grad_norm_(max_norm, norm_type)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -741,10 +755,12 @@ def fsdp1_fsdp_modules(module: nn.Module, root_only: bool = False) -> list[nn.Mo
 
 def fsdp1_unwrap(model: nn.Module) -> nn.Module:
     """`model.module` where `model` may be a rewritten FSDP model: FSDP2 and YaFSDP have no wrapper
-    (the model is the model), anything else (DDP, an FSDP1 wrapper) keeps its `.module`."""
+    (the model is the model, also under an activation checkpoint or offload wrapper, through which
+    FSDP1's `.module` was read), anything else (DDP, an FSDP1 wrapper) keeps its `.module`."""
     ya_fsdp = sys.modules.get("fsdp_bridge.ya_fsdp")
-    if isinstance(model, FSDPModule) or (ya_fsdp is not None and isinstance(model, ya_fsdp.YaFSDP)):
-        return model
+    sharded = _under_activation_wrappers(model)
+    if isinstance(sharded, FSDPModule) or (ya_fsdp is not None and isinstance(sharded, ya_fsdp.YaFSDP)):
+        return sharded
     return model.module
 
 
