@@ -183,6 +183,9 @@ class FactsMixin:
             is_fsdp = isinstance(assign.value, cst.Call) and self.fsdp(assign.value.func) == FSDP1
             if is_fsdp:
                 self.wrapped_names.update(d for d in map(dotted, targets) if d)
+                for target in targets:
+                    self.constructors_by_name.setdefault(dotted(target) or "", []).append(assign.value)
+                    self.constructor_of_target[id(target)] = assign.value
                 self.fsdp_targets.update(id(t) for t in targets if isinstance(t, cst.Name))
             if cls is not None and isinstance(assign, cst.Assign):
                 self._note_self_attributes(cls, assign, is_fsdp)

@@ -20,6 +20,7 @@ from fsdp_bridge.codemods.diagnostics import WRAP_FUNCTIONS, DiagnosticsRules
 from fsdp_bridge.codemods.facts import FactsMixin
 from fsdp_bridge.codemods.fsdp1 import current_keywords
 from fsdp_bridge.codemods.helpers import code, dotted
+from fsdp_bridge.codemods.module_tree import COMPREHENSIONS, PARAMETER_READS, ModuleTreeRules
 from fsdp_bridge.codemods.names import (
     ATTRIBUTE_BY_NAME,
     FSDP1,
@@ -33,7 +34,7 @@ from fsdp_bridge.codemods.type_checks import TypeCheckRules
 from fsdp_bridge.codemods.unwrap import UnwrapRule
 
 
-class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, FsdpCodemod):
+class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, ModuleTreeRules, UnwrapRule, FsdpCodemod):
     """Base of the codemods that read FSDP1 code; see the module docstring for the hooks."""
 
     METADATA_DEPENDENCIES = (*FsdpCodemod.METADATA_DEPENDENCIES, ScopeProvider)
@@ -49,6 +50,7 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
         self.version_guards: list[bool] = []  # per enclosing `if`: does it test fsdp_version(...)?
         self.type_guards: list[set[str]] = []  # per enclosing `if`: names it tests isinstance(x, FSDP)
         self.check_fns = 0  # inside an activation-checkpointing check_fn (a function or lambda)
+        self.summoned: list[bool] = []  # per enclosing `with`: does it summon FSDP1's full parameters?
 
     # -- hooks: what a command translates ---------------------------------------------------
 
@@ -98,6 +100,8 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
     # -- definitions ------------------------------------------------------------------------
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        if node.name.value in self.check_fn_names:
+            self.enter_check_fn(node.params)  # left by leave_FunctionDef, also for a function left as it is
         if self.handles_both_dialects(node):
             self.fsdp2_functions.append(True)  # popped by leave_FunctionDef all the same
             return False  # such a function is left as it is
@@ -108,14 +112,51 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         self.fsdp2_functions.pop()
         self.check_fns -= original.name.value in self.check_fn_names and self.check_fns > 0
+        if original.name.value in self.check_fn_names:
+            self.leave_check_fn()
         return updated
 
     def visit_Lambda(self, node: cst.Lambda) -> None:
         self.check_fns += id(node) in self.check_fn_lambdas
+        if id(node) in self.check_fn_lambdas:
+            self.enter_check_fn(node.params)
 
     def leave_Lambda(self, original: cst.Lambda, updated: cst.Lambda) -> cst.Lambda:
         self.check_fns -= id(original) in self.check_fn_lambdas
+        if id(original) in self.check_fn_lambdas:
+            self.leave_check_fn()
         return updated
+
+    # -- loops and comprehensions (walks over the model, see module_tree.py) ---------------------
+
+    def visit_For(self, node: cst.For) -> None:
+        self.enter_loop(node)
+
+    def leave_For(self, original: cst.For, updated: cst.For):
+        self.leave_loop()
+        return updated
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if isinstance(node, COMPREHENSIONS):
+            self.enter_comprehension(node)
+        elif isinstance(node, cst.With):
+            self.summoned.append(any(self._summons(item.item) for item in node.items))
+        return super().on_visit(node)
+
+    def on_leave(self, original_node, updated_node):
+        if isinstance(original_node, COMPREHENSIONS):
+            self.leave_comprehension()
+        elif isinstance(original_node, cst.With):
+            self.summoned.pop()
+        return super().on_leave(original_node, updated_node)
+
+    def _summons(self, item: cst.BaseExpression) -> bool:
+        """`FSDP.summon_full_params(model)` or `model.summon_full_params()`: FSDP1 shows the original
+        parameters inside (the walks there read what they read after the migration)."""
+        if not isinstance(item, cst.Call) or not isinstance(item.func, cst.Attribute):
+            return False
+        return item.func.attr.value == "summon_full_params" and (
+            self.fsdp(item.func) is not None or self.receiver(item.func.value) is not None)
 
     @property
     def in_fsdp2_function(self) -> bool:
@@ -143,10 +184,15 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
         self.check_reference(original)
         return self.annotation_ref(original, updated)
 
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        self.note_class_reads(node)
+
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
         self.check_attribute(original)
         if id(original) in self.annotation_refs:
             return self.annotation_ref(original, updated)
+        if original.attr.value == "__class__" and self.uses_fsdp1:
+            return self.translate_class_read(original, updated)
         if not self.uses_fsdp1 or id(original) in self.store_targets:
             return updated
         if original.attr.value == "module":
@@ -192,7 +238,8 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
         return any(self.version_guards)
 
     def visit_Comparison(self, node: cst.Comparison) -> None:
-        self.check_exact_class_test(node)
+        if not self.check_exact_class_test(node):
+            self.note_class_reads(node)
 
     # -- calls --------------------------------------------------------------------------------
 
@@ -206,6 +253,7 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
         self.claim_call(node, name, qualified)
         if self.is_library_config(qualified):
             self.report_library_config(node, qualified)
+        self.note_walking_call(node, qualified)
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         name = self.fsdp(original.func) or ""
@@ -226,10 +274,14 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
             return self.translate_type_check(original, updated)
         if qualified & ATTRIBUTE_BY_NAME:
             self.check_attribute_by_name(original)
+        if "builtins.type" in qualified and self.uses_fsdp1:
+            return self.translate_class_read(original, updated)
         if qualified & LOAD_SHARDED_OPTIMIZER and not self.in_fsdp2_function:
             return self.translate_sharded_optimizer_load(original, updated)
         if isinstance(original.func, cst.Attribute) and not self.imported(original.func):
             if self.uses_fsdp1:
+                if original.func.attr.value in PARAMETER_READS and not any(self.summoned):
+                    self.check_parameter_read(original)
                 return self._static_through_instance(original, updated) or self.translate_method(original, updated)
             self.check_method_elsewhere(original)
         return updated

@@ -39,7 +39,8 @@ PRIVATE_ATTRIBUTES = frozenset(
 FSDP1_WRAPPER_ATTRIBUTES = frozenset({"params", "check_is_root", "training_state", "compute_device", "process_group"})
 
 # Builtins a codemod resolves (type checks); every other name must come from an import.
-BUILTINS_WE_MATCH = frozenset({"isinstance", "issubclass", "type", "getattr", "hasattr"})
+BUILTINS_WE_MATCH = frozenset({"isinstance", "issubclass", "type", "getattr", "hasattr",
+                               "sum", "len", "zip", "sorted", "enumerate", "map", "filter", "min", "max"})
 ATTRIBUTE_BY_NAME = frozenset({"builtins.getattr", "builtins.hasattr"})
 TYPE_CHECKS = frozenset({"builtins.isinstance", "builtins.issubclass"})
 

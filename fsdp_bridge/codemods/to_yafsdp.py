@@ -83,6 +83,7 @@ class ToYafsdpCommand(StateDictRules, Fsdp1Codemod):
     UNWRAP_REASON = "YaFSDP has no .module: it forwards attribute reads to the model and its own " \
         "state_dict/load_state_dict/no_sync take the place of the wrapped module's"
     TARGET = "YaFSDP"
+    PARAMETERS_SHOWN = "YaFSDP shows the original parameters under their names (1-D pieces of this rank's shard)"
     ACCEPT_FSDP1_TOO = True  # the tree may keep FSDP1 constructors (TODOs) in other files
     STRATEGY_READ_REASON = (
         "YaFSDP has no sharding_strategy attribute (the read fails on the migrated model, or finds "

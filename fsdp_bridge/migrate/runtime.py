@@ -73,6 +73,7 @@ __all__ = [
     "fsdp1_load_sharded_optimizer_state_dict",
     "fsdp1_fsdp_modules",
     "fsdp1_unwrap",
+    "fsdp1_module_class",
     "fsdp1_to_yafsdp",
     "yafsdp_zero_stage",
     "yafsdp_modules_to_wrap",
@@ -751,6 +752,16 @@ def fsdp1_fsdp_modules(module: nn.Module, root_only: bool = False) -> list[nn.Mo
         nested = {id(sub) for m in found for sub in list(m.modules())[1:]}
         found = [m for m in found if id(m) not in nested]
     return found
+
+
+def fsdp1_module_class(module: Any) -> type:
+    """`type(module)` as FSDP1's module tree showed it: `fully_shard` gives each module it shards a
+    class of its own, `FSDP<Name>(FSDPModule, <the module's class>)`, and this is the module's
+    class from before; for any other object, its own class."""
+    cls = type(module)
+    if isinstance(module, FSDPModule) and len(cls.__bases__) == 2 and cls.__bases__[0] is FSDPModule:
+        return cls.__bases__[1]
+    return cls
 
 
 def fsdp1_unwrap(model: nn.Module) -> nn.Module:
