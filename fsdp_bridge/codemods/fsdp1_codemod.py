@@ -271,6 +271,8 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, ModuleTreeRules
             self.flag_partial(original)
             return updated
         if qualified & TYPE_CHECKS:
+            if self.flag_unit_type_check(original):
+                return updated
             return self.translate_type_check(original, updated)
         if qualified & ATTRIBUTE_BY_NAME:
             self.check_attribute_by_name(original)

@@ -27,6 +27,8 @@ name assigned `FSDP(...)` later in the same scope, by a top-level statement) is 
 
 from __future__ import annotations
 
+import dataclasses
+
 import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import ScopeProvider
@@ -49,6 +51,27 @@ COMPREHENSIONS = (cst.ListComp, cst.SetComp, cst.DictComp, cst.GeneratorExp)
 MIGRATED_CONSTRUCTORS = frozenset({*RUNTIME_CONSTRUCTORS, f"{YAFSDP_MODULE}.YaFSDP"})
 
 
+@dataclasses.dataclass(frozen=True)
+class UnitWalk:
+    """`for name, unit in root.named_modules():` (`name` is None for `modules()`/`children()`)."""
+
+    unit: str
+    name: str | None
+    root: cst.BaseExpression
+
+
+def _unit_walk(node: cst.For) -> UnitWalk | None:
+    call = node.iter
+    if not (isinstance(call, cst.Call) and isinstance(call.func, cst.Attribute) and call.func.attr.value in MODULE_WALKS
+            and not call.args):
+        return None
+    unit = _walk_variable(node.target, call.func.attr.value)
+    target = node.target
+    name = (target.elements[0].value.value if call.func.attr.value.startswith("named_")
+            and isinstance(target.elements[0].value, cst.Name) else None) if unit else None
+    return UnitWalk(unit, name, call.func.value) if unit else None
+
+
 def _walk_variable(target: cst.BaseExpression, method: str) -> str | None:
     """The name a module walk binds each module to (`m` of `for m in x.modules()` or of
     `for name, m in x.named_modules()`)."""
@@ -67,6 +90,8 @@ class ModuleTreeRules:
     # show parameters in other shapes than FSDP1's use_orig_params=True views (FSDP2's DTensors)?
     RECLASSES_MODULES = False
     RESHAPES_PARAMETERS = False
+    # Are the units the constructor wrapped objects of the target's class (FSDP2's FSDPModules)?
+    UNITS_ARE_WRAPPERS = True
     # How the target shows parameters, for the TODO.
     PARAMETERS_SHOWN = ""
 
@@ -77,15 +102,22 @@ class ModuleTreeRules:
         self.identity_operands: set[int] = set()  # expressions whose class identity is read
         self.constructors_by_name: dict[str, list[cst.Call]] = {}  # "model" -> the FSDP(...) calls assigned to it
         self.constructor_of_target: dict[int, cst.Call] = {}  # id(target of `x = FSDP(...)`) -> the call
+        self.unit_walks: list[UnitWalk | None] = []  # per enclosing `for`: the walk over a model's modules
 
     # -- what the walk has entered ------------------------------------------------------------
 
     def enter_loop(self, node: cst.For) -> None:
         self.walks[id(node.iter)] = node
         self.class_subjects.append(self._module_walk_names(node.iter, node.target))
+        self.unit_walks.append(_unit_walk(node))
 
     def leave_loop(self) -> None:
         self.class_subjects.pop()
+        self.unit_walks.pop()
+
+    def unit_walk_of(self, name: str | None) -> UnitWalk | None:
+        """The innermost `for` over a model's modules that binds `name` to each module."""
+        return next((walk for walk in reversed(self.unit_walks) if walk is not None and walk.unit == name), None)
 
     def enter_comprehension(self, node: cst.BaseComp | cst.DictComp) -> None:
         names, comp = set(), node.for_in
@@ -125,7 +157,7 @@ class ModuleTreeRules:
         """The walk variable of `for m in model.modules()`, in a file that wraps with FSDP1. Any
         walk counts, whatever the model: `fsdp1_module_class` gives an unsharded module's own
         class, so the rewrite changes nothing where the model turns out not to be sharded."""
-        if not (self.RECLASSES_MODULES and self.uses_fsdp1 and isinstance(iterated, cst.Call)
+        if not (self.uses_fsdp1 and isinstance(iterated, cst.Call)
                 and isinstance(iterated.func, cst.Attribute) and iterated.func.attr.value in MODULE_WALKS):
             return set()
         name = _walk_variable(target, iterated.func.attr.value)
@@ -136,7 +168,7 @@ class ModuleTreeRules:
     def translate_class_read(self, original: cst.Call | cst.Attribute, updated):
         """`type(m)` or `m.__class__` whose identity a test reads, `m` a module of the wrapped model:
         `fsdp1_module_class(m)`."""
-        if id(original) not in self.identity_operands or not self.class_subjects:
+        if not self.RECLASSES_MODULES or id(original) not in self.identity_operands or not self.class_subjects:
             return updated
         if isinstance(original, cst.Call):
             if len(original.args) != 1 or original.args[0].keyword or original.args[0].star:
@@ -154,6 +186,20 @@ class ModuleTreeRules:
                   "module tree showed it")
         self.need(RUNTIME_MODULE, "fsdp1_module_class")
         return cst.Call(func=cst.Name("fsdp1_module_class"), args=[cst.Arg(new_subject)])
+
+    def flag_unit_type_check(self, original: cst.Call) -> bool:
+        """`isinstance(m, FSDP)` on the modules of a walk, where the target's units are no wrapper
+        objects (YaFSDP wraps the model once): flagged and left as written (True)."""
+        if self.UNITS_ARE_WRAPPERS or len(original.args) != 2 or not self._names_fsdp1_class(original.args[1].value):
+            return False
+        name = dotted(original.args[0].value)
+        if name is None or not any(name in names for names in self.class_subjects):
+            return False
+        self.todo(rules.UNIT_TYPE_TEST, original, f"{code(original)} in a walk over the model's modules",
+                  "YaFSDP wraps the model once: the units FSDP1 wrapped stay plain modules (named in "
+                  "modules_to_wrap_with_names), so in this walk the test would find the YaFSDP model alone where "
+                  "FSDP1 found every unit; test the units by name or class instead")
+        return True
 
     # -- parameters (FB216) -----------------------------------------------------------------------
 

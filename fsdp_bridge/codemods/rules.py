@@ -183,6 +183,10 @@ PARAMETER_WALK = _rule("FB216", "parameters walked on a wrapped model", (FSDP2, 
     differ, and the statement is flagged. Under `--to fsdp2` a walk that reads shapes or sizes is
     flagged with `use_orig_params=True` too (FSDP1 showed 1-D local views, FSDP2 full-shape
     DTensors). Handing `model.parameters()` to an optimizer is not a walk.""")
+UNIT_TYPE_TEST = _rule("FB217", "isinstance(m, FSDP) in a walk, YaFSDP", (YAFSDP,), """
+    `isinstance(m, FullyShardedDataParallel)` on the modules of a walk over a model: FSDP1 found
+    every unit it wrapped there; YaFSDP wraps the model once and its units stay plain modules,
+    so the test would find the YaFSDP model alone. Left as written, flagged.""")
 OTHER_FSDP1_USE = _rule("FB299", "any other FSDP1 API use", (FSDP2, YAFSDP), """
     An FSDP1 name used in a way no rule translates (passed on as a class, an unknown static
     method, arguments outside the translated forms).""")

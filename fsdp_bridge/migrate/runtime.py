@@ -13,7 +13,7 @@ fsdp_bridge's front-ends and engine. The sharding is torch's own `fully_shard` f
              fsdp1_state_dict_type, fsdp1_state_dict, fsdp1_load_state_dict, fsdp1_optim_state_dict,
              fsdp1_optim_state_dict_to_load, fsdp1_scatter_full_optim_state_dict, fsdp1_fsdp_modules,
              fsdp1_unwrap, fsdp1_load_sharded_optimizer_state_dict, fsdp1_module_class
---to yafsdp: fsdp1_to_yafsdp, yafsdp_zero_stage, yafsdp_modules_to_wrap, fsdp1_unwrap
+--to yafsdp: fsdp1_to_yafsdp, yafsdp_zero_stage, yafsdp_modules_to_wrap, yafsdp_unit_state_dict, fsdp1_unwrap
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ __all__ = [
     "fsdp1_to_yafsdp",
     "yafsdp_zero_stage",
     "yafsdp_modules_to_wrap",
+    "yafsdp_unit_state_dict",
 ]
 
 
@@ -830,6 +831,22 @@ _GRADIENT_ACCUMULATION_STEPS = inspect.Parameter(
 
 
 @_takes_fsdp1_arguments(_GRADIENT_ACCUMULATION_STEPS)
+def yafsdp_unit_state_dict(root: nn.Module, unit_name: str, rank0_only: bool = False) -> dict[str, Any]:
+    """The full state dict of the unit named `unit_name` in the YaFSDP model `root` (as FSDP1's
+    `unit.state_dict()` under a full `state_dict_type` gave it): YaFSDP's units are plain modules,
+    so the root's full state dict is taken and the keys under that name kept, relative to it."""
+    state = root.state_dict(rank0_only=rank0_only)
+    # A walk over the YaFSDP model names its modules through the wrapper's inner attribute
+    # (`_module.0.adapter`); its state dict leaves that name out, as FSDP1's did its own.
+    hidden = getattr(type(root), "_hidden_child", None)
+    if hidden and (unit_name == hidden or unit_name.startswith(hidden + ".")):
+        unit_name = unit_name[len(hidden) + 1:]
+    if not unit_name:
+        return state
+    prefix = unit_name + "."
+    return {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+
+
 def fsdp1_to_yafsdp(*args: Any, gradient_accumulation_steps: int = 1, **kwargs: Any):
     """`FullyShardedDataParallel(module, ...)` as `fsdp_bridge.ya_fsdp.YaFSDP(...)`.
 
