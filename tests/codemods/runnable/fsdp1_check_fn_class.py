@@ -54,3 +54,7 @@ def train_by_bases(rank):
     apply_activation_checkpointing(
         model, check_fn=lambda m: any("Layer" in base.__name__ for base in type(m).__bases__))
     return _run(model, rank)
+
+
+def train(rank):
+    return {"by name": train_by_name(rank), "by bases": train_by_bases(rank)}

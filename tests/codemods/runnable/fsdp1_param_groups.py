@@ -56,3 +56,7 @@ def train_original_names(rank):
         {"params": [p for n, p in model.named_parameters() if any(k in n for k in NO_DECAY)], "weight_decay": 0.0},
     ]
     return _run(model, groups, rank)
+
+
+def train(rank):
+    return {"flat": train_flat(rank), "original names": train_original_names(rank)}
