@@ -1,9 +1,10 @@
 """The base class of every fsdp-bridge codemod: name resolution, report sites, TODO comments.
 
 Every codemod in this package matches torch/YaFSDP/Zeta/TorchAcc names by *qualified name*
-(libcst's QualifiedNameProvider, see `names.py`), never by text: `FSDP`, `x.FullyShardedDataParallel` after
-`import torch.distributed.fsdp as x`, and imports inside functions all resolve to the same
-canonical name, while a local class that happens to be called `FullyShardedDataParallel` does not.
+(libcst's qualified names from its scope analysis, see `names.py`), never by text: `FSDP`,
+`x.FullyShardedDataParallel` after `import torch.distributed.fsdp as x`, and imports inside
+functions all resolve to the same canonical name, while a local class that happens to be called
+`FullyShardedDataParallel` does not.
 
 [Note: statement-level edits]
 Translations often need to touch the *statement* around an expression: put a TODO comment above
@@ -17,12 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import Collection
 
 import libcst as cst
 from libcst.codemod import CodemodContext, VisitorBasedCodemodCommand
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
 from libcst.codemod.visitors._remove_imports import RemovedNodeVisitor
-from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider, QualifiedNameSource
+from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedName, QualifiedNameSource, ScopeProvider
 
 from fsdp_bridge.codemods.helpers import (
     NOTE_TAG,
@@ -104,8 +106,9 @@ class _Pending:
 class FsdpCodemod(VisitorBasedCodemodCommand):
     """Base class: name resolution, site recording, and statement-level edits."""
 
-    # Positions are resolved lazily (see line_of): only files with sites pay for them.
-    METADATA_DEPENDENCIES = (QualifiedNameProvider,)
+    # Positions are resolved lazily (see line_of): only files with sites pay for them. Qualified
+    # names too, node by node, from the scopes (see _qualified_names).
+    METADATA_DEPENDENCIES = (ScopeProvider,)
 
     def __init__(self, context: CodemodContext) -> None:
         super().__init__(context)
@@ -143,8 +146,14 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
     # -- names ---------------------------------------------------------------------------
 
     def visit_Module(self, node: cst.Module) -> None:
-        self._bound_by_import = names_bound_by_imports(node)
+        self._qualified_cache: dict[int, Collection[QualifiedName]] = {}  # by id of a node of this tree
+        self._bound_by_import = self.names_bound_by_imports(node)
         self._removed_nodes = None  # see drop_import_of
+
+    def names_bound_by_imports(self, node: cst.Module) -> set[str] | None:
+        """Every name an import binds in the file (a codemod with a first pass of its own reads
+        them there instead)."""
+        return names_bound_by_imports(node)
 
     def _may_be_imported(self, node: cst.CSTNode) -> bool:
         """Cheap pre-check: only names bound by an import can resolve to torch's (or builtins).
@@ -159,17 +168,31 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
         bound = getattr(self, "_bound_by_import", None)
         return bound is None or node.value in bound or node.value in BUILTINS_WE_MATCH
 
+    def _qualified_names(self, node: cst.CSTNode) -> Collection[QualifiedName]:
+        """What libcst's QualifiedNameProvider gives for `node`, computed for this node alone from
+        its scope: the provider would compute it for every node of the file, which costs a third
+        of the scope analysis on a large file where only a few names are ever asked about."""
+        found = self._qualified_cache.get(id(node))
+        if found is None:
+            scope = self.get_metadata(ScopeProvider, node, None)
+            if scope is None:
+                return set()  # a node this codemod built: no name of its own
+            found = self._qualified_cache[id(node)] = scope.get_qualified_names_for(node)
+        return found
+
+    def qualified_names(self, node: cst.CSTNode) -> set[str]:
+        """Every qualified name `node` may have (also locals), as QualifiedNameProvider gives them."""
+        return {q.name for q in self._qualified_names(node)}
+
     def qualified(self, node: cst.CSTNode) -> set[str]:
         if not self._may_be_imported(node):
             return set()
-        return {q.name for q in self.get_metadata(QualifiedNameProvider, node, set())}
+        return self.qualified_names(node)
 
     def imported(self, node: cst.CSTNode) -> bool:
         """True if `node` names something from an import or a builtin (not a local object)."""
         return self._may_be_imported(node) and any(
-            q.source in (QualifiedNameSource.IMPORT, QualifiedNameSource.BUILTIN)
-            for q in self.get_metadata(QualifiedNameProvider, node, set())
-        )
+            q.source in (QualifiedNameSource.IMPORT, QualifiedNameSource.BUILTIN) for q in self._qualified_names(node))
 
     def fsdp(self, node: cst.CSTNode) -> str | None:
         """The FSDP name `node` refers to (`FullyShardedDataParallel`, `ShardingStrategy.X`...).

@@ -22,6 +22,7 @@ a module already sharded with `fully_shard`, whose state dict the helper would m
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 import libcst as cst
@@ -30,9 +31,40 @@ from libcst.metadata import ScopeProvider
 
 from fsdp_bridge.codemods.fsdp1 import STATE_DICT_TYPE_PARAMS
 from fsdp_bridge.codemods.helpers import call_arguments, dotted, is_literal
-from fsdp_bridge.codemods.names import FSDP1, FSDP1_FRAMEWORKS, FSDP2_MARKERS, FSDP2_NAMES, STATE_DICT_TYPE
+from fsdp_bridge.codemods.names import (
+    ACCELERATE_PLUGIN,
+    FSDP1,
+    FSDP1_FRAMEWORKS,
+    FSDP1_STATIC_METHODS,
+    FSDP1_WRAPPER_ATTRIBUTES,
+    FSDP2_MARKERS,
+    FSDP2_NAMES,
+    HF_CONFIG_CALLS,
+    PRIVATE_ATTRIBUTES,
+    STATE_DICT_TYPE,
+)
 
 PROVEN, MAYBE = "proven", "maybe"
+
+# [Note: statements no rule reads]
+# Rebuilding every node of a large file costs as much as parsing it, and most statements of a
+# training repository have nothing to do with FSDP. Every rule acts on a node that names one of a
+# few things: an FSDP name (imported from a module whose path says so, or reached through an
+# attribute chain that spells `fsdp`), a library setting that enables FSDP, or, in a file that
+# uses FSDP1, a method or attribute of the wrapper (`state_dict`, `no_sync`, `parameters`,
+# `type(...)` for class tests...). The first pass records which names and attributes each
+# statement holds; the rewrite then visits only the statements holding one of those words and the
+# statements around them (whose `with`, `if`, `for`, class and function the rules read), and leaves
+# every other statement as it is, unvisited. Matching stays by qualified name: the words only
+# choose where to look.
+RULE_MODULES = re.compile(r"fsdp|FullyShardedDataParallel|torch\.distributed\.checkpoint", re.IGNORECASE)
+RULE_WORDS = frozenset({"fsdp", "FullyShardedDataParallel", "load_sharded_optimizer_state_dict", "clip_grad_norm_",
+                        *(name.split(".")[-1] for name in HF_CONFIG_CALLS | ACCELERATE_PLUGIN)})
+# What an FSDP1 model's code is read for, in a file that uses FSDP1.
+FSDP1_RULE_WORDS = frozenset({
+    "state_dict", "load_state_dict", "no_sync", "module", "_orig_mod", "summon_full_params", "sharding_strategy",
+    "parameters", "named_parameters", "type", "__class__", "getattr", "hasattr",
+    *FSDP1_STATIC_METHODS, *PRIVATE_ATTRIBUTES, *FSDP1_WRAPPER_ATTRIBUTES})
 
 
 class FileFacts(cst.CSTVisitor):
@@ -55,12 +87,60 @@ class FileFacts(cst.CSTVisitor):
         self.check_fn_lambdas: set[int] = set()  # ids of `check_fn=lambda m: ...`
         self._in_class: list[bool] = []  # per enclosing class or function: is it a class?
         self._branches = 0
+        # See [Note: statements no rule reads].
+        self.statement_words: dict[int, set[str]] = {}  # id(statement) -> names and attributes in it
+        self.parent_statement: dict[int, int] = {}  # id(statement) -> id(enclosing statement), 0 at the top
+        self._statements: list[int] = []
+        self.bound_names: set[str] | None = set()  # every name an import binds (None after a star import)
+        self.rule_bound_names: set[str] = set()  # ... by an import of something the rules read (see RULE_MODULES)
+
+    # libcst's visitor looks up `visit_<Type>` and `visit_<Type>_<field>` by name for every node and
+    # every field; this pass has no field hooks and looks its methods up once per type.
+    _dispatch: dict[tuple[type, type, str], object] = {}
+
+    def _method(self, kind: str, node: cst.CSTNode):
+        key = (type(self), type(node), kind)
+        method = self._dispatch.get(key)
+        if method is None:
+            method = self._dispatch[key] = getattr(type(self), f"{kind}_{type(node).__name__}", False)
+        return method
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if isinstance(node, cst.BaseStatement):
+            self.parent_statement[id(node)] = self._statements[-1] if self._statements else 0
+            self.statement_words[id(node)] = set()
+            self._statements.append(id(node))
+        method = self._method("visit", node)
+        return not method or method(self, node) is not False
+
+    def on_leave(self, original_node: cst.CSTNode) -> None:
+        method = self._method("leave", original_node)
+        if method:
+            method(self, original_node)
+        if isinstance(original_node, cst.BaseStatement):
+            self._statements.pop()
+
+    def on_visit_attribute(self, node: cst.CSTNode, attribute: str) -> None:
+        pass
+
+    def on_leave_attribute(self, original_node: cst.CSTNode, attribute: str) -> None:
+        pass
+
+    def _word(self, word: str) -> None:
+        if self._statements:
+            self.statement_words[self._statements[-1]].add(word)
 
     def visit_Name(self, node) -> None:
         self.names.append(node)
+        self._word(node.value)
 
     def visit_Attribute(self, node) -> None:
         self.names.append(node)
+        self._word(node.attr.value)
+
+    def visit_SimpleString(self, node) -> None:
+        if node.value[1:-1] in PRIVATE_ATTRIBUTES:  # getattr(p, "_flat_param")
+            self._word(node.value[1:-1])
 
     def visit_Assign(self, node) -> None:
         self.assigns.append((node, self._classes[-1] if self._classes else None))
@@ -112,11 +192,38 @@ class FileFacts(cst.CSTVisitor):
     def visit_Import(self, node) -> None:
         self.branch_imports = self.branch_imports or self._branches > 0
         self.imported_modules.update(get_full_name_for_node(alias.name) or "" for alias in node.names)
+        for alias in node.names:
+            full = get_full_name_for_node(alias.name) or ""
+            self._bind(alias.asname.name.value if alias.asname else full.split(".")[0], full, alias.asname is not None)
 
     def visit_ImportFrom(self, node) -> None:
         self.branch_imports = self.branch_imports or self._branches > 0
         if node.module is not None and not node.relative:
             self.imported_modules.add(get_full_name_for_node(node.module) or "")
+        if isinstance(node.names, cst.ImportStar):
+            self.bound_names = None
+            return
+        module = "." * len(node.relative) + (get_full_name_for_node(node.module) or "" if node.module else "")
+        for alias in node.names:
+            name = get_full_name_for_node(alias.name) or ""
+            self._bind(alias.asname.name.value if alias.asname else name, f"{module}.{name}", True)
+
+    def _bind(self, name: str, full: str, whole: bool) -> None:
+        """`name` is bound to `full` by an import (`whole`: to all of it, not to its first package)."""
+        if self.bound_names is not None:
+            self.bound_names.add(name)
+        if whole and (RULE_MODULES.search(full) or full.split(".")[-1] in RULE_WORDS):
+            self.rule_bound_names.add(name)
+
+    def statements_to_visit(self, words: set[str]) -> set[int]:
+        """The statements holding one of `words`, and every statement around one of those."""
+        found: set[int] = set()
+        for statement, own in self.statement_words.items():
+            if own & words:
+                while statement and statement not in found:
+                    found.add(statement)
+                    statement = self.parent_statement[statement]
+        return found
 
 
 class FactsMixin:
@@ -148,10 +255,12 @@ class FactsMixin:
         self.check_fn_lambdas: set[int] = set()
         self.fsdp_file = False  # the file names FSDP1 or ShardingStrategy (FB213 applies)
         self.uses_no_sync = False  # the file reads or calls some `x.no_sync` (gradient accumulation)
+        self.statements_to_visit: set[int] | None = None  # see [Note: statements no rule reads]; None: all
 
     def read_file_facts(self, node: cst.Module) -> None:
         facts = FileFacts()
         node.visit(facts)  # one plain pass: libcst's matchers.findall costs several times more per pass
+        self._bound_by_import = facts.bound_names
         heads = {(self.fsdp(n) or "").split(".")[0] for n in facts.names}
         self.uses_fsdp1 = FSDP1 in heads
         self.fsdp_file = self.uses_fsdp1 or "ShardingStrategy" in heads
@@ -163,6 +272,10 @@ class FactsMixin:
             for name in (dotted(t.target) for t in assign.targets) if name}
         self.framework_file = any(module.split(".")[0] in FSDP1_FRAMEWORKS for module in facts.imported_modules)
         self.check_fn_names, self.check_fn_lambdas = facts.check_fn_names, facts.check_fn_lambdas
+        if facts.bound_names is not None:  # after a star import any name may be FSDP's: visit everything
+            words = RULE_WORDS | facts.rule_bound_names | (FSDP1_RULE_WORDS if self.uses_fsdp1 else set())
+            self.statements_to_visit = facts.statements_to_visit(words | ({"sharding_strategy"} if self.fsdp_file
+                                                                           else set()))
         if not self.uses_fsdp1:
             return
         self.has_fsdp2 = (any(self.fsdp(n) in FSDP2_NAMES for n in facts.names)

@@ -79,7 +79,10 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, ModuleTreeRules
 
     def visit_Module(self, node: cst.Module) -> None:
         super().visit_Module(node)
-        self.read_file_facts(node)
+        self.read_file_facts(node)  # which also reads the names imports bind
+
+    def names_bound_by_imports(self, node: cst.Module) -> set[str] | None:
+        return None  # until read_file_facts has read them
 
     def visit_Import(self, node: cst.Import | cst.ImportFrom) -> None:
         self.in_import += 1
@@ -105,7 +108,8 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, ModuleTreeRules
         if self.handles_both_dialects(node):
             self.fsdp2_functions.append(True)  # popped by leave_FunctionDef all the same
             return False  # such a function is left as it is
-        self.fsdp2_functions.append(self.speaks_fsdp2(node))
+        # (FSDP2 code matters where a receiver may hold an FSDP1 model: in files that use FSDP1)
+        self.fsdp2_functions.append(self.uses_fsdp1 and self.speaks_fsdp2(node))
         self.check_fns += node.name.value in self.check_fn_names
         return True
 
@@ -137,6 +141,8 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, ModuleTreeRules
         return updated
 
     def on_visit(self, node: cst.CSTNode) -> bool:
+        if self._unread(node):
+            return False  # left as it is, see [Note: statements no rule reads] in facts.py
         if isinstance(node, COMPREHENSIONS):
             self.enter_comprehension(node)
         elif isinstance(node, cst.With):
@@ -144,11 +150,17 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, ModuleTreeRules
         return super().on_visit(node)
 
     def on_leave(self, original_node, updated_node):
+        if self._unread(original_node):
+            return updated_node
         if isinstance(original_node, COMPREHENSIONS):
             self.leave_comprehension()
         elif isinstance(original_node, cst.With):
             self.summoned.pop()
         return super().on_leave(original_node, updated_node)
+
+    def _unread(self, node: cst.CSTNode) -> bool:
+        return (isinstance(node, cst.BaseStatement) and self.statements_to_visit is not None
+                and id(node) not in self.statements_to_visit)
 
     def _summons(self, item: cst.BaseExpression) -> bool:
         """`FSDP.summon_full_params(model)` or `model.summon_full_params()`: FSDP1 shows the original
@@ -278,7 +290,7 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, ModuleTreeRules
             self.check_attribute_by_name(original)
         if "builtins.type" in qualified and self.uses_fsdp1:
             return self.translate_class_read(original, updated)
-        if qualified & LOAD_SHARDED_OPTIMIZER and not self.in_fsdp2_function:
+        if qualified & LOAD_SHARDED_OPTIMIZER and self.uses_fsdp1 and not self.in_fsdp2_function:
             return self.translate_sharded_optimizer_load(original, updated)
         if isinstance(original.func, cst.Attribute) and not self.imported(original.func):
             if self.uses_fsdp1:

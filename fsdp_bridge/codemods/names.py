@@ -1,7 +1,7 @@
 """The qualified names the codemods look for, and where the rewritten code imports from.
 
 Codemods match torch/YaFSDP/Zeta/TorchAcc names by *qualified name* (libcst's
-QualifiedNameProvider), never by text; these tables say which names count.
+qualified names, from its scope analysis), never by text; these tables say which names count.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import dataclasses
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import GlobalScope, QualifiedNameProvider, ScopeProvider
+from libcst.metadata import GlobalScope, ScopeProvider
 
 from fsdp_bridge.codemods import rules
 from fsdp_bridge.codemods.base import IN_PLACE, RUNTIME
@@ -553,7 +553,7 @@ class StateDictRules:
         """True for a context manager that is not torch's, contextlib's or a builtin: a helper of
         this file or another (`with fsdp_checkpoint_context(model):`) may open FSDP1's
         state_dict_type inside, which the migrated helper does as fsdp1_state_dict_type."""
-        names = {q.name for q in self.get_metadata(QualifiedNameProvider, func, set())}
+        names = self.qualified_names(func)
         return not any(name.split(".")[0] in ("torch", "contextlib", "builtins") for name in names)
 
     def in_foreign_context(self, receiver: str | None) -> bool:
