@@ -106,9 +106,10 @@ class _Pending:
 class FsdpCodemod(VisitorBasedCodemodCommand):
     """Base class: name resolution, site recording, and statement-level edits."""
 
-    # Positions are resolved lazily (see line_of): only files with sites pay for them. Qualified
-    # names too, node by node, from the scopes (see _qualified_names).
-    METADATA_DEPENDENCIES = (ScopeProvider,)
+    # Positions are resolved with the scopes, in one pass over the tree (resolved later on their
+    # own, libcst walks the whole tree once more). Qualified names are computed node by node from
+    # the scopes (see _qualified_names).
+    METADATA_DEPENDENCIES = (ScopeProvider, PositionProvider)
 
     def __init__(self, context: CodemodContext) -> None:
         super().__init__(context)
@@ -129,8 +130,9 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
         ever dropped.
         """
         result = super().transform_module(tree)
-        if not self.remove_unused_imports or not drops_a_comment(tree.code, result.code):
-            return result
+        removed = self.context.scratch.get(RemoveImportsVisitor.CONTEXT_KEY)
+        if not self.remove_unused_imports or not removed or not drops_a_comment(tree.code, result.code):
+            return result  # (nothing removed: no import took a comment along; no need to print both)
         for key in (SITES_KEY, "AddImportsVisitor", "RemoveImportsVisitor"):
             self.context.scratch.pop(key, None)
         self.context.scratch[SITES_KEY] = []
@@ -223,8 +225,7 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
     # -- positions, and libcst's passes without copies ------------------------------------
 
     def line_of(self, node: cst.CSTNode) -> int:
-        positions = self.context.wrapper.resolve(PositionProvider) if self.context.wrapper else {}
-        position = positions.get(node)
+        position = self.get_metadata(PositionProvider, node, None)
         return position.start.line if position is not None else 0  # 0: a node we built
 
     @contextlib.contextmanager
