@@ -261,6 +261,7 @@ class FactsMixin:
         facts = FileFacts()
         node.visit(facts)  # one plain pass: libcst's matchers.findall costs several times more per pass
         self._bound_by_import = facts.bound_names
+        self.statements_to_visit = None
         heads = {(self.fsdp(n) or "").split(".")[0] for n in facts.names}
         self.uses_fsdp1 = FSDP1 in heads
         self.fsdp_file = self.uses_fsdp1 or "ShardingStrategy" in heads
