@@ -14,9 +14,10 @@ one process, so that a machine shared with other work slows both alike:
   ours:  fsdp_bridge.migrate.driver.process (read, prefilter, parse, transform, report).
 
 Each side prints its median and spread (min-max) over the rounds; the ratio is of the medians,
-target <= 1.5x. It also prints `fsdp-bridge migrate --to fsdp2 --check FILE` end to end (a fresh
-interpreter: its imports included, which the floor's do not) and what `--check` spends on a file
-that does not mention FSDP (the prefilter alone).
+target <= 1.5x; then the same in CPU seconds, which a loaded machine disturbs less. It also
+prints `fsdp-bridge migrate --to fsdp2 --check FILE` end to end (a fresh interpreter: its imports
+included, which the floor's are not) and what `--check` spends on a file that does not mention
+FSDP (the prefilter alone).
 """
 
 from __future__ import annotations
@@ -53,19 +54,23 @@ def _with_fsdp1_code(original: str) -> str:
     return "\n".join(imports) + "\n" + original + "\n\n" + "\n".join(bodies) + "\n"
 
 
-def _seconds(fn) -> float:
-    started = time.perf_counter()
+def _seconds(fn) -> tuple[float, float]:
+    """Wall-clock and CPU seconds of one call (this process's CPU: a child's is not counted)."""
+    started, cpu = time.perf_counter(), time.process_time()
     fn()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, time.process_time() - cpu
 
 
-def _interleaved(sides: dict, repeats: int) -> dict[str, list[float]]:
-    """Each side once per round, in turn."""
-    times: dict[str, list[float]] = {name: [] for name in sides}
+def _interleaved(sides: dict, repeats: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each side once per round, in turn: wall-clock and CPU seconds by side."""
+    wall: dict[str, list[float]] = {name: [] for name in sides}
+    cpu: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(repeats):
         for name, fn in sides.items():
-            times[name].append(_seconds(fn))
-    return times
+            seconds = _seconds(fn)
+            wall[name].append(seconds[0])
+            cpu[name].append(seconds[1])
+    return wall, cpu
 
 
 def _summary(values: list[float]) -> str:
@@ -102,20 +107,23 @@ def main() -> int:
                 subprocess.run([sys.executable, "-m", "fsdp_bridge", "migrate", path, "--to", "fsdp2", "--check", "-q"],
                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
 
-            times = _interleaved({"floor": floor, "ours": lambda: process(path, "fsdp2"), "cli": cli},
-                                 args.repeats)
+            times, cpu = _interleaved({"floor": floor, "ours": lambda: process(path, "fsdp2"), "cli": cli},
+                                      args.repeats)
         ratio = statistics.median(times["ours"]) / statistics.median(times["floor"])
+        cpu_ratio = statistics.median(cpu["ours"]) / statistics.median(cpu["floor"])
         worst = max(worst, ratio)
         print(f"{name} {label}: {source.count(chr(10))} lines, {len(result.sites)} sites, {args.repeats} rounds")
         print(f"  libcst parse + scope + position:        {_summary(times['floor'])}")
         print(f"  migrate --to fsdp2 (in this process):   {_summary(times['ours'])}")
         print(f"  ratio of the medians ours / floor:      {ratio:.2f}x (target <= {TARGET}x)")
+        print(f"  the same in CPU seconds:                {_summary(cpu['floor'])} / {_summary(cpu['ours'])}: "
+              f"{cpu_ratio:.2f}x")
         print(f"  fsdp-bridge migrate --check (a process): {_summary(times['cli'])}")
     with tempfile.TemporaryDirectory() as tmp:
         plain = os.path.join(tmp, "plain.py")
         with open(plain, "w", encoding="utf-8") as handle:  # same size, no FSDP
             handle.write("\n".join(f"x_{i} = {i}  # filler" for i in range(original.count("\n"))) + "\n")
-        plain_s = statistics.median(_interleaved({"plain": lambda: process(plain, "fsdp2")}, args.repeats)["plain"])
+        plain_s = statistics.median(_interleaved({"plain": lambda: process(plain, "fsdp2")}, args.repeats)[0]["plain"])
     print(f"same size without FSDP (--check reads it, the prefilter rejects it): {plain_s * 1000:.1f} ms")
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     return 0 if worst <= TARGET else 1

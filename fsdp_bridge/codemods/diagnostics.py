@@ -239,7 +239,7 @@ class DiagnosticsRules:
         """True if the function names FSDP2 (`fully_shard`, `FSDPModule`...) or DTensor's
         `full_tensor`: the modules it handles are FSDP2's already, and an unproven receiver's
         `state_dict()` there is left as written."""
-        if not (self.has_fsdp2 or DTENSOR_MARKERS & self.names_in_file):
+        if not (self.has_fsdp2 or DTENSOR_MARKERS & self.names_in_file) or not self.may_name_fsdp2(node):
             return False
         facts = FileFacts()
         node.visit(facts)
@@ -248,7 +248,7 @@ class DiagnosticsRules:
 
     def handles_both_dialects(self, node: cst.FunctionDef) -> bool:
         """True (and reported, FB410) if the function already names both FSDP1 and FSDP2."""
-        if not (self.has_fsdp2 and self.uses_fsdp1):
+        if not (self.has_fsdp2 and self.uses_fsdp1) or not self.may_name_fsdp2(node):
             return False
         facts = FileFacts()
         node.visit(facts)

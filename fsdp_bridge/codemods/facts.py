@@ -33,6 +33,7 @@ from fsdp_bridge.codemods.fsdp1 import STATE_DICT_TYPE_PARAMS
 from fsdp_bridge.codemods.helpers import call_arguments, dotted, is_literal
 from fsdp_bridge.codemods.names import (
     ACCELERATE_PLUGIN,
+    DTENSOR_MARKERS,
     FSDP1,
     FSDP1_FRAMEWORKS,
     FSDP1_STATIC_METHODS,
@@ -60,6 +61,8 @@ PROVEN, MAYBE = "proven", "maybe"
 RULE_MODULES = re.compile(r"fsdp|FullyShardedDataParallel|torch\.distributed\.checkpoint", re.IGNORECASE)
 RULE_WORDS = frozenset({"fsdp", "FullyShardedDataParallel", "load_sharded_optimizer_state_dict", "clip_grad_norm_",
                         *(name.split(".")[-1] for name in HF_CONFIG_CALLS | ACCELERATE_PLUGIN)})
+# The last part of the FSDP names the first pass resolves (with the names FSDP imports bind).
+FSDP_SPELLINGS = frozenset({FSDP1, "ShardingStrategy", *FSDP2_NAMES})
 # What an FSDP1 model's code is read for, in a file that uses FSDP1.
 FSDP1_RULE_WORDS = frozenset({
     "state_dict", "load_state_dict", "no_sync", "module", "_orig_mod", "summon_full_params", "sharding_strategy",
@@ -90,9 +93,11 @@ class FileFacts(cst.CSTVisitor):
         # See [Note: statements no rule reads].
         self.statement_words: dict[int, set[str]] = {}  # id(statement) -> names and attributes in it
         self.parent_statement: dict[int, int] = {}  # id(statement) -> id(enclosing statement), 0 at the top
+        self.child_statements: dict[int, list[int]] = {}  # the other way round
         self._statements: list[int] = []
         self.bound_names: set[str] | None = set()  # every name an import binds (None after a star import)
         self.rule_bound_names: set[str] = set()  # ... by an import of something the rules read (see RULE_MODULES)
+        self.fsdp2_bound_names: set[str] = set()  # ... to an FSDP2 name (`fully_shard`, `FSDPModule`...)
 
     # libcst's visitor looks up `visit_<Type>` and `visit_<Type>_<field>` by name for every node and
     # every field; this pass has no field hooks and looks its methods up once per type.
@@ -107,7 +112,9 @@ class FileFacts(cst.CSTVisitor):
 
     def on_visit(self, node: cst.CSTNode) -> bool:
         if isinstance(node, cst.BaseStatement):
-            self.parent_statement[id(node)] = self._statements[-1] if self._statements else 0
+            parent = self._statements[-1] if self._statements else 0
+            self.parent_statement[id(node)] = parent
+            self.child_statements.setdefault(parent, []).append(id(node))
             self.statement_words[id(node)] = set()
             self._statements.append(id(node))
         method = self._method("visit", node)
@@ -214,6 +221,17 @@ class FileFacts(cst.CSTVisitor):
             self.bound_names.add(name)
         if whole and (RULE_MODULES.search(full) or full.split(".")[-1] in RULE_WORDS):
             self.rule_bound_names.add(name)
+            if full.split(".")[-1] in FSDP2_NAMES:
+                self.fsdp2_bound_names.add(name)
+
+    def words_under(self, statement: int) -> set[str]:
+        """The names and attributes in a statement and in every statement inside it."""
+        found, pending = set(), [statement]
+        while pending:
+            current = pending.pop()
+            found |= self.statement_words.get(current, set())
+            pending += self.child_statements.get(current, [])
+        return found
 
     def statements_to_visit(self, words: set[str]) -> set[int]:
         """The statements holding one of `words`, and every statement around one of those."""
@@ -256,13 +274,20 @@ class FactsMixin:
         self.fsdp_file = False  # the file names FSDP1 or ShardingStrategy (FB213 applies)
         self.uses_no_sync = False  # the file reads or calls some `x.no_sync` (gradient accumulation)
         self.statements_to_visit: set[int] | None = None  # see [Note: statements no rule reads]; None: all
+        self.file_facts: FileFacts | None = None
 
     def read_file_facts(self, node: cst.Module) -> None:
         facts = FileFacts()
         node.visit(facts)  # one plain pass: libcst's matchers.findall costs several times more per pass
         self._bound_by_import = facts.bound_names
         self.statements_to_visit = None
-        heads = {(self.fsdp(n) or "").split(".")[0] for n in facts.names}
+        self.file_facts = facts
+        # An FSDP name spells its own last part or is a name an FSDP import binds: only those are
+        # resolved (resolving every name of a large file costs more than this whole pass).
+        spelled = FSDP_SPELLINGS | facts.rule_bound_names
+        candidates = facts.names if facts.bound_names is None else [
+            n for n in facts.names if (n.value if isinstance(n, cst.Name) else n.attr.value) in spelled]
+        heads = {(self.fsdp(n) or "").split(".")[0] for n in candidates}
         self.uses_fsdp1 = FSDP1 in heads
         self.fsdp_file = self.uses_fsdp1 or "ShardingStrategy" in heads
         self.names_in_file = {n.value for n in facts.names if isinstance(n, cst.Name)}
@@ -279,13 +304,22 @@ class FactsMixin:
                                                                            else set()))
         if not self.uses_fsdp1:
             return
-        self.has_fsdp2 = (any(self.fsdp(n) in FSDP2_NAMES for n in facts.names)
+        self.has_fsdp2 = (any(self.fsdp(n) in FSDP2_NAMES for n in candidates)
                           or bool(self.names_in_file & FSDP2_MARKERS))
         self._note_assignments(node, facts)
         self._note_state_dict_types(facts)
         self._note_parameters(facts)
         if facts.branch_imports:
             self.remove_unused_imports = False  # an import in a branch: removing it may empty the branch
+
+    def may_name_fsdp2(self, node: cst.CSTNode) -> bool:
+        """False where the first pass shows that no name or attribute in the statement `node` (a
+        function) can be an FSDP2 name or marker: no need to read it again (see `speaks_fsdp2`)."""
+        facts = self.file_facts
+        if facts is None or facts.bound_names is None or id(node) not in facts.statement_words:
+            return True
+        markers = facts.fsdp2_bound_names | FSDP2_NAMES | FSDP2_MARKERS | DTENSOR_MARKERS
+        return bool(facts.words_under(id(node)) & markers)
 
     def _note_assignments(self, node: cst.Module, facts: FileFacts) -> None:
         """Which names and `self.x` attributes hold an `FSDP(...)` result, and where."""
