@@ -1,9 +1,10 @@
 """The base class of every fsdp-bridge codemod: name resolution, report sites, TODO comments.
 
 Every codemod in this package matches torch/YaFSDP/Zeta/TorchAcc names by *qualified name*
-(libcst's QualifiedNameProvider, see `names.py`), never by text: `FSDP`, `x.FullyShardedDataParallel` after
-`import torch.distributed.fsdp as x`, and imports inside functions all resolve to the same
-canonical name, while a local class that happens to be called `FullyShardedDataParallel` does not.
+(libcst's qualified names from its scope analysis, see `names.py`), never by text: `FSDP`,
+`x.FullyShardedDataParallel` after `import torch.distributed.fsdp as x`, and imports inside
+functions all resolve to the same canonical name, while a local class that happens to be called
+`FullyShardedDataParallel` does not.
 
 [Note: statement-level edits]
 Translations often need to touch the *statement* around an expression: put a TODO comment above
@@ -17,14 +18,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import Collection
 
 import libcst as cst
 from libcst.codemod import CodemodContext, VisitorBasedCodemodCommand
 from libcst.codemod.visitors import AddImportsVisitor, RemoveImportsVisitor
 from libcst.codemod.visitors._remove_imports import RemovedNodeVisitor
-from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedNameProvider, QualifiedNameSource
+from libcst.metadata import MetadataWrapper, PositionProvider, QualifiedName, QualifiedNameSource, ScopeProvider
 
 from fsdp_bridge.codemods.helpers import (
+    NOTE_TAG,
+    TODO_TAG,
+    dotted,
     drops_a_comment,
     has_todo,
     keep_pragma_line,
@@ -93,6 +98,7 @@ class _Pending:
     """Edits requested for one statement while its children were being transformed."""
 
     todos: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    notes: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     comments: list[str] = dataclasses.field(default_factory=list)
     before: list[cst.BaseStatement] = dataclasses.field(default_factory=list)
 
@@ -100,8 +106,10 @@ class _Pending:
 class FsdpCodemod(VisitorBasedCodemodCommand):
     """Base class: name resolution, site recording, and statement-level edits."""
 
-    # Positions are resolved lazily (see line_of): only files with sites pay for them.
-    METADATA_DEPENDENCIES = (QualifiedNameProvider,)
+    # Positions are resolved with the scopes, in one pass over the tree (resolved later on their
+    # own, libcst walks the whole tree once more). Qualified names are computed node by node from
+    # the scopes (see _qualified_names).
+    METADATA_DEPENDENCIES = (ScopeProvider, PositionProvider)
 
     def __init__(self, context: CodemodContext) -> None:
         super().__init__(context)
@@ -122,8 +130,9 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
         ever dropped.
         """
         result = super().transform_module(tree)
-        if not self.remove_unused_imports or not drops_a_comment(tree.code, result.code):
-            return result
+        removed = self.context.scratch.get(RemoveImportsVisitor.CONTEXT_KEY)
+        if not self.remove_unused_imports or not removed or not drops_a_comment(tree.code, result.code):
+            return result  # (nothing removed: no import took a comment along; no need to print both)
         for key in (SITES_KEY, "AddImportsVisitor", "RemoveImportsVisitor"):
             self.context.scratch.pop(key, None)
         self.context.scratch[SITES_KEY] = []
@@ -139,8 +148,14 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
     # -- names ---------------------------------------------------------------------------
 
     def visit_Module(self, node: cst.Module) -> None:
-        self._bound_by_import = names_bound_by_imports(node)
+        self._qualified_cache: dict[int, Collection[QualifiedName]] = {}  # by id of a node of this tree
+        self._bound_by_import = self.names_bound_by_imports(node)
         self._removed_nodes = None  # see drop_import_of
+
+    def names_bound_by_imports(self, node: cst.Module) -> set[str] | None:
+        """Every name an import binds in the file (a codemod with a first pass of its own reads
+        them there instead)."""
+        return names_bound_by_imports(node)
 
     def _may_be_imported(self, node: cst.CSTNode) -> bool:
         """Cheap pre-check: only names bound by an import can resolve to torch's (or builtins).
@@ -155,17 +170,31 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
         bound = getattr(self, "_bound_by_import", None)
         return bound is None or node.value in bound or node.value in BUILTINS_WE_MATCH
 
+    def _qualified_names(self, node: cst.CSTNode) -> Collection[QualifiedName]:
+        """What libcst's QualifiedNameProvider gives for `node`, computed for this node alone from
+        its scope: the provider would compute it for every node of the file, which costs a third
+        of the scope analysis on a large file where only a few names are ever asked about."""
+        found = self._qualified_cache.get(id(node))
+        if found is None:
+            scope = self.get_metadata(ScopeProvider, node, None)
+            if scope is None:
+                return set()  # a node this codemod built: no name of its own
+            found = self._qualified_cache[id(node)] = scope.get_qualified_names_for(node)
+        return found
+
+    def qualified_names(self, node: cst.CSTNode) -> set[str]:
+        """Every qualified name `node` may have (also locals), as QualifiedNameProvider gives them."""
+        return {q.name for q in self._qualified_names(node)}
+
     def qualified(self, node: cst.CSTNode) -> set[str]:
         if not self._may_be_imported(node):
             return set()
-        return {q.name for q in self.get_metadata(QualifiedNameProvider, node, set())}
+        return self.qualified_names(node)
 
     def imported(self, node: cst.CSTNode) -> bool:
         """True if `node` names something from an import or a builtin (not a local object)."""
         return self._may_be_imported(node) and any(
-            q.source in (QualifiedNameSource.IMPORT, QualifiedNameSource.BUILTIN)
-            for q in self.get_metadata(QualifiedNameProvider, node, set())
-        )
+            q.source in (QualifiedNameSource.IMPORT, QualifiedNameSource.BUILTIN) for q in self._qualified_names(node))
 
     def fsdp(self, node: cst.CSTNode) -> str | None:
         """The FSDP name `node` refers to (`FullyShardedDataParallel`, `ShardingStrategy.X`...).
@@ -173,7 +202,12 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
         None also when the name is bound to FSDP's *or* something else depending on which
         branch ran (`try: from torch...fsdp import FSDP / except ImportError: FSDP = None`):
         such a name is not FSDP's for certain (see `ambiguous`).
+
+        An attribute of a call's result is an instance's (`FSDP(model).to(device)`), never one of
+        the class's static methods, though libcst names it after the call's function.
         """
+        if isinstance(node, cst.Attribute) and dotted(node) is None:
+            return None
         names = self.qualified(node)
         shorts = {fsdp_name(name) for name in names}
         if None in shorts:
@@ -191,8 +225,7 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
     # -- positions, and libcst's passes without copies ------------------------------------
 
     def line_of(self, node: cst.CSTNode) -> int:
-        positions = self.context.wrapper.resolve(PositionProvider) if self.context.wrapper else {}
-        position = positions.get(node)
+        position = self.get_metadata(PositionProvider, node, None)
         return position.start.line if position is not None else 0  # 0: a node we built
 
     @contextlib.contextmanager
@@ -258,9 +291,20 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
 
     def todo(self, rule: str, node: cst.CSTNode, what: str, reason: str) -> None:
         """Leave the enclosing statement as it is, under one tagged TODO comment."""
+        reason += self.todo_context()
         self.site(rule, TODO, node, what, reason)
         if self._pending:
             self._pending[-1].todos.append((rule, f"{what}: {reason}"))
+
+    def note(self, rule: str, text: str) -> None:
+        """One tagged NOTE comment above the enclosing statement (none added on a second run)."""
+        if self._pending:
+            self._pending[-1].notes.append((rule, text))
+
+    def todo_context(self) -> str:
+        """What a TODO must add about where its statement ran (a rule family that removes an
+        enclosing context says which it was)."""
+        return ""
 
     def comment_above(self, *comments: str) -> None:
         if self._pending:
@@ -290,16 +334,17 @@ class FsdpCodemod(VisitorBasedCodemodCommand):
         if isinstance(result, cst.RemovalSentinel):
             return result
         statements = list(result.nodes) if isinstance(result, cst.FlattenSentinel) else [result]
-        if not (pending.todos or pending.comments or pending.before):
+        if not (pending.todos or pending.notes or pending.comments or pending.before):
             return result
         first = statements[0]
         comments = list(pending.comments)
-        seen = set()
-        for rule, text in pending.todos:
-            if rule in seen or has_todo(first.leading_lines, rule):
-                continue  # one TODO per rule and statement; none added on a second run
-            seen.add(rule)
-            comments.append(todo_comment(rule, text))
+        for tag, wishes in ((TODO_TAG, pending.todos), (NOTE_TAG, pending.notes)):
+            seen = set()
+            for rule, text in wishes:
+                if rule in seen or has_todo(first.leading_lines, rule, tag):
+                    continue  # one per rule and statement; none added on a second run
+                seen.add(rule)
+                comments.append(todo_comment(rule, text, tag))
         if pending.before:
             # The original leading lines (blank lines, comments) stay on top of the new block.
             head = pending.before[0].with_changes(leading_lines=first.leading_lines)

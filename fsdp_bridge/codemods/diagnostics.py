@@ -199,7 +199,7 @@ class DiagnosticsRules:
                   f"wrappers elsewhere; where it is applied, {TARGET_WORDS[self.TARGET][1]} instead")
         self.keeps_fsdp1(rules.PARTIAL, original)
 
-    def check_exact_class_test(self, node: cst.Comparison) -> None:
+    def check_exact_class_test(self, node: cst.Comparison) -> bool:
         """`type(x) is FSDP`: FSDP2 gives each sharded module a class of its own, so no exact-class
         test has a translation; flag it (and do not count it as code that builds FSDP1 modules)."""
         operands = [node.left, *(target.comparator for target in node.comparisons)]
@@ -207,13 +207,14 @@ class DiagnosticsRules:
         exact = any(isinstance(op, cst.Call) and "builtins.type" in self.qualified(op.func)
                     or isinstance(op, cst.Attribute) and op.attr.value == "__class__" for op in operands)
         if not classes or not exact:
-            return
+            return False
         for op in classes:
             self.claim(op)
         _, class_name, _, _ = self.WRAPPED_CLASS
         self.todo(rules.EXACT_CLASS_TEST, node, f"{code(node)} (an exact-class test)", "the migrated model's class is "
                   f"not FullyShardedDataParallel: test isinstance(x, {class_name}) instead (with "
                   "FullyShardedDataParallel in the tuple while FSDP1 constructors remain)")
+        return True
 
     # -- report only ----------------------------------------------------------------------
 
@@ -238,7 +239,7 @@ class DiagnosticsRules:
         """True if the function names FSDP2 (`fully_shard`, `FSDPModule`...) or DTensor's
         `full_tensor`: the modules it handles are FSDP2's already, and an unproven receiver's
         `state_dict()` there is left as written."""
-        if not (self.has_fsdp2 or DTENSOR_MARKERS & self.names_in_file):
+        if not (self.has_fsdp2 or DTENSOR_MARKERS & self.names_in_file) or not self.may_name_fsdp2(node):
             return False
         facts = FileFacts()
         node.visit(facts)
@@ -247,7 +248,7 @@ class DiagnosticsRules:
 
     def handles_both_dialects(self, node: cst.FunctionDef) -> bool:
         """True (and reported, FB410) if the function already names both FSDP1 and FSDP2."""
-        if not (self.has_fsdp2 and self.uses_fsdp1):
+        if not (self.has_fsdp2 and self.uses_fsdp1) or not self.may_name_fsdp2(node):
             return False
         facts = FileFacts()
         node.visit(facts)

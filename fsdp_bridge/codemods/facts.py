@@ -22,6 +22,7 @@ a module already sharded with `fully_shard`, whose state dict the helper would m
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 import libcst as cst
@@ -30,9 +31,43 @@ from libcst.metadata import ScopeProvider
 
 from fsdp_bridge.codemods.fsdp1 import STATE_DICT_TYPE_PARAMS
 from fsdp_bridge.codemods.helpers import call_arguments, dotted, is_literal
-from fsdp_bridge.codemods.names import FSDP1, FSDP1_FRAMEWORKS, FSDP2_MARKERS, FSDP2_NAMES, STATE_DICT_TYPE
+from fsdp_bridge.codemods.names import (
+    ACCELERATE_PLUGIN,
+    DTENSOR_MARKERS,
+    FSDP1,
+    FSDP1_FRAMEWORKS,
+    FSDP1_STATIC_METHODS,
+    FSDP1_WRAPPER_ATTRIBUTES,
+    FSDP2_MARKERS,
+    FSDP2_NAMES,
+    HF_CONFIG_CALLS,
+    PRIVATE_ATTRIBUTES,
+    STATE_DICT_TYPE,
+)
 
 PROVEN, MAYBE = "proven", "maybe"
+
+# [Note: statements no rule reads]
+# Rebuilding every node of a large file costs as much as parsing it, and most statements of a
+# training repository have nothing to do with FSDP. Every rule acts on a node that names one of a
+# few things: an FSDP name (imported from a module whose path says so, or reached through an
+# attribute chain that spells `fsdp`), a library setting that enables FSDP, or, in a file that
+# uses FSDP1, a method or attribute of the wrapper (`state_dict`, `no_sync`, `parameters`,
+# `type(...)` for class tests...). The first pass records which names and attributes each
+# statement holds; the rewrite then visits only the statements holding one of those words and the
+# statements around them (whose `with`, `if`, `for`, class and function the rules read), and leaves
+# every other statement as it is, unvisited. Matching stays by qualified name: the words only
+# choose where to look.
+RULE_MODULES = re.compile(r"fsdp|FullyShardedDataParallel|torch\.distributed\.checkpoint", re.IGNORECASE)
+RULE_WORDS = frozenset({"fsdp", "FullyShardedDataParallel", "load_sharded_optimizer_state_dict", "clip_grad_norm_",
+                        *(name.split(".")[-1] for name in HF_CONFIG_CALLS | ACCELERATE_PLUGIN)})
+# The last part of the FSDP names the first pass resolves (with the names FSDP imports bind).
+FSDP_SPELLINGS = frozenset({FSDP1, "ShardingStrategy", *FSDP2_NAMES})
+# What an FSDP1 model's code is read for, in a file that uses FSDP1.
+FSDP1_RULE_WORDS = frozenset({
+    "state_dict", "load_state_dict", "no_sync", "module", "_orig_mod", "summon_full_params", "sharding_strategy",
+    "parameters", "named_parameters", "type", "__class__", "getattr", "hasattr",
+    *FSDP1_STATIC_METHODS, *PRIVATE_ATTRIBUTES, *FSDP1_WRAPPER_ATTRIBUTES})
 
 
 class FileFacts(cst.CSTVisitor):
@@ -55,12 +90,64 @@ class FileFacts(cst.CSTVisitor):
         self.check_fn_lambdas: set[int] = set()  # ids of `check_fn=lambda m: ...`
         self._in_class: list[bool] = []  # per enclosing class or function: is it a class?
         self._branches = 0
+        # See [Note: statements no rule reads].
+        self.statement_words: dict[int, set[str]] = {}  # id(statement) -> names and attributes in it
+        self.parent_statement: dict[int, int] = {}  # id(statement) -> id(enclosing statement), 0 at the top
+        self.child_statements: dict[int, list[int]] = {}  # the other way round
+        self._statements: list[int] = []
+        self.bound_names: set[str] | None = set()  # every name an import binds (None after a star import)
+        self.rule_bound_names: set[str] = set()  # ... by an import of something the rules read (see RULE_MODULES)
+        self.fsdp2_bound_names: set[str] = set()  # ... to an FSDP2 name (`fully_shard`, `FSDPModule`...)
+
+    # libcst's visitor looks up `visit_<Type>` and `visit_<Type>_<field>` by name for every node and
+    # every field; this pass has no field hooks and looks its methods up once per type.
+    _dispatch: dict[tuple[type, type, str], object] = {}
+
+    def _method(self, kind: str, node: cst.CSTNode):
+        key = (type(self), type(node), kind)
+        method = self._dispatch.get(key)
+        if method is None:
+            method = self._dispatch[key] = getattr(type(self), f"{kind}_{type(node).__name__}", False)
+        return method
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if isinstance(node, cst.BaseStatement):
+            parent = self._statements[-1] if self._statements else 0
+            self.parent_statement[id(node)] = parent
+            self.child_statements.setdefault(parent, []).append(id(node))
+            self.statement_words[id(node)] = set()
+            self._statements.append(id(node))
+        method = self._method("visit", node)
+        return not method or method(self, node) is not False
+
+    def on_leave(self, original_node: cst.CSTNode) -> None:
+        method = self._method("leave", original_node)
+        if method:
+            method(self, original_node)
+        if isinstance(original_node, cst.BaseStatement):
+            self._statements.pop()
+
+    def on_visit_attribute(self, node: cst.CSTNode, attribute: str) -> None:
+        pass
+
+    def on_leave_attribute(self, original_node: cst.CSTNode, attribute: str) -> None:
+        pass
+
+    def _word(self, word: str) -> None:
+        if self._statements:
+            self.statement_words[self._statements[-1]].add(word)
 
     def visit_Name(self, node) -> None:
         self.names.append(node)
+        self._word(node.value)
 
     def visit_Attribute(self, node) -> None:
         self.names.append(node)
+        self._word(node.attr.value)
+
+    def visit_SimpleString(self, node) -> None:
+        if node.value[1:-1] in PRIVATE_ATTRIBUTES:  # getattr(p, "_flat_param")
+            self._word(node.value[1:-1])
 
     def visit_Assign(self, node) -> None:
         self.assigns.append((node, self._classes[-1] if self._classes else None))
@@ -112,11 +199,49 @@ class FileFacts(cst.CSTVisitor):
     def visit_Import(self, node) -> None:
         self.branch_imports = self.branch_imports or self._branches > 0
         self.imported_modules.update(get_full_name_for_node(alias.name) or "" for alias in node.names)
+        for alias in node.names:
+            full = get_full_name_for_node(alias.name) or ""
+            self._bind(alias.asname.name.value if alias.asname else full.split(".")[0], full, alias.asname is not None)
 
     def visit_ImportFrom(self, node) -> None:
         self.branch_imports = self.branch_imports or self._branches > 0
         if node.module is not None and not node.relative:
             self.imported_modules.add(get_full_name_for_node(node.module) or "")
+        if isinstance(node.names, cst.ImportStar):
+            self.bound_names = None
+            return
+        module = "." * len(node.relative) + (get_full_name_for_node(node.module) or "" if node.module else "")
+        for alias in node.names:
+            name = get_full_name_for_node(alias.name) or ""
+            self._bind(alias.asname.name.value if alias.asname else name, f"{module}.{name}", True)
+
+    def _bind(self, name: str, full: str, whole: bool) -> None:
+        """`name` is bound to `full` by an import (`whole`: to all of it, not to its first package)."""
+        if self.bound_names is not None:
+            self.bound_names.add(name)
+        if whole and (RULE_MODULES.search(full) or full.split(".")[-1] in RULE_WORDS):
+            self.rule_bound_names.add(name)
+            if full.split(".")[-1] in FSDP2_NAMES:
+                self.fsdp2_bound_names.add(name)
+
+    def words_under(self, statement: int) -> set[str]:
+        """The names and attributes in a statement and in every statement inside it."""
+        found, pending = set(), [statement]
+        while pending:
+            current = pending.pop()
+            found |= self.statement_words.get(current, set())
+            pending += self.child_statements.get(current, [])
+        return found
+
+    def statements_to_visit(self, words: set[str]) -> set[int]:
+        """The statements holding one of `words`, and every statement around one of those."""
+        found: set[int] = set()
+        for statement, own in self.statement_words.items():
+            if own & words:
+                while statement and statement not in found:
+                    found.add(statement)
+                    statement = self.parent_statement[statement]
+        return found
 
 
 class FactsMixin:
@@ -131,7 +256,7 @@ class FactsMixin:
         # by a call in this file (`accumulate(model, ...)` after `model = FSDP(...)`)
         self.fsdp1_parameters: set[str] = set()
         self.assigned_values: dict[int, cst.BaseExpression] = {}  # id(Name target) -> value of `x = value`
-        self.config_arguments: set[int] = set()  # ids of the config arguments of state_dict_type calls
+        self.config_arguments: set[int] = set()  # ids of the type and config arguments of state_dict_type calls
         self.fsdp_targets: set[int] = set()  # ids of the Name targets of `x = FSDP(...)`
         self.top_level_targets: set[int] = set()  # ... of those that are a top-level statement of their scope
         self.class_attributes: dict = {}  # id(ClassDef) -> `self.x` names only ever assigned FSDP(...)
@@ -147,29 +272,54 @@ class FactsMixin:
         self.check_fn_names: set[str] = set()  # see FileFacts
         self.check_fn_lambdas: set[int] = set()
         self.fsdp_file = False  # the file names FSDP1 or ShardingStrategy (FB213 applies)
+        self.uses_no_sync = False  # the file reads or calls some `x.no_sync` (gradient accumulation)
+        self.statements_to_visit: set[int] | None = None  # see [Note: statements no rule reads]; None: all
+        self.file_facts: FileFacts | None = None
 
     def read_file_facts(self, node: cst.Module) -> None:
         facts = FileFacts()
         node.visit(facts)  # one plain pass: libcst's matchers.findall costs several times more per pass
-        heads = {(self.fsdp(n) or "").split(".")[0] for n in facts.names}
+        self._bound_by_import = facts.bound_names
+        self.statements_to_visit = None
+        self.file_facts = facts
+        # An FSDP name spells its own last part or is a name an FSDP import binds: only those are
+        # resolved (resolving every name of a large file costs more than this whole pass).
+        spelled = FSDP_SPELLINGS | facts.rule_bound_names
+        candidates = facts.names if facts.bound_names is None else [
+            n for n in facts.names if (n.value if isinstance(n, cst.Name) else n.attr.value) in spelled]
+        heads = {(self.fsdp(n) or "").split(".")[0] for n in candidates}
         self.uses_fsdp1 = FSDP1 in heads
         self.fsdp_file = self.uses_fsdp1 or "ShardingStrategy" in heads
         self.names_in_file = {n.value for n in facts.names if isinstance(n, cst.Name)}
+        self.uses_no_sync = any(isinstance(n, cst.Attribute) and n.attr.value == "no_sync" for n in facts.names)
         self.built_by_own_classes = {
             name for assign, _ in facts.assigns if isinstance(assign, cst.Assign) and isinstance(assign.value, cst.Call)
             and isinstance(assign.value.func, cst.Name) and assign.value.func.value in facts.class_names
             for name in (dotted(t.target) for t in assign.targets) if name}
         self.framework_file = any(module.split(".")[0] in FSDP1_FRAMEWORKS for module in facts.imported_modules)
         self.check_fn_names, self.check_fn_lambdas = facts.check_fn_names, facts.check_fn_lambdas
+        if facts.bound_names is not None:  # after a star import any name may be FSDP's: visit everything
+            words = RULE_WORDS | facts.rule_bound_names | (FSDP1_RULE_WORDS if self.uses_fsdp1 else set())
+            self.statements_to_visit = facts.statements_to_visit(words | ({"sharding_strategy"} if self.fsdp_file
+                                                                           else set()))
         if not self.uses_fsdp1:
             return
-        self.has_fsdp2 = (any(self.fsdp(n) in FSDP2_NAMES for n in facts.names)
+        self.has_fsdp2 = (any(self.fsdp(n) in FSDP2_NAMES for n in candidates)
                           or bool(self.names_in_file & FSDP2_MARKERS))
         self._note_assignments(node, facts)
         self._note_state_dict_types(facts)
         self._note_parameters(facts)
         if facts.branch_imports:
             self.remove_unused_imports = False  # an import in a branch: removing it may empty the branch
+
+    def may_name_fsdp2(self, node: cst.CSTNode) -> bool:
+        """False where the first pass shows that no name or attribute in the statement `node` (a
+        function) can be an FSDP2 name or marker: no need to read it again (see `speaks_fsdp2`)."""
+        facts = self.file_facts
+        if facts is None or facts.bound_names is None or id(node) not in facts.statement_words:
+            return True
+        markers = facts.fsdp2_bound_names | FSDP2_NAMES | FSDP2_MARKERS | DTENSOR_MARKERS
+        return bool(facts.words_under(id(node)) & markers)
 
     def _note_assignments(self, node: cst.Module, facts: FileFacts) -> None:
         """Which names and `self.x` attributes hold an `FSDP(...)` result, and where."""
@@ -181,6 +331,9 @@ class FactsMixin:
             is_fsdp = isinstance(assign.value, cst.Call) and self.fsdp(assign.value.func) == FSDP1
             if is_fsdp:
                 self.wrapped_names.update(d for d in map(dotted, targets) if d)
+                for target in targets:
+                    self.constructors_by_name.setdefault(dotted(target) or "", []).append(assign.value)
+                    self.constructor_of_target[id(target)] = assign.value
                 self.fsdp_targets.update(id(t) for t in targets if isinstance(t, cst.Name))
             if cls is not None and isinstance(assign, cst.Assign):
                 self._note_self_attributes(cls, assign, is_fsdp)
@@ -201,7 +354,7 @@ class FactsMixin:
         for call in facts.attribute_calls:
             if self.fsdp(call.func) == STATE_DICT_TYPE:
                 bound = call_arguments(call, STATE_DICT_TYPE_PARAMS) or {}
-                self.config_arguments.update(id(bound[name].value) for name in STATE_DICT_TYPE_PARAMS[2:]
+                self.config_arguments.update(id(bound[name].value) for name in STATE_DICT_TYPE_PARAMS[1:]
                                              if name in bound)
             if (self.fsdp(call.func) or "").startswith(FSDP1 + ".") and call.args and not call.args[0].keyword:
                 name = dotted(call.args[0].value)
@@ -293,11 +446,12 @@ class FactsMixin:
             isinstance(getattr(r, "node", None), cst.CSTNode) and 0 < self.line_of(r.node) < line for r in others
         )
 
-    def literal_value(self, node: cst.BaseExpression) -> cst.BaseExpression | None:
-        """The value of `name = value` for a `name` passed as a state_dict_type config, when that
+    def literal_value(self, node: cst.BaseExpression, any_use: bool = False) -> cst.BaseExpression | None:
+        """The value of `name = value` for a `name` passed as a state_dict_type type or config, when that
         is the only assignment of the name that can reach `node` (libcst's scopes) and every use
         of the name is such an argument, so nothing can change the object before it is read;
-        None otherwise (another assignment, an attribute set, the object passed elsewhere)."""
+        None otherwise (another assignment, an attribute set, the object passed elsewhere).
+        `any_use`: the value cannot change (an enum member), so other uses do not matter."""
         scope = self.get_metadata(ScopeProvider, node, None) if isinstance(node, cst.Name) else None
         if scope is None:
             return None
@@ -306,7 +460,8 @@ class FactsMixin:
             return None
         (assignment,) = referents
         value = self.assigned_values.get(id(getattr(assignment, "node", None)))
-        if value is None or any(id(use.node) not in self.config_arguments for use in assignment.references):
+        if value is None or not any_use and any(id(use.node) not in self.config_arguments
+                                                for use in assignment.references):
             return None
         return value
 

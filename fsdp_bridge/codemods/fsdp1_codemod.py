@@ -14,17 +14,27 @@ import libcst as cst
 import libcst.matchers as m
 from libcst.metadata import ScopeProvider
 
+from fsdp_bridge.codemods import rules
 from fsdp_bridge.codemods.base import FsdpCodemod
 from fsdp_bridge.codemods.diagnostics import WRAP_FUNCTIONS, DiagnosticsRules
 from fsdp_bridge.codemods.facts import FactsMixin
 from fsdp_bridge.codemods.fsdp1 import current_keywords
-from fsdp_bridge.codemods.helpers import dotted
-from fsdp_bridge.codemods.names import ATTRIBUTE_BY_NAME, FSDP1, FSDP2_MARKERS, RUNTIME_CONSTRUCTORS, TYPE_CHECKS
+from fsdp_bridge.codemods.helpers import code, dotted
+from fsdp_bridge.codemods.module_tree import COMPREHENSIONS, PARAMETER_READS, ModuleTreeRules
+from fsdp_bridge.codemods.names import (
+    ATTRIBUTE_BY_NAME,
+    FSDP1,
+    FSDP1_STATIC_METHODS,
+    FSDP2_MARKERS,
+    LOAD_SHARDED_OPTIMIZER,
+    RUNTIME_CONSTRUCTORS,
+    TYPE_CHECKS,
+)
 from fsdp_bridge.codemods.type_checks import TypeCheckRules
 from fsdp_bridge.codemods.unwrap import UnwrapRule
 
 
-class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, FsdpCodemod):
+class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, ModuleTreeRules, UnwrapRule, FsdpCodemod):
     """Base of the codemods that read FSDP1 code; see the module docstring for the hooks."""
 
     METADATA_DEPENDENCIES = (*FsdpCodemod.METADATA_DEPENDENCIES, ScopeProvider)
@@ -40,6 +50,7 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
         self.version_guards: list[bool] = []  # per enclosing `if`: does it test fsdp_version(...)?
         self.type_guards: list[set[str]] = []  # per enclosing `if`: names it tests isinstance(x, FSDP)
         self.check_fns = 0  # inside an activation-checkpointing check_fn (a function or lambda)
+        self.summoned: list[bool] = []  # per enclosing `with`: does it summon FSDP1's full parameters?
 
     # -- hooks: what a command translates ---------------------------------------------------
 
@@ -56,6 +67,10 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
     def check_method_elsewhere(self, original: cst.Call) -> None:
         """`x.method(...)` in a file that names no FSDP1 class (default: nothing to say)."""
 
+    def translate_sharded_optimizer_load(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        """`load_sharded_optimizer_state_dict(...)`, FSDP1's sharded optimizer resume (default: unchanged)."""
+        return updated
+
     def translate_no_sync_reference(self, original: cst.Attribute, updated: cst.Attribute):
         """`model.no_sync` used as a value, not called (default: unchanged)."""
         return updated
@@ -64,7 +79,10 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
 
     def visit_Module(self, node: cst.Module) -> None:
         super().visit_Module(node)
-        self.read_file_facts(node)
+        self.read_file_facts(node)  # which also reads the names imports bind
+
+    def names_bound_by_imports(self, node: cst.Module) -> set[str] | None:
+        return None  # until read_file_facts has read them
 
     def visit_Import(self, node: cst.Import | cst.ImportFrom) -> None:
         self.in_import += 1
@@ -85,24 +103,72 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
     # -- definitions ------------------------------------------------------------------------
 
     def visit_FunctionDef(self, node: cst.FunctionDef) -> bool:
+        if node.name.value in self.check_fn_names:
+            self.enter_check_fn(node.params)  # left by leave_FunctionDef, also for a function left as it is
         if self.handles_both_dialects(node):
             self.fsdp2_functions.append(True)  # popped by leave_FunctionDef all the same
             return False  # such a function is left as it is
-        self.fsdp2_functions.append(self.speaks_fsdp2(node))
+        # (FSDP2 code matters where a receiver may hold an FSDP1 model: in files that use FSDP1)
+        self.fsdp2_functions.append(self.uses_fsdp1 and self.speaks_fsdp2(node))
         self.check_fns += node.name.value in self.check_fn_names
         return True
 
     def leave_FunctionDef(self, original: cst.FunctionDef, updated: cst.FunctionDef) -> cst.FunctionDef:
         self.fsdp2_functions.pop()
         self.check_fns -= original.name.value in self.check_fn_names and self.check_fns > 0
+        if original.name.value in self.check_fn_names:
+            self.leave_check_fn()
         return updated
 
     def visit_Lambda(self, node: cst.Lambda) -> None:
         self.check_fns += id(node) in self.check_fn_lambdas
+        if id(node) in self.check_fn_lambdas:
+            self.enter_check_fn(node.params)
 
     def leave_Lambda(self, original: cst.Lambda, updated: cst.Lambda) -> cst.Lambda:
         self.check_fns -= id(original) in self.check_fn_lambdas
+        if id(original) in self.check_fn_lambdas:
+            self.leave_check_fn()
         return updated
+
+    # -- loops and comprehensions (walks over the model, see module_tree.py) ---------------------
+
+    def visit_For(self, node: cst.For) -> None:
+        self.enter_loop(node)
+
+    def leave_For(self, original: cst.For, updated: cst.For):
+        self.leave_loop()
+        return updated
+
+    def on_visit(self, node: cst.CSTNode) -> bool:
+        if self._unread(node):
+            return False  # left as it is, see [Note: statements no rule reads] in facts.py
+        if isinstance(node, COMPREHENSIONS):
+            self.enter_comprehension(node)
+        elif isinstance(node, cst.With):
+            self.summoned.append(any(self._summons(item.item) for item in node.items))
+        return super().on_visit(node)
+
+    def on_leave(self, original_node, updated_node):
+        if self._unread(original_node):
+            return updated_node
+        if isinstance(original_node, COMPREHENSIONS):
+            self.leave_comprehension()
+        elif isinstance(original_node, cst.With):
+            self.summoned.pop()
+        return super().on_leave(original_node, updated_node)
+
+    def _unread(self, node: cst.CSTNode) -> bool:
+        return (isinstance(node, cst.BaseStatement) and self.statements_to_visit is not None
+                and id(node) not in self.statements_to_visit)
+
+    def _summons(self, item: cst.BaseExpression) -> bool:
+        """`FSDP.summon_full_params(model)` or `model.summon_full_params()`: FSDP1 shows the original
+        parameters inside (the walks there read what they read after the migration)."""
+        if not isinstance(item, cst.Call) or not isinstance(item.func, cst.Attribute):
+            return False
+        return item.func.attr.value == "summon_full_params" and (
+            self.fsdp(item.func) is not None or self.receiver(item.func.value) is not None)
 
     @property
     def in_fsdp2_function(self) -> bool:
@@ -128,10 +194,17 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
 
     def leave_Name(self, original: cst.Name, updated: cst.Name) -> cst.Name:
         self.check_reference(original)
-        return updated
+        return self.annotation_ref(original, updated)
+
+    def visit_Attribute(self, node: cst.Attribute) -> None:
+        self.note_class_reads(node)
 
     def leave_Attribute(self, original: cst.Attribute, updated: cst.Attribute):
         self.check_attribute(original)
+        if id(original) in self.annotation_refs:
+            return self.annotation_ref(original, updated)
+        if original.attr.value == "__class__" and self.uses_fsdp1:
+            return self.translate_class_read(original, updated)
         if not self.uses_fsdp1 or id(original) in self.store_targets:
             return updated
         if original.attr.value == "module":
@@ -177,7 +250,8 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
         return any(self.version_guards)
 
     def visit_Comparison(self, node: cst.Comparison) -> None:
-        self.check_exact_class_test(node)
+        if not self.check_exact_class_test(node):
+            self.note_class_reads(node)
 
     # -- calls --------------------------------------------------------------------------------
 
@@ -191,6 +265,7 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
         self.claim_call(node, name, qualified)
         if self.is_library_config(qualified):
             self.report_library_config(node, qualified)
+        self.note_walking_call(node, qualified)
 
     def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
         name = self.fsdp(original.func) or ""
@@ -208,14 +283,37 @@ class Fsdp1Codemod(FactsMixin, DiagnosticsRules, TypeCheckRules, UnwrapRule, Fsd
             self.flag_partial(original)
             return updated
         if qualified & TYPE_CHECKS:
+            if self.flag_unit_type_check(original):
+                return updated
             return self.translate_type_check(original, updated)
         if qualified & ATTRIBUTE_BY_NAME:
             self.check_attribute_by_name(original)
+        if "builtins.type" in qualified and self.uses_fsdp1:
+            return self.translate_class_read(original, updated)
+        if qualified & LOAD_SHARDED_OPTIMIZER and self.uses_fsdp1 and not self.in_fsdp2_function:
+            return self.translate_sharded_optimizer_load(original, updated)
         if isinstance(original.func, cst.Attribute) and not self.imported(original.func):
             if self.uses_fsdp1:
-                return self.translate_method(original, updated)
+                if original.func.attr.value in PARAMETER_READS and not any(self.summoned):
+                    self.check_parameter_read(original)
+                return self._static_through_instance(original, updated) or self.translate_method(original, updated)
             self.check_method_elsewhere(original)
         return updated
+
+    def _static_through_instance(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression | None:
+        """`model.optim_state_dict_to_load(model, optim, osd)`: one of FSDP1's static methods reached
+        through an object that may hold an FSDP1 model; neither target class has it, so it is
+        translated as `FSDP.<method>(...)` is (None: not such a call)."""
+        method = original.func.attr.value
+        if method not in FSDP1_STATIC_METHODS or self.receiver(original.func.value) is None:
+            return None
+        if method == "state_dict_type":
+            self.todo(rules.OTHER_FSDP1_USE, original, f"{code(original.func)}(...)",
+                      "FSDP1's state_dict_type reached through the model: the migrated model has no such method; "
+                      "write FullyShardedDataParallel.state_dict_type(...) and migrate again, or pass "
+                      "StateDictOptions where the state dict is taken")
+            return updated
+        return self.translate_static_method(original, updated, method)
 
     # -- shared by the constructor translations ------------------------------------------------
 

@@ -16,6 +16,8 @@ import libcst.matchers as m
 
 # Tag that marks our comments; a second run finds it and adds nothing.
 TODO_TAG = "TODO(fsdp-bridge"
+# Tag of a note: something the migration wrote that a reader would otherwise wonder about.
+NOTE_TAG = "NOTE(fsdp-bridge"
 
 
 
@@ -303,17 +305,18 @@ def lost_comments(before: cst.CSTNode, after: cst.CSTNode, moved: list[str]) -> 
     return [comment for comment, count in remaining.items() for _ in range(count) if count > 0]
 
 
-def todo_comment(rule: str, text: str) -> str:
-    """The one stable TODO line for a rule: `# TODO(fsdp-bridge FB101): text`.
+def todo_comment(rule: str, text: str, tag: str = TODO_TAG) -> str:
+    """The one stable TODO line for a rule: `# TODO(fsdp-bridge FB101): text` (or, with
+    `NOTE_TAG`, a note that asks nothing of the reader).
 
     `text` may quote multi-line code (an argument spanning lines, with its own comments): a
     comment is one line, so every run of whitespace becomes one space.
     """
-    return f"# {TODO_TAG} {rule}): {' '.join(text.split())}"
+    return f"# {tag} {rule}): {' '.join(text.split())}"
 
 
-def has_todo(lines: Sequence[cst.EmptyLine], rule: str) -> bool:
-    marker = f"{TODO_TAG} {rule})"
+def has_todo(lines: Sequence[cst.EmptyLine], rule: str, tag: str = TODO_TAG) -> bool:
+    marker = f"{tag} {rule})"
     return any(line.comment is not None and marker in line.comment.value for line in lines)
 
 

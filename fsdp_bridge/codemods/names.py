@@ -1,7 +1,7 @@
 """The qualified names the codemods look for, and where the rewritten code imports from.
 
 Codemods match torch/YaFSDP/Zeta/TorchAcc names by *qualified name* (libcst's
-QualifiedNameProvider), never by text; these tables say which names count.
+qualified names, from its scope analysis), never by text; these tables say which names count.
 """
 
 from __future__ import annotations
@@ -39,13 +39,26 @@ PRIVATE_ATTRIBUTES = frozenset(
 FSDP1_WRAPPER_ATTRIBUTES = frozenset({"params", "check_is_root", "training_state", "compute_device", "process_group"})
 
 # Builtins a codemod resolves (type checks); every other name must come from an import.
-BUILTINS_WE_MATCH = frozenset({"isinstance", "issubclass", "type", "getattr", "hasattr"})
+BUILTINS_WE_MATCH = frozenset({"isinstance", "issubclass", "type", "getattr", "hasattr",
+                               "sum", "len", "zip", "sorted", "enumerate", "map", "filter", "min", "max"})
 ATTRIBUTE_BY_NAME = frozenset({"builtins.getattr", "builtins.hasattr"})
 TYPE_CHECKS = frozenset({"builtins.isinstance", "builtins.issubclass"})
 
 # FSDP1's `state_dict_type` context and the module methods it configures.
 STATE_DICT_TYPE = f"{FSDP1}.state_dict_type"
 STATE_DICT_METHODS = ("state_dict", "load_state_dict")
+
+# FSDP1's resume of a sharded optimizer state (ShardedTensors), by its qualified names.
+LOAD_SHARDED_OPTIMIZER = frozenset({
+    "torch.distributed.checkpoint.load_sharded_optimizer_state_dict",
+    "torch.distributed.checkpoint.optimizer.load_sharded_optimizer_state_dict",
+})
+# FSDP1's static methods, which code also reaches through an instance (`model.optim_state_dict_to_load(...)`).
+FSDP1_STATIC_METHODS = frozenset({
+    "optim_state_dict", "full_optim_state_dict", "optim_state_dict_to_load", "scatter_full_optim_state_dict",
+    "shard_full_optim_state_dict", "sharded_optim_state_dict", "flatten_sharded_optim_state_dict",
+    "rekey_optim_state_dict", "fsdp_modules", "state_dict_type", "set_state_dict_type", "get_state_dict_type",
+})
 
 # Names that show code already speaks FSDP2 (dual-dialect detection).
 FSDP2_NAMES = {"FSDPModule", "fully_shard", "MixedPrecisionPolicy", "CPUOffloadPolicy", "OffloadPolicy"}

@@ -107,6 +107,18 @@ RUNTIME_HELPER = _rule("FB107", "FSDP1 API with no one-call FSDP2 form", (FSDP2,
     too) where it does or cannot be known; `FSDP.scatter_full_optim_state_dict` and
     `model.no_sync` used as a value become calls of the runtime helpers that give the same
     result for FSDP2 modules.""")
+SHARDED_OPTIMIZER_LOAD = _rule("FB108", "load_sharded_optimizer_state_dict", (FSDP2, YAFSDP), """
+    `torch.distributed.checkpoint.load_sharded_optimizer_state_dict(...)` builds FSDP1's
+    ShardedTensors, which the migrated model's optimizer cannot step with: it becomes
+    `fsdp1_load_sharded_optimizer_state_dict(...)`, which reads the same checkpoint into DTensors
+    sharded as the model's parameters (and calls torch's function for a model left as FSDP1).""")
+CLASS_TEST = _rule("FB109", "class test on a sharded module", (FSDP2,), """
+    `type(m)` or `m.__class__` read for a class test (its `__name__`, `__bases__`, or compared
+    with `is`, `==`, `in`) in an activation-checkpointing check_fn or in a walk over the wrapped
+    model's modules becomes `fsdp1_module_class(m)`: fully_shard gives each module it shards the
+    class `FSDP<Name>(FSDPModule, <its class>)`, so the test would now match (or miss) every
+    sharded block; the helper gives the class the module had before, as FSDP1's tree showed it.
+    `isinstance(m, Block)` is left: the new class subclasses the block's.""")
 DROPPED_COMMENT = _rule("FB110", "comment on a dropped argument", (FSDP2, YAFSDP), """
     An FSDP1 argument the new call does not take carried a comment: the comment moves into a
     TODO above the statement, so nothing the user wrote is lost.""")
@@ -162,6 +174,19 @@ CLIP_ELSEWHERE = _rule("FB215", "clip_grad_norm_ of a model wrapped elsewhere", 
     file does not show to hold an FSDP1 model: FSDP1's method on a model wrapped in another
     file; fully_shard modules have none, so the call is flagged with the torch.nn.utils form to
     use.""")
+PARAMETER_WALK = _rule("FB216", "parameters walked on a wrapped model", (FSDP2, YAFSDP), """
+    A walk over the parameters of a model wrapped with `use_orig_params=False` (FSDP1's default;
+    or where the file cannot tell): a loop or comprehension over `model.parameters()`, any use of
+    `model.named_parameters()`, a count. FSDP1 showed one flat parameter per unit there, so
+    parameter groups built by name or shape (weight decay off for norms and biases), filters
+    and counts saw flat pieces; the migrated model shows its original parameters, so they now
+    differ, and the statement is flagged. Under `--to fsdp2` a walk that reads shapes or sizes is
+    flagged with `use_orig_params=True` too (FSDP1 showed 1-D local views, FSDP2 full-shape
+    DTensors). Handing `model.parameters()` to an optimizer is not a walk.""")
+UNIT_TYPE_TEST = _rule("FB217", "isinstance(m, FSDP) in a walk, YaFSDP", (YAFSDP,), """
+    `isinstance(m, FullyShardedDataParallel)` on the modules of a walk over a model: FSDP1 found
+    every unit it wrapped there; YaFSDP wraps the model once and its units stay plain modules,
+    so the test would find the YaFSDP model alone. Left as written, flagged.""")
 OTHER_FSDP1_USE = _rule("FB299", "any other FSDP1 API use", (FSDP2, YAFSDP), """
     An FSDP1 name used in a way no rule translates (passed on as a class, an unknown static
     method, arguments outside the translated forms).""")

@@ -13,16 +13,17 @@ import dataclasses
 
 import libcst as cst
 import libcst.matchers as m
-from libcst.metadata import GlobalScope, QualifiedNameProvider, ScopeProvider
+from libcst.metadata import GlobalScope, ScopeProvider
 
 from fsdp_bridge.codemods import rules
 from fsdp_bridge.codemods.base import IN_PLACE, RUNTIME
 from fsdp_bridge.codemods.facts import PROVEN
-from fsdp_bridge.codemods.fsdp1 import STATE_DICT_TYPE_PARAMS, Resolve, state_dict_config
+from fsdp_bridge.codemods.fsdp1 import STATE_DICT_TYPE_PARAMS, Qualified, Resolve, state_dict_config
 from fsdp_bridge.codemods.helpers import (
     call_arguments,
     call_like,
     code,
+    comments_in,
     dotted,
     keyword_arg,
     leftmost,
@@ -30,7 +31,16 @@ from fsdp_bridge.codemods.helpers import (
     unwrap_with,
     with_comments_of,
 )
-from fsdp_bridge.codemods.names import DCP, FSDP1, RUNTIME_MODULE, STATE_DICT_METHODS, STATE_DICT_TYPE
+from fsdp_bridge.codemods.names import (
+    ATTRIBUTE_BY_NAME,
+    DCP,
+    FSDP1,
+    FSDP1_STATIC_METHODS,
+    RUNTIME_MODULE,
+    STATE_DICT_METHODS,
+    STATE_DICT_TYPE,
+    TYPE_CHECKS,
+)
 from fsdp_bridge.codemods.result_uses import LOAD, SAVE, ResultUse, result_uses
 
 # Static methods of the FSDP1 class we leave alone, with the reason.
@@ -66,6 +76,7 @@ class Block:
     model_options: str
     optim_save_options: str | None  # None: FSDP1's default optimizer config, which the helper applies
     optim_load_options: str
+    written: str = ""  # the state_dict_type call as written, for the TODOs left in the block
 
 
 def _load_options(full: bool, rank0_only: bool) -> str:
@@ -100,25 +111,45 @@ def _options(full: bool, offload_to_cpu: bool, rank0_only: bool) -> tuple[str, s
         "not in device memory")
 
 
+def _own_state(bound: dict[str, cst.Arg]) -> bool:
+    """True for `FSDP.optim_state_dict(model, optim, optim_state_dict=optim.state_dict())`: the
+    optimizer's own state dict, which is what FSDP1 reads when the argument is left out."""
+    state, optim = bound.get("optim_state_dict"), bound.get("optim")
+    value = state.value if state is not None else None
+    return (optim is not None and isinstance(value, cst.Call) and not value.args and not comments_in(code(state))
+            and isinstance(value.func, cst.Attribute) and value.func.attr.value == "state_dict"
+            and dotted(value.func.value) is not None and dotted(value.func.value) == dotted(optim.value))
+
+
 def _operand(node: cst.BaseExpression) -> str:
     """`node`'s code, parenthesised where `x or {}` would otherwise bind into it."""
     text = code(node)
     return text if isinstance(node, (cst.Name, cst.Attribute, cst.Call, cst.Subscript)) else f"({text})"
 
 
-def _takes_optimizer_state(resolve: Resolve, node: cst.With) -> bool:
+def _static_on(call: cst.Call, model: str | None) -> bool:
+    """True for one of FSDP1's static methods reached through `model` (`model.optim_state_dict(model, optim)`)."""
+    func = call.func
+    return (isinstance(func, cst.Attribute) and func.attr.value in FSDP1_STATIC_METHODS
+            and func.attr.value != "state_dict_type" and model is not None and dotted(func.value) == model)
+
+
+def _takes_optimizer_state(resolve: Resolve, node: cst.With, model: str) -> bool:
     """True if the block takes an optimizer state dict under its config: `FSDP.optim_state_dict`
     (loading one is exact whatever offload_to_cpu says; full_optim_state_dict has its own flags)."""
-    return any(resolve(call.func) == f"{FSDP1}.optim_state_dict" for call in m.findall(node.body, m.Call()))
+    return any(resolve(call.func) == f"{FSDP1}.optim_state_dict"
+               or _static_on(call, model) and call.func.attr.value == "optim_state_dict"
+               for call in m.findall(node.body, m.Call()))
 
 
 def _takes_model_state(node: cst.With, model: str) -> bool:
-    """True if the block calls `model.state_dict()` or `model.load_state_dict(...)`."""
-    return any(isinstance(call.func, cst.Attribute) and call.func.attr.value in STATE_DICT_METHODS
+    """True if the block calls `model.state_dict()` (where the state dict lives matters only for
+    one taken: a load reads what it is given, wherever offload_to_cpu would have put it)."""
+    return any(isinstance(call.func, cst.Attribute) and call.func.attr.value == "state_dict"
                and dotted(call.func.value) == model for call in m.findall(node.body, m.Call()))
 
 
-def configures_elsewhere(node: cst.With, model: str | None, resolve: Resolve) -> bool:
+def configures_elsewhere(node: cst.With, model: str | None, resolve: Resolve, qualified: Qualified) -> bool:
     """True unless the block's only business with the model is its own state-dict calls.
 
     `with FSDP.state_dict_type(trainer.model, ...): trainer.save_model()` configures a call
@@ -130,11 +161,13 @@ def configures_elsewhere(node: cst.With, model: str | None, resolve: Resolve) ->
     base, handled = model.split(".")[0], False
     for call in m.findall(node.body, m.Call()):
         func, name = call.func, resolve(call.func) or ""
+        if qualified(func) & (TYPE_CHECKS | ATTRIBUTE_BY_NAME):
+            continue  # isinstance(model, FSDP), getattr(model, ...): a test reads no state-dict setting
         if isinstance(func, cst.Attribute) and func.attr.value in STATE_DICT_METHODS and dotted(func.value) == model:
             handled = True
             continue
-        if name.startswith(FSDP1 + ".") and name != STATE_DICT_TYPE:
-            handled = True  # FSDP.optim_state_dict(model, optim) and friends
+        if name.startswith(FSDP1 + ".") and name != STATE_DICT_TYPE or _static_on(call, model):
+            handled = True  # FSDP.optim_state_dict(model, optim) and friends, also as model.optim_state_dict(...)
             continue
         root = leftmost(func) if isinstance(func, cst.Attribute) else None
         if isinstance(root, cst.Name) and root.value == base:
@@ -235,6 +268,18 @@ class StateDictRules:
                                   "(set_optimizer_state_dict), so the helper loads it and returns the loaded state "
                                   f"for that call ({no_torch_form})")
 
+    def translate_sharded_optimizer_load(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        """`load_sharded_optimizer_state_dict(model_state_dict, key, reader)` -> the runtime helper,
+        same arguments (FB108)."""
+        self.site(rules.SHARDED_OPTIMIZER_LOAD, RUNTIME, original, f"{code(original.func)}(...)",
+                  "torch's function builds FSDP1 ShardedTensors, and the migrated model's optimizer fails at its "
+                  "first step with them: fsdp1_load_sharded_optimizer_state_dict() reads the checkpoint into "
+                  "DTensors sharded as the model state dict's parameters (torch's function still runs for a "
+                  "model left as FSDP1)")
+        self.need(RUNTIME_MODULE, "fsdp1_load_sharded_optimizer_state_dict")
+        self.drop_import_of(original.func)
+        return updated.with_changes(func=cst.Name("fsdp1_load_sharded_optimizer_state_dict"))
+
     # -- torch's own call where the file shows the helper's differences cannot matter ----------
 
     def _optimizer_torch_form(self, original: cst.Call, updated: cst.Call, method: str, args: list[cst.Arg]):
@@ -331,6 +376,8 @@ class StateDictRules:
                     "is_named_optimizer": "False", "load_directly": "False", "rank0_only": "True"}
         if method == "optim_state_dict":
             defaults.pop("optim_state_dict")  # the no-argument form only
+            if _own_state(bound):
+                bound.pop("optim_state_dict")  # optim.state_dict() passed: what FSDP1 reads when none is
         for name, arg in bound.items():
             if name not in wanted and not (name in defaults and code(arg.value) == defaults[name]):
                 return None
@@ -461,6 +508,14 @@ class StateDictRules:
 
     # -- with FSDP.state_dict_type(...) blocks -----------------------------------------------
 
+    def todo_context(self) -> str:
+        """A TODO left inside a translated `state_dict_type` block loses the context it ran in when
+        the block goes: the TODO says which it was."""
+        block = self.current_state_dict_block()
+        if block is None or not block.written:
+            return ""
+        return f" (this ran inside `with {block.written}:`, which the migration removed)"
+
     def current_state_dict_block(self):
         """The innermost enclosing translated state_dict_type block (a `Block`), or None."""
         return next((ctx for ctx in reversed(self.state_dict_blocks) if ctx not in (None, KEPT)), None)
@@ -486,7 +541,7 @@ class StateDictRules:
                 args = call_arguments(call, STATE_DICT_TYPE_PARAMS) or {}
                 model = dotted(args["module"].value) if "module" in args else None
                 # A kept block is decided first: its configs are not translated (nor flagged as inexact).
-                kept = item.asname is not None or configures_elsewhere(node, model, self.fsdp)
+                kept = item.asname is not None or configures_elsewhere(node, model, self.fsdp, self.qualified)
                 context = None if kept else self._state_dict_context(call)
                 self.state_dict_blocks[-1] = KEPT if context is None else context
 
@@ -498,7 +553,7 @@ class StateDictRules:
         """True for a context manager that is not torch's, contextlib's or a builtin: a helper of
         this file or another (`with fsdp_checkpoint_context(model):`) may open FSDP1's
         state_dict_type inside, which the migrated helper does as fsdp1_state_dict_type."""
-        names = {q.name for q in self.get_metadata(QualifiedNameProvider, func, set())}
+        names = self.qualified_names(func)
         return not any(name.split(".")[0] in ("torch", "contextlib", "builtins") for name in names)
 
     def in_foreign_context(self, receiver: str | None) -> bool:
@@ -518,7 +573,7 @@ class StateDictRules:
         args = call_arguments(call, STATE_DICT_TYPE_PARAMS)
         if args is None or "state_dict_type" not in args or "module" not in args:
             return None
-        kind = self.fsdp(args["state_dict_type"].value) or ""
+        kind = self.fsdp(self._config_value(args["state_dict_type"])) or ""
         if kind == "StateDictType.LOCAL_STATE_DICT":
             return None
         model = dotted(args["module"].value)
@@ -537,14 +592,15 @@ class StateDictRules:
                     self.todo(rules.INEXACT_STATE_DICT_OPTIONS, call, "state_dict_config", model_problem)
                 if optim_problem and optim_cfg == (True, False):
                     optim_options = None  # FSDP1's default optimizer config: the helper's own default
-                elif optim_problem and _takes_optimizer_state(self.fsdp, self._with_node):
+                elif optim_problem and _takes_optimizer_state(self.fsdp, self._with_node, model):
                     self.todo(rules.INEXACT_STATE_DICT_OPTIONS, call, "optim_state_dict_config", optim_problem)
-                return Block(model, model_options, optim_options, _load_options(full, optim_cfg[1]))
+                return Block(model, model_options, optim_options, _load_options(full, optim_cfg[1]), code(call))
         # Non-literal type or configs: translate when the script runs.
         passed = ", ".join(f"{a.keyword.value}={code(a.value)}" if a.keyword else code(a.value)
                            for a in call.args if a is not args["module"])
         optim = f"fsdp1_state_dict_options({passed}, for_optimizer=True)"
-        return Block(model, f"fsdp1_state_dict_options({passed})", optim, optim)  # the load helper adapts it
+        # (the load helper adapts the optimizer's options to a load)
+        return Block(model, f"fsdp1_state_dict_options({passed})", optim, optim, code(call))
 
     def model_state_by_dcp(self) -> bool:
         """True if the model's own state-dict calls in the block being entered become DCP calls
@@ -552,10 +608,14 @@ class StateDictRules:
         return True
 
     def _config_value(self, arg: cst.Arg | None) -> cst.BaseExpression | None:
-        """A config argument as written, or the literal call a variable passed there holds
-        (`cfg = FullStateDictConfig(...)`, see `literal_value`), so both translate alike."""
+        """A type or config argument as written, or the literal a variable passed there holds
+        (`cfg = FullStateDictConfig(...)`, `kind = StateDictType.FULL_STATE_DICT`, see
+        `literal_value`), so both translate alike."""
         if arg is None:
             return None
+        value = self.literal_value(arg.value, any_use=True)
+        if value is not None and (self.fsdp(value) or "").startswith("StateDictType."):
+            return value  # an enum member: no use of the name can change it
         return self.literal_value(arg.value) or arg.value
 
     def translate_state_dict_block(self, original: cst.With, updated: cst.With, context):

@@ -25,6 +25,9 @@ class ToFsdp2Command(FullyShardRules, WrapperMethodRules, StateDictRules, Fsdp1C
     DESCRIPTION = "Rewrite FSDP1 (FullyShardedDataParallel) code into native torch FSDP2 (fully_shard)."
     WRAPPED_CLASS = (FSDP, "FSDPModule", rules.FSDP2_TYPE_CHECK, "FSDP2 modules are instances of FSDPModule")
     UNWRAP_REASON = "fully_shard works in place: the wrapped model is the model"
+    RECLASSES_MODULES = True  # FSDP<Block>(FSDPModule, Block)
+    RESHAPES_PARAMETERS = True
+    PARAMETERS_SHOWN = "FSDP2 shows the original parameters, as DTensors of their full shapes"
     STRATEGY_READ_REASON = (
         "fully_shard modules have no sharding_strategy attribute (the read fails on the migrated "
         "model, or finds an attribute of the model itself) and FSDP2 states the strategy as "

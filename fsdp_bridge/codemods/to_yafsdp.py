@@ -16,6 +16,7 @@ The walk and the rules shared with `--to fsdp2` (first pass, diagnostics, type c
 from __future__ import annotations
 
 import libcst as cst
+import libcst.matchers as m
 from libcst.metadata import ScopeProvider
 
 from fsdp_bridge.codemods import fsdp1, rules
@@ -38,8 +39,9 @@ from fsdp_bridge.codemods.helpers import (
     unwrap_with,
 )
 from fsdp_bridge.codemods.mixed_precision import FP32, literal_keywords, mixed_precision
+from fsdp_bridge.codemods.module_tree import UnitWalk
 from fsdp_bridge.codemods.names import RUNTIME_MODULE, STATE_DICT_METHODS, STATE_DICT_TYPE, YAFSDP_MODULE
-from fsdp_bridge.codemods.state_dict import Block, StateDictRules, configures_elsewhere
+from fsdp_bridge.codemods.state_dict import KEPT, Block, StateDictRules, configures_elsewhere
 
 # FSDP1 arguments YaFSDP takes under the same or another name.
 RENAMED = {"device_id": "device_id", "sync_module_states": "sync_module_states",
@@ -77,12 +79,28 @@ class _Rank0Only(cst.CSTTransformer):
         return updated
 
 
+class _UnitStateDict(cst.CSTTransformer):
+    """`unit.state_dict()` -> the expression that takes it from the root (see `_unit_state_dict`)."""
+
+    def __init__(self, unit: str, replacement: cst.BaseExpression) -> None:
+        super().__init__()
+        self.unit, self.replacement = unit, replacement
+
+    def leave_Call(self, original: cst.Call, updated: cst.Call) -> cst.BaseExpression:
+        func = updated.func
+        if isinstance(func, cst.Attribute) and func.attr.value == "state_dict" and dotted(func.value) == self.unit:
+            return self.replacement.deep_clone()
+        return updated
+
+
 class ToYafsdpCommand(StateDictRules, Fsdp1Codemod):
     DESCRIPTION = "Rewrite FSDP1 (FullyShardedDataParallel) code for fsdp_bridge.ya_fsdp.YaFSDP."
     WRAPPED_CLASS = (YAFSDP_MODULE, "YaFSDP", rules.YAFSDP_TYPE_CHECK, "the wrapped model is a YaFSDP instance")
     UNWRAP_REASON = "YaFSDP has no .module: it forwards attribute reads to the model and its own " \
         "state_dict/load_state_dict/no_sync take the place of the wrapped module's"
     TARGET = "YaFSDP"
+    UNITS_ARE_WRAPPERS = False  # one YaFSDP model; its units are plain modules
+    PARAMETERS_SHOWN = "YaFSDP shows the original parameters under their names (1-D pieces of this rank's shard)"
     ACCEPT_FSDP1_TOO = True  # the tree may keep FSDP1 constructors (TODOs) in other files
     STRATEGY_READ_REASON = (
         "YaFSDP has no sharding_strategy attribute (the read fails on the migrated model, or finds "
@@ -95,6 +113,8 @@ class ToYafsdpCommand(StateDictRules, Fsdp1Codemod):
         # Per enclosing `with`, as `state_dict_blocks`: rank0_only of a FULL block YaFSDP's own
         # state_dict() answers, None for any other.
         self.own_full_blocks: list[bool | None] = []
+        # Per enclosing `with`: the walk that found the unit of its state_dict_type (see _unit_of).
+        self.unit_blocks: list[UnitWalk | None] = []
 
     # -- FSDP(...) -----------------------------------------------------------------------
 
@@ -109,12 +129,25 @@ class ToYafsdpCommand(StateDictRules, Fsdp1Codemod):
         self._check_precision(original, values.get("mixed_precision"))
         reasons = self._needs_runtime(original, args, values)
         if reasons:
-            self.site(rules.YAFSDP_AT_RUN_TIME, RUNTIME, original, "FullyShardedDataParallel(...)", "; ".join(reasons))
+            self.site(rules.YAFSDP_AT_RUN_TIME, RUNTIME, original, "FullyShardedDataParallel(...)",
+                      "; ".join(reasons) + self._accumulation_note(rules.YAFSDP_AT_RUN_TIME))
             self.need(RUNTIME_MODULE, "fsdp1_to_yafsdp")
             self.drop_import_of(original.func)
             return fit(updated.with_changes(func=cst.Name("fsdp1_to_yafsdp"), args=append_args(
                 updated.args, [keyword_arg("gradient_accumulation_steps", "1")])), original)
         return self._in_place(original, updated, args)
+
+    def _accumulation_note(self, rule: str) -> str:
+        """`gradient_accumulation_steps=1` in a file that accumulates gradients with `no_sync()`: a
+        note above the call says why 1 is right (for the report: the same, after "; ")."""
+        if not self.uses_no_sync:
+            return ""
+        why = ("gradient_accumulation_steps=1 although this file accumulates gradients with no_sync(): "
+               "fsdp_bridge's YaFSDP keeps FSDP's no_sync(), which holds the reduction back until the "
+               "backward outside the block, as FSDP1 did; upstream YaFSDP has no no_sync() and needs the "
+               "number of micro-batches here instead")
+        self.note(rule, why)
+        return "; " + why
 
     def _check_precision(self, call: cst.Call, node: cst.BaseExpression | None) -> None:
         """A TODO for the precision settings of a literal MixedPrecision YaFSDP cannot express."""
@@ -231,8 +264,9 @@ class ToYafsdpCommand(StateDictRules, Fsdp1Codemod):
             extra.append(keyword_arg("bit16_reduce_scatter", "True"))
             reasons.append("gradients reduced in param_dtype, as FSDP1 does (bit16_reduce_scatter=True)")
         extra.append(keyword_arg("gradient_accumulation_steps", "1"))
+        summary = "; ".join(reasons) or "YaFSDP with the same settings"
         self.site(rules.YAFSDP_IN_PLACE, IN_PLACE, original, "FullyShardedDataParallel(...)",
-                  "; ".join(reasons) or "YaFSDP with the same settings")
+                  summary + self._accumulation_note(rules.YAFSDP_IN_PLACE))
         self.need(YAFSDP_MODULE, "YaFSDP")
         self.drop_import_of(original.func)
         result = fit(updated.with_changes(func=cst.Name("YaFSDP"),
@@ -290,7 +324,21 @@ class ToYafsdpCommand(StateDictRules, Fsdp1Codemod):
     def visit_With(self, node: cst.With) -> None:
         self.enter_state_dict_block(node)
         translated = isinstance(self.state_dict_blocks[-1], Block)
+        unit = self._unit_of(node)
+        if unit is not None:
+            self.state_dict_blocks[-1] = KEPT  # its calls are not the root's: see _unit_state_dict
+        self.unit_blocks.append(unit)
         self.own_full_blocks.append(self._own_full_block(node) if translated else None)
+
+    def _unit_of(self, node: cst.With) -> UnitWalk | None:
+        """The walk that found the module of `with FSDP.state_dict_type(unit, ...)`, where `unit` is
+        bound by a `for` over a model's modules: under FSDP1 an FSDP unit, under YaFSDP a plain
+        module of the one YaFSDP model."""
+        call = node.items[0].item if len(node.items) == 1 else None
+        if not isinstance(call, cst.Call) or self.fsdp(call.func) != STATE_DICT_TYPE:
+            return None
+        args = call_arguments(call, STATE_DICT_TYPE_PARAMS) or {}
+        return self.unit_walk_of(dotted(args["module"].value)) if "module" in args else None
 
     def model_state_by_dcp(self) -> bool:
         return self._own_full_block(self._with_node) is None  # YaFSDP's state_dict() answers the others
@@ -301,7 +349,7 @@ class ToYafsdpCommand(StateDictRules, Fsdp1Codemod):
         if len(node.items) > 1 or node.items[0].asname or not isinstance(node.items[0].item, cst.Call):
             return None
         args = call_arguments(node.items[0].item, STATE_DICT_TYPE_PARAMS) or {}
-        kind = self.fsdp(args["state_dict_type"].value) if "state_dict_type" in args else None
+        kind = self.fsdp(self._config_value(args["state_dict_type"])) if "state_dict_type" in args else None
         if kind != "StateDictType.FULL_STATE_DICT":
             return None
         config = args.get("state_dict_config")
@@ -313,16 +361,20 @@ class ToYafsdpCommand(StateDictRules, Fsdp1Codemod):
         """`with FSDP.state_dict_type(model, FULL_STATE_DICT)`: YaFSDP's state dict is already full;
         other types and configs known at run time: torch's checkpoint helpers, as for FSDP2."""
         context, rank0_only = self.leave_state_dict_block(), self.own_full_blocks.pop()
+        unit = self.unit_blocks.pop()
         item = next((item for item in original.items if isinstance(item.item, cst.Call)
                      and (self.fsdp(item.item.func) or "") == STATE_DICT_TYPE), None)
         if item is None:
             return updated
+        if unit is not None:
+            return self._unit_state_dict(original, updated, item.item, unit, self._own_full_block(original))
         if rank0_only is not None:
             return self._own_full_state_dict(original, updated, item.item, rank0_only)
         if isinstance(context, Block):
             return self.translate_state_dict_block(original, updated, context)
         args = call_arguments(item.item, STATE_DICT_TYPE_PARAMS) or {}
-        if configures_elsewhere(original, dotted(args["module"].value) if "module" in args else None, self.fsdp):
+        if configures_elsewhere(original, dotted(args["module"].value) if "module" in args else None, self.fsdp,
+                                self.qualified):
             self.todo(rules.STATE_DICT_TYPE_ELSEWHERE, original, "with FSDP.state_dict_type(...)",
                       "the block does more than take this model's state dict (calls made elsewhere "
                       "read the setting): YaFSDP's state_dict() is always full; check what those calls "
@@ -333,6 +385,40 @@ class ToYafsdpCommand(StateDictRules, Fsdp1Codemod):
                   "other items is not translated: pass StateDictOptions to get_/set_model_state_dict where "
                   "the state dict is taken, then remove the block")
         return updated
+
+    def _unit_state_dict(self, original: cst.With, updated: cst.With, call: cst.Call, walk: UnitWalk,
+                         rank0_only: bool | None):
+        """A full state dict of one unit found by name in a walk over the wrapped model (a LoRA save):
+        YaFSDP's units are plain modules, whose state_dict() holds this rank's pieces and takes no
+        rank0_only. `unit.state_dict()` becomes `yafsdp_unit_state_dict(root, name)`, the keys of the
+        root's full state dict under the unit's name; anything else is left under a TODO."""
+        root = walk.root
+        while isinstance(root, cst.Attribute) and root.attr.value in ("module", "_orig_mod"):
+            root = root.value  # the YaFSDP model itself
+        uses = [node for node in m.findall(original.body, m.Name(walk.unit))]
+        calls = [node for node in m.findall(original.body, m.Call(func=m.Attribute(value=m.Name(walk.unit))))]
+        only_state_dicts = len(uses) == len(calls) and all(
+            node.func.attr.value == "state_dict" and not node.args for node in calls)
+        if rank0_only is None or walk.name is None or self.receiver(root) is None or not calls or not only_state_dicts:
+            self.todo(rules.YAFSDP_STATE_DICT_TYPE, original, f"with FSDP.state_dict_type({walk.unit}, ...)",
+                      f"{walk.unit} is a unit found in a walk over the model: YaFSDP's units are plain modules, whose "
+                      "state_dict() and load_state_dict() see this rank's pieces (and take no rank0_only); take "
+                      "or load the root's full state dict, the unit's keys under its name "
+                      "(yafsdp_unit_state_dict(root, name) in fsdp_bridge.migrate.runtime takes one), then remove "
+                      "the block")
+            return updated
+        self.site(rules.YAFSDP_STATE_DICT_TYPE, RUNTIME, original,
+                  f"with FSDP.state_dict_type({walk.unit}, FULL_STATE_DICT)",
+                  f"{walk.unit} is a unit found by name in a walk over the model, and YaFSDP's units are plain "
+                  "modules: yafsdp_unit_state_dict() takes the root's full state dict and keeps the keys under the "
+                  "unit's name (the whole model is gathered for each unit; FSDP1 gathered the unit alone)")
+        self.need(RUNTIME_MODULE, "yafsdp_unit_state_dict")
+        self.drop_import_of(call.func)
+        for arg in call.args[1:]:
+            self.drop_import_of(arg.value)
+        helper = f"yafsdp_unit_state_dict({code(root)}, {walk.name}{', rank0_only=True' if rank0_only else ''})"
+        body = updated.body.visit(_UnitStateDict(walk.unit, cst.parse_expression(helper)))
+        return unwrap_with(updated.with_changes(body=body))
 
     def _own_full_state_dict(self, original: cst.With, updated: cst.With, call: cst.Call, rank0_only: bool):
         self.site(rules.YAFSDP_STATE_DICT_TYPE, IN_PLACE, original, "with FSDP.state_dict_type(FULL_STATE_DICT)",

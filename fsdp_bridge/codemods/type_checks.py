@@ -8,6 +8,7 @@ reason). Whether a check may be narrowed to the new class alone is decided over 
 from __future__ import annotations
 
 import libcst as cst
+import libcst.matchers as m
 
 from fsdp_bridge.codemods.base import FILE_FACTS_KEY, IN_PLACE, INFO
 from fsdp_bridge.codemods.helpers import code, space_comma
@@ -22,18 +23,39 @@ class TypeCheckRules:
     # Type checks: always accept FSDP1 too, whatever the tree keeps?
     ACCEPT_FSDP1_TOO = False
 
+    def __init__(self, context) -> None:
+        super().__init__(context)
+        self.annotation_refs: set[int] = set()  # FSDP1 references nested in annotations (`Optional[FSDP]`)
+
     def claim_annotation(self, node: cst.Annotation) -> None:
-        if self.fsdp(node.annotation) == FSDP1:
-            self.claim(node.annotation)
+        refs = [ref for ref in m.findall(node.annotation, m.Name() | m.Attribute()) if self.fsdp(ref) == FSDP1]
+        for ref in refs:
+            self.claim(ref)
+        self.annotation_refs.update(id(ref) for ref in refs if ref is not node.annotation)
 
     def translate_annotation(self, original: cst.Annotation, updated: cst.Annotation) -> cst.Annotation:
-        if self.fsdp(original.annotation) != FSDP1:
+        """`model: FSDP` names the new class; so does each FSDP1 name inside an annotation
+        (`Union[nn.Module, FSDP]`, `Optional[FSDP]`), replaced as its own node is left."""
+        whole = self.fsdp(original.annotation) == FSDP1
+        if not whole and not any(id(ref) in self.annotation_refs for ref in m.findall(original.annotation, m.Name()
+                                                                                      | m.Attribute())):
             return updated
         module, class_name, rule, reason = self.WRAPPED_CLASS
         self.site(rule, IN_PLACE, original, "annotation FullyShardedDataParallel", reason)
+        if not whole:
+            return updated
         self.need(module, class_name)
         self.drop_import_of(original.annotation)
         return updated.with_changes(annotation=cst.Name(class_name))
+
+    def annotation_ref(self, original: cst.Name | cst.Attribute, updated):
+        """An FSDP1 name inside an annotation, as the new class (see `translate_annotation`)."""
+        if id(original) not in self.annotation_refs:
+            return updated
+        module, class_name, _, _ = self.WRAPPED_CLASS
+        self.need(module, class_name)
+        self.drop_import_of(original)
+        return cst.Name(class_name, lpar=updated.lpar, rpar=updated.rpar)
 
     def _accept_fsdp1_reason(self) -> str | None:
         """Why type checks must still accept FullyShardedDataParallel (None: they need not)."""

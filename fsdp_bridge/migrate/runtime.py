@@ -12,8 +12,8 @@ fsdp_bridge's front-ends and engine. The sharding is torch's own `fully_shard` f
 --to fsdp2:  fsdp1_fully_shard, fsdp1_no_sync, fsdp1_clip_grad_norm_, fsdp1_state_dict_options,
              fsdp1_state_dict_type, fsdp1_state_dict, fsdp1_load_state_dict, fsdp1_optim_state_dict,
              fsdp1_optim_state_dict_to_load, fsdp1_scatter_full_optim_state_dict, fsdp1_fsdp_modules,
-             fsdp1_unwrap
---to yafsdp: fsdp1_to_yafsdp, yafsdp_zero_stage, yafsdp_modules_to_wrap, fsdp1_unwrap
+             fsdp1_unwrap, fsdp1_load_sharded_optimizer_state_dict, fsdp1_module_class
+--to yafsdp: fsdp1_to_yafsdp, yafsdp_zero_stage, yafsdp_modules_to_wrap, yafsdp_unit_state_dict, fsdp1_unwrap
 """
 
 from __future__ import annotations
@@ -70,11 +70,14 @@ __all__ = [
     "fsdp1_load_state_dict",
     "fsdp1_optim_state_dict",
     "fsdp1_scatter_full_optim_state_dict",
+    "fsdp1_load_sharded_optimizer_state_dict",
     "fsdp1_fsdp_modules",
     "fsdp1_unwrap",
+    "fsdp1_module_class",
     "fsdp1_to_yafsdp",
     "yafsdp_zero_stage",
     "yafsdp_modules_to_wrap",
+    "yafsdp_unit_state_dict",
 ]
 
 
@@ -436,26 +439,40 @@ def _materialize(module: nn.Module, param_init_fn, device_type: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _under_activation_wrappers(model: Any) -> Any:
+    """The module inside torch's activation checkpoint or offload wrappers (`checkpoint_wrapper`,
+    `offload_wrapper`): they forward attribute reads to it, which is how FSDP1's methods were
+    reached through them; the migrated model's methods are not, so the helpers look inside."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
+
+    while isinstance(model, ActivationWrapper):
+        model = model._checkpoint_wrapped_module
+    return model
+
+
 @contextlib.contextmanager
 def fsdp1_no_sync(model: nn.Module) -> Iterator[None]:
-    """`with model.no_sync():` for FSDP2 modules (and anything else that has `no_sync`).
+    """`with model.no_sync():` for FSDP2 modules (and anything else that has `no_sync`), also
+    under an activation checkpoint or offload wrapper.
 
     Gradient sync is switched off for the block and restored even if the block raises.
     """
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(False)
+    sharded = _under_activation_wrappers(model)
+    if isinstance(sharded, FSDPModule):
+        sharded.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)
+            sharded.set_requires_gradient_sync(True)
         return
     with model.no_sync():
         yield
 
 
 def fsdp1_clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """`model.clip_grad_norm_(max_norm, norm_type)` for FSDP2 modules: returns a plain tensor."""
-    if not isinstance(model, FSDPModule):
+    """`model.clip_grad_norm_(max_norm, norm_type)` for FSDP2 modules (also under an activation
+    checkpoint or offload wrapper, through which FSDP1's method was reached): a plain tensor."""
+    if not isinstance(_under_activation_wrappers(model), FSDPModule):
         return model.clip_grad_norm_(max_norm, norm_type)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -667,6 +684,64 @@ def fsdp1_scatter_full_optim_state_dict(full_optim_state_dict: dict | None, mode
     return optim.state_dict()
 
 
+def fsdp1_load_sharded_optimizer_state_dict(model_state_dict: dict[str, Any], optimizer_key: str,
+                                            storage_reader: Any, planner: Any = None) -> dict[str, Any]:
+    """torch's `load_sharded_optimizer_state_dict` for a model whose sharded state dict holds
+    DTensors (FSDP2, YaFSDP): `{optimizer_key: state}` read from a DCP checkpoint, each state
+    tensor of a parameter sharded as that parameter is, for `set_optimizer_state_dict`.
+
+    torch's own function builds FSDP1 ShardedTensors, which an FSDP2 optimizer cannot step with;
+    it is still what runs for a state dict of ShardedTensors (a model left as FSDP1).
+    """
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    from torch.distributed.checkpoint.optimizer import load_sharded_optimizer_state_dict
+    from torch.distributed.tensor import DTensor
+
+    sharded = [value for value in model_state_dict.values() if isinstance(value, DTensor)]
+    if not sharded:
+        return load_sharded_optimizer_state_dict(model_state_dict, optimizer_key, storage_reader, planner)
+    device = sharded[0].device
+    metadata = storage_reader.read_metadata()
+    placeholders: dict[str, Any] = {}
+    for key, stored in metadata.state_dict_metadata.items():
+        path = metadata.planner_data[key]
+        if path[0] != optimizer_key:
+            continue
+        if isinstance(stored, BytesStorageMetadata):
+            placeholders[key] = "<bytes_io>"  # param_groups and other pickled entries
+            continue
+        # ("optim", "state", <parameter name>, <state name>): shaped as the parameter, sharded as it.
+        like = model_state_dict.get(path[2]) if len(path) == 4 and path[1] == "state" else None
+        if isinstance(like, DTensor) and like.shape == stored.size:
+            placeholders[key] = torch.empty_like(like, dtype=stored.properties.dtype)
+        else:
+            placeholders[key] = torch.empty(stored.size, dtype=stored.properties.dtype, device=device)
+    dcp_load(placeholders, storage_reader=storage_reader, planner=planner)
+    return _nested(placeholders, metadata.planner_data)
+
+
+def _nested(flat: dict[str, Any], paths: dict[str, tuple]) -> dict[str, Any]:
+    """A flat DCP state dict put back into its nesting: `paths` gives each flat key's path of
+    dict keys and list indices, as DCP's metadata records it."""
+    root: dict[str, Any] = {}
+    for key, value in flat.items():
+        node: Any = root
+        path = paths[key]
+        for part, following in zip(path, path[1:]):
+            empty: Any = [] if isinstance(following, int) else {}
+            if isinstance(node, list):
+                node.extend([None] * (part + 1 - len(node)))
+                node[part] = empty if node[part] is None else node[part]
+            else:
+                node.setdefault(part, empty)
+            node = node[part]
+        if isinstance(node, list):
+            node.extend([None] * (path[-1] + 1 - len(node)))
+        node[path[-1]] = value
+    return root
+
+
 def fsdp1_fsdp_modules(module: nn.Module, root_only: bool = False) -> list[nn.Module]:
     """`FSDP.fsdp_modules(module)`: the FSDP2 modules in `module` (itself included), in order.
 
@@ -680,12 +755,24 @@ def fsdp1_fsdp_modules(module: nn.Module, root_only: bool = False) -> list[nn.Mo
     return found
 
 
+def fsdp1_module_class(module: Any) -> type:
+    """`type(module)` as FSDP1's module tree showed it: `fully_shard` gives each module it shards a
+    class of its own, `FSDP<Name>(FSDPModule, <the module's class>)`, and this is the module's
+    class from before; for any other object, its own class."""
+    cls = type(module)
+    if isinstance(module, FSDPModule) and len(cls.__bases__) == 2 and cls.__bases__[0] is FSDPModule:
+        return cls.__bases__[1]
+    return cls
+
+
 def fsdp1_unwrap(model: nn.Module) -> nn.Module:
     """`model.module` where `model` may be a rewritten FSDP model: FSDP2 and YaFSDP have no wrapper
-    (the model is the model), anything else (DDP, an FSDP1 wrapper) keeps its `.module`."""
+    (the model is the model, also under an activation checkpoint or offload wrapper, through which
+    FSDP1's `.module` was read), anything else (DDP, an FSDP1 wrapper) keeps its `.module`."""
     ya_fsdp = sys.modules.get("fsdp_bridge.ya_fsdp")
-    if isinstance(model, FSDPModule) or (ya_fsdp is not None and isinstance(model, ya_fsdp.YaFSDP)):
-        return model
+    sharded = _under_activation_wrappers(model)
+    if isinstance(sharded, FSDPModule) or (ya_fsdp is not None and isinstance(sharded, ya_fsdp.YaFSDP)):
+        return sharded
     return model.module
 
 
@@ -744,6 +831,22 @@ _GRADIENT_ACCUMULATION_STEPS = inspect.Parameter(
 
 
 @_takes_fsdp1_arguments(_GRADIENT_ACCUMULATION_STEPS)
+def yafsdp_unit_state_dict(root: nn.Module, unit_name: str, rank0_only: bool = False) -> dict[str, Any]:
+    """The full state dict of the unit named `unit_name` in the YaFSDP model `root` (as FSDP1's
+    `unit.state_dict()` under a full `state_dict_type` gave it): YaFSDP's units are plain modules,
+    so the root's full state dict is taken and the keys under that name kept, relative to it."""
+    state = root.state_dict(rank0_only=rank0_only)
+    # A walk over the YaFSDP model names its modules through the wrapper's inner attribute
+    # (`_module.0.adapter`); its state dict leaves that name out, as FSDP1's did its own.
+    hidden = getattr(type(root), "_hidden_child", None)
+    if hidden and (unit_name == hidden or unit_name.startswith(hidden + ".")):
+        unit_name = unit_name[len(hidden) + 1:]
+    if not unit_name:
+        return state
+    prefix = unit_name + "."
+    return {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+
+
 def fsdp1_to_yafsdp(*args: Any, gradient_accumulation_steps: int = 1, **kwargs: Any):
     """`FullyShardedDataParallel(module, ...)` as `fsdp_bridge.ya_fsdp.YaFSDP(...)`.
 

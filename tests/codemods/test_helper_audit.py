@@ -36,6 +36,11 @@ NEEDED_AT_RUN_TIME = {
     "fsdp1_scatter_full_optim_state_dict": "the loaded state for a later load_state_dict",
     "fsdp1_fsdp_modules": "FSDP1 wrappers a kept constructor builds; the outermost modules of the built model",
     "fsdp1_unwrap": "whether the receiver is a sharded model (no wrapper) or has .module",
+    "fsdp1_load_sharded_optimizer_state_dict": "the checkpoint's optimizer entries read as DTensors laid out as "
+                                               "the model state dict's parameters (torch's function builds "
+                                               "FSDP1 ShardedTensors)",
+    "fsdp1_module_class": "the class a module had before fully_shard gave it one of its own (torch records it "
+                          "only among the new class's bases)",
 }
 
 

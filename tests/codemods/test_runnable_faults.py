@@ -15,7 +15,18 @@ before and after `migrate --to fsdp2` inside one 2-rank gloo world:
   objects with `not isinstance(m, FSDP)` (narrowed, it would skip every sharded block);
 - fsdp1_torch20_forms.py: torch 2.0's `ignored_parameters=` and `optim_state_dict_to_load(osd,
   model, optim)`, which current torch no longer runs: its reference is the same file in torch
-  2.1+'s spellings.
+  2.1+'s spellings;
+- fsdp1_sharded_resume.py: FSDP1's sharded resume (`load_sharded_optimizer_state_dict`, and
+  `optim_state_dict_to_load` reached through the model in an `isinstance` branch), and a load left
+  under a TODO that names the state_dict_type it ran under;
+- fsdp1_check_fn_class.py: check_fns and a walk that test a module's class by name and by bases
+  (fully_shard's FSDP<Block> class would answer otherwise for every block);
+- fsdp1_wrapped_clip.py: `no_sync()` and `clip_grad_norm_()` reached through torch's activation
+  checkpoint wrapper around the model;
+- fsdp1_param_groups.py: AdamW groups built from the wrapped model's names: the same with
+  use_orig_params=True; with FSDP1's flat parameters the walk is flagged (FB216), and the groups
+  do change (which is why);
+- fsdp1_adapter_save.py: adapters saved unit by unit, found by name in a walk.
 """
 
 import pathlib
@@ -26,7 +37,10 @@ from tests.world import run_world
 
 RUNNABLE = pathlib.Path(__file__).parent / "runnable"
 FIXTURES = ("fsdp1_meta_sync", "fsdp1_checkpoint_styles", "fsdp1_torch20_forms", "fsdp1_optimizer_options",
-            "fsdp1_wrapper_reads", "fsdp1_checkpoint_check_fn")
+            "fsdp1_wrapper_reads", "fsdp1_checkpoint_check_fn", "fsdp1_sharded_resume", "fsdp1_check_fn_class",
+            "fsdp1_wrapped_clip", "fsdp1_param_groups", "fsdp1_adapter_save")
+# Arguments of both runs of a fixture.
+ARGUMENTS = {"fsdp1_sharded_resume": {"reload_model": True}}
 
 
 def _run_all(rank, world_size, pairs):
@@ -34,7 +48,8 @@ def _run_all(rank, world_size, pairs):
     for name, original, rewritten in pairs:
         # Native FSDP1 cannot sync module states on CPU: its reference run builds the model everywhere.
         kwargs = {"low_memory": False} if name == "fsdp1_meta_sync" else {}
-        results[name] = (_load(original).train(rank, **kwargs), _load(rewritten).train(rank))
+        results[name] = (_load(original).train(rank, **kwargs, **ARGUMENTS.get(name, {})),
+                         _load(rewritten).train(rank, **ARGUMENTS.get(name, {})))
     return results
 
 
@@ -53,6 +68,16 @@ def test_rewritten_fixtures_behave_like_fsdp1(tmp_path):
             assert "broadcast_from_rank0=True" in source and "fsdp1_optim_state_dict(model, optimizer)" in source
         if name == "fsdp1_wrapper_reads":
             assert "fsdp1_load_state_dict(model._orig_mod, state)" in source and "fsdp1_state_dict(unwrapped)" in source
+        if name == "fsdp1_sharded_resume":  # FSDP1's sharded resume: the helper, on the model's DTensors
+            assert "fsdp1_load_sharded_optimizer_state_dict(" in source and ".optim_state_dict_to_load(" not in source
+            assert ("# TODO(fsdp-bridge FB299): model.load_state_dict(...): only load_state_dict(state_dict) and "
+                    "load_state_dict(state_dict, strict=...) are translated (this ran inside `with "
+                    "FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT):`") in source
+        if name == "fsdp1_check_fn_class":
+            assert source.count("fsdp1_module_class(") == 3  # the walk and both check_fns
+        if name == "fsdp1_param_groups":  # flagged where FSDP1 showed flat parameters only
+            assert source.count("# TODO(fsdp-bridge FB216): model.named_parameters() walked: FSDP1 with "
+                                "use_orig_params=False") == 1 and source.count("TODO(fsdp-bridge FB216)") == 1
         original = RUNNABLE / f"{name}.py"
         if name == "fsdp1_torch20_forms":
             # ignored parameters given by a .parameters() call: fully_shard's own ignored_params
@@ -81,6 +106,19 @@ def test_rewritten_fixtures_behave_like_fsdp1(tmp_path):
         assert fsdp1["checkpointed blocks"] == 2 and fsdp1 == fsdp2
         fsdp1, fsdp2 = rank_result["fsdp1_checkpoint_styles"]
         assert fsdp1 == fsdp2, (fsdp1["optimizer losses"], fsdp2["optimizer losses"])
+        fsdp1, fsdp2 = rank_result["fsdp1_sharded_resume"]
+        assert fsdp1["losses"][3:5] == fsdp1["losses"][5:7] == fsdp1["losses"][1:3] and fsdp1 == fsdp2
+        fsdp1, fsdp2 = rank_result["fsdp1_check_fn_class"]
+        assert fsdp1["by name"]["checkpointed"] == fsdp1["by name"]["layers found"] == 2
+        assert fsdp1["by bases"]["checkpointed"] == 0 and fsdp1 == fsdp2
+        fsdp1, fsdp2 = rank_result["fsdp1_wrapped_clip"]
+        assert len(fsdp1["norms"]) == 2 and fsdp1 == fsdp2
+        fsdp1, fsdp2 = rank_result["fsdp1_param_groups"]
+        assert fsdp1["original names"]["group sizes"] == [3, 7] and fsdp1["original names"] == fsdp2["original names"]
+        # FSDP1's flat parameters hold no "norm" nor "bias" in their names: one group, all decayed.
+        assert fsdp1["flat"]["group sizes"] == [3, 0] and fsdp2["flat"]["group sizes"] == [3, 7]
+        fsdp1, fsdp2 = rank_result["fsdp1_adapter_save"]
+        assert fsdp1 == fsdp2 and len(fsdp1) == 2
     rank0, rank1 = (r["fsdp1_checkpoint_styles"][1] for r in results)
     assert {kind for kind, _ in rank0["sharded=True"].values()} == {"sharded"}
     assert {kind for kind, _ in rank0["sharded=False"].values()} == {"full"}
