@@ -53,6 +53,10 @@ class GatheredForm:
     # arriving Partial on them is this rank's part of the sum the engine reduces, taken as it is
     # (see engine/row_group.py, SpmdCompute).
     data_parallel_dims: tuple = ()
+    # The data-parallel DeviceMesh of a parameter sharded over a mesh of its own (FSDP2's
+    # per-parameter mesh, e.g. experts over an expert-data-parallel mesh): 1-D (its shard group)
+    # or 2-D (replicate, shard). None: the model's groups. See [Note: groups over other meshes].
+    shard_mesh: Optional[Any] = None
 
 
 def gathered_form(param: torch.Tensor) -> GatheredForm:
@@ -126,10 +130,28 @@ class GroupLayout:
     slots: list[ParamSlot]
     # The group's parameters use the all-gather extension (a group of their own).
     extension: bool = False
+    # The data-parallel mesh the group is sharded over when it is not the model's (see
+    # GatheredForm.shard_mesh); None: the model's shard and replicate groups.
+    mesh: Optional[Any] = None
 
 
-def _group_key(slot: ParamSlot) -> tuple[bool, torch.dtype, bool]:
-    return (slot.param.requires_grad, slot.param.dtype, has_all_gather_extension(slot.param))
+# [Note: groups over other meshes] FSDP2 lets `shard_placement_fn` give a parameter a mesh of its
+# own (`ShardPlacementResult`: expert parallelism beside data parallelism shards the experts over
+# an expert-data-parallel mesh, the rest over the data-parallel one). Such parameters form flat
+# groups of their own within their unit, one per mesh: each is gathered over its own shard
+# group, reduced over it (and all-reduced over its replicate group), and its gradients are
+# averaged over its own data-parallel size, as FSDP2 averages each of its parameter groups.
+
+GroupKey = tuple[bool, torch.dtype, bool, Optional[Any]]
+
+
+def _group_key(slot: ParamSlot) -> GroupKey:
+    return (slot.param.requires_grad, slot.param.dtype, has_all_gather_extension(slot.param),
+            gathered_form(slot.param).shard_mesh)
+
+
+def _key_of(layout: GroupLayout) -> GroupKey:
+    return (layout.requires_grad, layout.dtype, layout.extension, layout.mesh)
 
 
 def _collect_params(model: nn.Module) -> list[ParamSlot]:
@@ -184,12 +206,12 @@ def assign_groups(model: nn.Module, plan: Plan) -> list[GroupLayout]:
             per_unit[innermost_common_unit(modules, unit_names)].append(slot)
     groups: list[GroupLayout] = []
     for unit_name in unit_names:
-        keyed: dict[tuple[bool, torch.dtype, bool], list[ParamSlot]] = {}
+        keyed: dict[GroupKey, list[ParamSlot]] = {}
         for slot in per_unit[unit_name]:
             keyed.setdefault(_group_key(slot), []).append(slot)
         # Trainable groups first so a unit's main buffer is the one with gradients.
         for key, slots in sorted(keyed.items(), key=lambda kv: not kv[0][0]):
-            groups.append(GroupLayout(unit_name, key[0], key[1], slots, key[2]))
+            groups.append(GroupLayout(unit_name, key[0], key[1], slots, key[2], key[3]))
     return groups
 
 
@@ -198,8 +220,11 @@ def describe_layout(groups: list[GroupLayout]) -> str:
     lines = []
     for group in groups:
         extension = " all-gather extension" if group.extension else ""
+        # The mesh's shape and names, which every rank shares (its ranks differ by rank).
+        mesh = (f" over mesh {tuple(group.mesh.shape)} {group.mesh.mesh_dim_names}"
+                if group.mesh is not None else "")
         lines.append(f"[{group.unit_name or '<root>'} grad={group.requires_grad} {group.dtype}"
-                     f"{extension}]")
+                     f"{extension}{mesh}]")
         lines.extend(f"  {slot.fqn} {_agreed_shape(slot)}" for slot in group.slots)
     return "\n".join(lines)
 
@@ -269,10 +294,9 @@ def _layout_for(layouts: list[GroupLayout], slot: ParamSlot, unit_name: str,
     """`unit_name`'s group for `slot`'s (requires_grad, dtype), added in unit order if new."""
     key = _group_key(slot)
     for layout in layouts:
-        if layout.unit_name == unit_name and (layout.requires_grad, layout.dtype,
-                                              layout.extension) == key:
+        if layout.unit_name == unit_name and _key_of(layout) == key:
             return layout
-    new = GroupLayout(unit_name, key[0], key[1], [], key[2])
+    new = GroupLayout(unit_name, key[0], key[1], [], key[2], key[3])
     order = unit_names.index(unit_name)
     later = [i for i, layout in enumerate(layouts) if unit_names.index(layout.unit_name) > order]
     layouts.insert(later[0] if later else len(layouts), new)

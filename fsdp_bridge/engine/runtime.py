@@ -174,6 +174,7 @@ class ShardedModel:
                                       + describe_layout(layouts), comm, device)
         self.buffer_dtypes: dict[str, torch.dtype] = {}
         self.init_steps: list[UnitInit] = []
+        self.mesh_comms: dict = {}  # see _comm_over
         self.units = self._build_units(layouts, param_init_fn, record)
         engine_init.sync_ignored_buffers(module, plan, comm, device)
         self.ignored_params = engine_init.ignored_parameters(module, plan)
@@ -256,7 +257,7 @@ class ShardedModel:
                        else RowGroup if row_layout else FlatGroup)
         group = group_class(
             layout,
-            self.comm,
+            self._comm_over(layout.mesh),
             self.device,
             compute_dtype=mp.param_dtype or layout.dtype,
             reduce_dtype=mp.effective_reduce_dtype(layout.dtype),
@@ -275,6 +276,21 @@ class ShardedModel:
                                               group.split(group.gather_full_master())],
                                      keep=self._keeps_originals)
         return group
+
+    def _comm_over(self, mesh) -> Comm:
+        """The collectives of groups sharded over `mesh` (see [Note: groups over other meshes]
+        in engine/layout.py): the model's for None; one Comm per other mesh, over its shard
+        group (its last dimension) and, for a 2-D mesh, its replicate group, counted in the
+        model's collective statistics."""
+        if mesh is None:
+            return self.comm
+        if mesh not in self.mesh_comms:
+            comm = Comm(mesh.get_group(mesh.ndim - 1),
+                        mesh.get_group(0) if mesh.ndim == 2 else None,
+                        self.comm.world_group, self.device.type)
+            comm.stats = self.comm.stats
+            self.mesh_comms[mesh] = comm
+        return self.mesh_comms[mesh]
 
     @staticmethod
     def _overwritten_unit(done: list[Unit], unit_name: str, param_init_fn) -> Optional[str]:
@@ -610,12 +626,13 @@ class ShardedModel:
                       source: torch.Tensor) -> None:
         pending = PendingReduce(group, work, output, source)
         hooked = self.unit_of_group[id(group)].all_reduce_hook is not None
+        comm = group.comm
         if (work is not None and self.replica_stream is not None
                 and self.unit_of_group[id(group)].requires_all_reduce
                 and group.partial_reduce is None):
-            pending.replica_work = self.comm.all_reduce_replicas_after(work, output,
-                                                                       self.replica_stream)
-        if (work is not None and self.comm.wait_on_futures and self.comm.replicate_size == 1
+            pending.replica_work = comm.all_reduce_replicas_after(work, output,
+                                                                  self.replica_stream)
+        if (work is not None and comm.wait_on_futures and comm.replicate_size == 1
                 and not hooked  # a user's hook runs on the main thread
                 and output.device.type == "cpu"):  # see [Note: no tensor work in gloo's callbacks on CUDA] in comm.py
             # [Note: reductions land early] On gloo the reduction runs on the process group's
@@ -633,9 +650,9 @@ class ShardedModel:
         pending.landed = True
         pending.output = pending.source = None
 
-    @property
-    def _hybrid(self) -> bool:
-        return self.comm.shard_size > 1 and self.comm.replicate_size > 1
+    @staticmethod
+    def _hybrid(group: FlatGroup) -> bool:
+        return group.comm.shard_size > 1 and group.comm.replicate_size > 1
 
     def _finish_pending_scatters(self) -> None:
         """Wait for the reduce-scatters in flight. [Note: replica all-reduce off the critical
@@ -644,7 +661,7 @@ class ShardedModel:
         compute on CUDA, else here) is collected once, at the end of backward. Each shard is
         summed, hooked and accumulated in the same order as before: only the waiting moves."""
         for pending in self.pending_reduces:
-            if not self._hybrid:
+            if not self._hybrid(pending.group):
                 self._finish_reduce(pending)
                 continue
             if pending.work is not None:
@@ -659,8 +676,8 @@ class ShardedModel:
                 if output._base is not None:  # a slice of the full gradient: free the rest
                     output = pending.output = output.clone()
                 pending.group.add_partial_reduce_into(output)
-                pending.replica_work = self.comm.all_reduce_replicas(output)
-                if (pending.replica_work is not None and self.comm.wait_on_futures
+                pending.replica_work = pending.group.comm.all_reduce_replicas(output)
+                if (pending.replica_work is not None and pending.group.comm.wait_on_futures
                         and output.device.type == "cpu"):
                     # See [Note: gloo gather input]: the future lets gloo free its scratch
                     # copy once done. On CUDA the work is kept: its wait() is what makes the
@@ -734,7 +751,7 @@ class ShardedModel:
         reduction divided (see [Note: all-reduce hook])."""
         if not self._divides_each_reduce(group):
             return 1.0, 1.0  # divided once, by finalize_grads
-        factor = self._divisor_of(self.unit_of_group[id(group)])
+        factor = self._divisor_of(group)
         if group.reduce_dtype != torch.float16 and not self.plan.divide_around_reduce:
             return 1.0, factor
         pre = 1
@@ -742,12 +759,14 @@ class ShardedModel:
             pre *= 2
         return float(pre), factor / pre
 
-    def _divisor_of(self, unit: Unit) -> float:
-        """What a unit's summed gradients are divided by: its divide factor, the model's, or
-        the data-parallel size times the micro-steps."""
+    def _divisor_of(self, group: FlatGroup) -> float:
+        """What a group's summed gradients are divided by: its unit's divide factor, the
+        model's, or the group's data-parallel size (see [Note: groups over other meshes] in
+        engine/layout.py) times the micro-steps."""
+        unit = self.unit_of_group[id(group)]
         steps = self.plan.gradient_accumulation_steps
         return (unit.gradient_divide_factor or self.gradient_divide_factor
-                or self.comm.data_parallel_size * steps)
+                or group.comm.data_parallel_size * steps)
 
     def _queue_end_of_backward(self) -> None:
         if self.phase is StepPhase.FORWARD:
@@ -775,7 +794,7 @@ class ShardedModel:
             for unit in synced:
                 for group in unit.trainable_groups:
                     # See [Note: all-reduce hook].
-                    divisor = 1.0 if self._divides_each_reduce(group) else self._divisor_of(unit)
+                    divisor = 1.0 if self._divides_each_reduce(group) else self._divisor_of(group)
                     group.finalize_grads(divisor, without_grad.get(id(group), frozenset()))
             self.micro_step = 0
         for unit in self.units:

@@ -39,7 +39,8 @@ TABLE = register_table(
                        "list -> one group: its modules' parameters join the enclosing unit "
                        "(tied weights stay together)"),
             translated("mesh", "None -> all ranks (mode shard); 1-D -> the shard group; 2-D -> "
-                       "mode hybrid (dim 0 replicate, dim 1 shard; names optional)"),
+                       "mode hybrid (dim 0 replicate, dim 1 shard; named dimensions, as FSDP2 "
+                       "requires)"),
             translated("reshard_after_forward", "None -> True except the root (FSDP1 "
                        "FULL_SHARD); True / False -> UnitSpec.reshard_after_forward (a root "
                        "given True or an int reshards too, as FSDP2); int: 1 -> False, the "
@@ -64,10 +65,18 @@ TABLE = register_table(
             translated("shard_placement_fn", "None, or a function returning None (Shard(0)) or "
                        "Shard(d) per parameter: its DTensor is split on dim d; a unit's "
                        "parameters are still gathered as one buffer"),
+            translated("shard_placement_fn -> ShardPlacementResult", "(torch >= 2.12) a "
+                       "parameter whose result names another mesh (FSDPMeshInfo over a 1-D "
+                       "mesh, HSDPMeshInfo over a 2-D one: expert parallelism's "
+                       "expert-data-parallel mesh) joins a flat group of its unit sharded over "
+                       "that mesh: gathered, reduced and averaged over its own groups, a "
+                       "DTensor on that mesh (with the expert-parallel mesh for DTensor "
+                       "parameters), as FSDP2's parameter groups"),
             rejected("shard_placement_fn=<other placements>", "refused at fully_shard time: "
                      "only Shard(d) placements split a parameter over the shard group; a "
-                     "ShardPlacementResult (a per-parameter mesh, torch >= 2.12) is refused "
-                     "with NotImplementedError: the engine shards a model over one group"),
+                     "ShardPlacementResult over an SPMD mesh (dp_mesh_dims) or over a mesh "
+                     "of another shape than 1-D or 2-D (replicate, shard) is refused with "
+                     "NotImplementedError"),
             translated("tensor-parallel (DTensor) parameters", "a parameter parallelize_module "
                        "made a DTensor on a 1-D tensor-parallel mesh is split further over the "
                        "1-D data-parallel mesh: a DTensor on both (FSDP2's placements, "
@@ -123,8 +132,9 @@ TABLE = register_table(
             translated("set_all_reduce_hook", "the hook runs on each reduced gradient shard of "
                        "the module's unit (FSDP2's layout: each parameter's chunk, padded), "
                        "averaged as FSDP2 averages it, before it joins the gradient"),
-            ignored("set_all_reduce_hook(stream=...)", "the hook runs on the current stream "
-                    "once the reduction has finished; numerics are identical"),
+            translated("set_all_reduce_hook(stream=...)", "the hook runs inside that stream "
+                       "(which first waits for the reduction; the current stream then waits "
+                       "for the hook), as FSDP2; refused with FSDP2's ValueError under HSDP"),
             translated("set_custom_all_gather / set_custom_reduce_scatter", "the module's "
                        "unit gathers / reduces through the given object (allocate and call, "
                        "synchronously, over the shard group); the reduce-scatter is asked for "
@@ -134,9 +144,11 @@ TABLE = register_table(
 )
 
 
-class InvalidShardDim(ValueError, AssertionError):
-    """A `shard_placement_fn` placement on a dim the parameter does not have: a ValueError like
-    our other refusals, and the AssertionError FSDP2 raises there."""
+class AssertedByFsdp2(ValueError, AssertionError):
+    """A refusal FSDP2 makes with an AssertionError (a `shard_placement_fn` placement on a dim
+    the parameter does not have, a 2-D mesh without dimension names): a ValueError like our
+    other refusals, and the AssertionError FSDP2 raises there, so code catching either finds
+    it."""
 
 
 def bad(name, value, accepted, fix, exc=ValueError):
@@ -211,6 +223,11 @@ def check_call(module, mesh, reshard_after_forward, shard_placement_fn, mp_polic
                       f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh} (FSDP2's "
                       "words): slice the data-parallel dimensions out of the mesh first, or "
                       "name them with dp_mesh_dims.")
+        if mesh.ndim == 2 and mesh.mesh_dim_names is None and dp_mesh_dims is None:
+            raise bad("mesh", mesh, "a 2-D mesh (HSDP: replicate, shard) with named "
+                      "dimensions", "Please init the 2D mesh for HSDP with mesh_dim_names "
+                      "specified (FSDP2's words): init_device_mesh(..., mesh_dim_names="
+                      "('replicate', 'shard')).", exc=AssertedByFsdp2)
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
         raise bad("reshard_after_forward", reshard_after_forward, "None, True, False or an int "
                   "dividing the shard-group size", "e.g. reshard_after_forward=True.",
@@ -292,23 +309,62 @@ def dp_mesh_of(mesh, dp_mesh_dims):
     return mesh[(replicate, shard)]
 
 
-def shard_dim(shard_placement_fn, param: nn.Parameter, name: str, shape: tuple,
+def resolve_placement(shard_placement_fn, param: nn.Parameter):
+    """(placement, mesh info) of `param`: what `shard_placement_fn` returns for it. None or a
+    Shard places it on the call's mesh (mesh info None); a `ShardPlacementResult` (torch >=
+    2.12) also names the mesh (an FSDPMeshInfo) it is sharded over."""
+    result = shard_placement_fn(param) if shard_placement_fn is not None else None
+    if type(result).__name__ == "ShardPlacementResult":
+        return result.placement, result.mesh_info
+    return result, None
+
+
+def mesh_of_info(mesh_info, shard_placement_fn, name: str):
+    """The data-parallel DeviceMesh of a `ShardPlacementResult`'s mesh info, as the engine
+    shards over it: a 1-D mesh (FSDPMeshInfo, shard_mesh_dim=0) or a 2-D one (HSDPMeshInfo,
+    replicate_mesh_dim=0, shard_mesh_dim=1)."""
+    mesh = getattr(mesh_info, "mesh", None)
+    shard, replicate = (getattr(mesh_info, "shard_mesh_dim", None),
+                        getattr(mesh_info, "replicate_mesh_dim", None))
+    if not isinstance(mesh, DeviceMesh) or shard is None:
+        raise bad("shard_placement_fn", shard_placement_fn, "a function returning None, "
+                  "Shard(d), or a ShardPlacementResult whose mesh_info is an FSDPMeshInfo or "
+                  f"HSDPMeshInfo (it returned mesh_info={mesh_info!r} for {name!r})",
+                  "Build it as FSDPMeshInfo(mesh=..., shard_mesh_dim=0).")
+    if getattr(mesh_info, "is_spmd_mesh", False):
+        raise bad("shard_placement_fn", shard_placement_fn, "a ShardPlacementResult whose "
+                  f"mesh_info is not an SPMD mesh (dp_mesh_dims; it returned one for {name!r})",
+                  "fsdp_bridge does not shard a parameter over an SPMD mesh of its own yet: "
+                  "give it an FSDPMeshInfo over its data-parallel mesh.",
+                  exc=NotImplementedError)
+    if (mesh.ndim, replicate, shard) not in ((1, None, 0), (2, 0, 1)):
+        raise bad("shard_placement_fn", shard_placement_fn, "a ShardPlacementResult whose "
+                  "mesh_info is FSDPMeshInfo(1-D mesh, shard_mesh_dim=0) or HSDPMeshInfo(2-D "
+                  "mesh, replicate_mesh_dim=0, shard_mesh_dim=1) (it returned a "
+                  f"{mesh.ndim}-D mesh with shard_mesh_dim={shard}, replicate_mesh_dim="
+                  f"{replicate} for {name!r})", "fsdp_bridge shards over a 1-D mesh, or a 2-D "
+                  "(replicate, shard) one: slice the data-parallel dimensions out of the mesh "
+                  "first.", exc=NotImplementedError)
+    return mesh
+
+
+def groups_of(mesh: DeviceMesh) -> tuple:
+    """(shard group, replicate group or None) of a 1-D or 2-D (replicate, shard) mesh: what
+    FSDP2 tells parameter groups apart by."""
+    if mesh.ndim == 1:
+        return mesh.get_group(0), None
+    return mesh.get_group(mesh.ndim - 1), mesh.get_group(0)
+
+
+def shard_dim(shard_placement_fn, placement, param: nn.Parameter, name: str, shape: tuple,
               ranks: int) -> int:
-    """The dim `param` is split on over a shard group of `ranks`: what `shard_placement_fn`
-    returns for it (a Shard, or None for dim 0), checked against `shape`, the shape the
-    group splits (under tensor parallelism: this rank's local part)."""
+    """The dim `param` is split on over a shard group of `ranks`: `placement` (what
+    `shard_placement_fn` returned for it: a Shard, or None for dim 0), checked against `shape`,
+    the shape the group splits (under tensor parallelism: this rank's local part)."""
     from torch.distributed.tensor import Shard
 
-    placement = shard_placement_fn(param) if shard_placement_fn is not None else None
     if placement is None:
         return 0
-    if type(placement).__name__ == "ShardPlacementResult":  # torch >= 2.12
-        raise bad("shard_placement_fn", shard_placement_fn, "a function returning None or "
-                  f"Shard(d) (it returned a ShardPlacementResult for {name!r}: a mesh of its "
-                  "own for this parameter, as expert parallelism uses)", "fsdp_bridge shards "
-                  "every parameter of a model over one shard group and cannot give a "
-                  "parameter a mesh of its own yet: shard such a model (its experts) with "
-                  "torch's own fully_shard.", exc=NotImplementedError)
     if type(placement) is not Shard:
         raise bad("shard_placement_fn", shard_placement_fn, f"a function returning None or "
                   f"Shard(d) with d a dim of the parameter (it returned {placement!r} for "
@@ -320,7 +376,7 @@ def shard_dim(shard_placement_fn, param: nn.Parameter, name: str, shape: tuple,
                   f"Shard(d) with d a dim of the parameter (it returned {placement!r} for "
                   f"{name!r}, of shape {tuple(param.shape)})", f"Shard dim {placement.dim} is "
                   f"invalid for {len(shape)}D tensor (FSDP2's words): return Shard(d) for a "
-                  "dim d of each parameter, or None for Shard(0).", exc=InvalidShardDim)
+                  "dim d of each parameter, or None for Shard(0).", exc=AssertedByFsdp2)
     dim = placement.dim % len(shape)
     if dim > 0 and shape[dim] % ranks:
         raise bad("shard_placement_fn", shard_placement_fn, f"Shard(d) on a dim whose size "

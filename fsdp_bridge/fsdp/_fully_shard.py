@@ -88,6 +88,9 @@ class FullyShardCall:
     # (module, attribute, first module, its attribute) for each parameter the call found under
     # several modules (a tied embedding and output weight): see _retie.
     ties: list = dataclasses.field(default_factory=list)
+    # How many groups of processes the call's parameters are sharded over (FSDP2's parameter
+    # groups: more than one when shard_placement_fn gives some a mesh of their own).
+    param_groups: int = 1
 
 
 class UnshardHandle:
@@ -195,23 +198,30 @@ class FSDPModule(TorchFSDPModule):
 
     def set_all_reduce_hook(self, hook, *, stream=None):
         """`hook(reduced)` runs on each of this module's reduced gradient shards (after the
-        replicas' all-reduce under HSDP), averaged as FSDP2 averages them."""
+        replicas' all-reduce under HSDP), averaged as FSDP2 averages them; with `stream`
+        (FSDP without HSDP), inside that stream, as FSDP2 runs it."""
+        _refuse_with_several_meshes(self, "set_all_reduce_hook", "hook")
         if not callable(hook):
             raise T.bad("hook", hook, "a callable taking the reduced gradient shard",
                         "e.g. set_all_reduce_hook(lambda reduced: ...).", exc=TypeError)
         if stream is not None:
-            T.TABLE.warn_ignored("set_all_reduce_hook(stream=...)", stream)
+            mesh = _call_of(self).mesh
+            if mesh is not None and mesh.ndim == 2:
+                raise ValueError("stream cannot be set when using native HSDP")
+            hook = _on_stream(hook, stream, mesh.device_type if mesh is not None else "cpu")
         _set_on_unit(self, "all_reduce_hook", hook)
 
     def set_custom_all_gather(self, comm) -> None:
         """This module's unit gathers through `comm` (torch's AllGather: `allocate` and a
         call), as FSDP2 (per module, not recursive)."""
+        _refuse_with_several_meshes(self, "set_custom_all_gather", "custom comm")
         T.check_comm("set_custom_all_gather", comm)
         _set_on_unit(self, "custom_all_gather", comm)
 
     def set_custom_reduce_scatter(self, comm) -> None:
         """This module's unit reduces its gradients through `comm` (torch's ReduceScatter),
         asked for a SUM (the engine divides afterwards)."""
+        _refuse_with_several_meshes(self, "set_custom_reduce_scatter", "custom comm")
         T.check_comm("set_custom_reduce_scatter", comm)
         _set_on_unit(self, "custom_reduce_scatter", comm)
 
@@ -347,6 +357,33 @@ def _root_sharded(module: nn.Module):
     call: FullyShardCall = _call_of(module)
     root = call.root_of() if call.root_of is not None else None
     return engine.get_sharded(root) if root is not None else None
+
+
+def _refuse_with_several_meshes(module: nn.Module, method: str, what: str) -> None:
+    """FSDP2 refuses a per-module communication setting for a module whose parameters are
+    sharded over several meshes (a `shard_placement_fn` returning ShardPlacementResults): it
+    would be ambiguous. So do we, in its words."""
+    if _call_of(module).param_groups > 1:
+        raise ValueError(
+            f"{method} is not supported with multiple param groups (from per-param mesh via "
+            f"shard_placement_fn). The {what} would be ambiguous across groups with different "
+            "meshes.")
+
+
+def _on_stream(hook: Callable, stream, device_type: str) -> Callable:
+    """`hook` run inside `stream` (FSDP2's `set_all_reduce_hook(stream=...)`): the stream
+    first waits for the work queued so far (the reduction), and the current stream waits for
+    the hook's work before anything reads the gradient."""
+    backend = torch.get_device_module(device_type)
+
+    def run(reduced: torch.Tensor) -> None:
+        current = backend.current_stream()
+        stream.wait_stream(current)
+        with backend.stream(stream):
+            hook(reduced)
+        current.wait_stream(stream)
+
+    return run
 
 
 def _set_collective(kind: str, sharded, path: str, comm) -> None:
@@ -546,8 +583,11 @@ def fully_shard(
     with contextlib.ExitStack() as stack:
         for m in modules:
             stack.enter_context(engine.restored_on_failure(m))
+        mesh_infos: dict = {}
         _to_dtensor_params(modules, mesh, ignored_params or (), shard_placement_fn, call.ties,
-                           _shard_device(mesh, offload_policy), spmd)
+                           _shard_device(mesh, offload_policy), spmd, mesh_infos)
+        call.param_groups = max(len(mesh_infos), 1)
+        _check_reshard_int_per_mesh(reshard_after_forward, mesh_infos)
         for m in modules:
             object.__setattr__(m, CONFIG, call)
             _register_as_fully_shard(m)
@@ -555,6 +595,23 @@ def fully_shard(
             m.register_forward_pre_hook(_lazy_init_hook, with_kwargs=True, prepend=True)
             _cast_like_fsdp2(m, mp_policy, inputs=len(modules) > 1)
     return module
+
+
+def _check_reshard_int_per_mesh(reshard_after_forward, mesh_infos: dict) -> None:
+    """An int `reshard_after_forward` must divide the shard size of every mesh the call's
+    parameters are sharded over, as FSDP2 checks each parameter group's (the call's own mesh
+    is checked with the call)."""
+    if isinstance(reshard_after_forward, bool) or not isinstance(reshard_after_forward, int):
+        return
+    for info in mesh_infos.values():
+        if info is None:
+            continue
+        size = info.mesh.size(info.shard_mesh_dim)
+        if size % reshard_after_forward:
+            raise T.bad("reshard_after_forward", reshard_after_forward, f"an int >= 1 "
+                        f"dividing the shard size {size} of every mesh the call shards over",
+                        "If passing reshard_after_forward as an int, it should be a factor of "
+                        f"{size}, not {reshard_after_forward} (FSDP2's words).")
 
 
 def _register_as_fully_shard(module: nn.Module) -> None:
@@ -649,12 +706,14 @@ def _shard_device(mesh: DeviceMesh, offload_policy) -> Optional[torch.device]:
 
 
 def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params, shard_placement_fn,
-                       ties: list, device: Optional[torch.device] = None, spmd=None) -> None:
+                       ties: list, device: Optional[torch.device] = None, spmd=None,
+                       mesh_infos: Optional[dict] = None) -> None:
     """Replace every parameter this call manages by a DTensor parameter split over the mesh
     (see [Note: sharding at fully_shard time]), and record on its owner modules the form it
     gathers into (see [Note: gathered form] in fsdp_bridge/engine/layout.py). Parameters tied
     to modules outside the call are re-tied when the root is built (`_restore_ties`); ties
-    inside the call are appended to `ties` (see `_retie`)."""
+    inside the call are appended to `ties` (see `_retie`). `mesh_infos` collects the call's
+    parameter groups (see _data_parallel_mesh)."""
     ignored = {id(p) for p in ignored_params}
     converted: dict[int, tuple[nn.Parameter, GatheredForm]] = {}
     first_owner: dict[int, tuple[nn.Module, str]] = {}
@@ -667,7 +726,7 @@ def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params, shard_placemen
                     name = f"{owner_name}.{attr}" if owner_name else attr
                     _check_not_shared_with_earlier_call(param, name)
                     converted[id(param)] = _sharded(param, name, mesh, shard_placement_fn, device,
-                                                    spmd)
+                                                    spmd, mesh_infos)
                     setattr(param, REPLACED_BY, converted[id(param)][0])
                     mark_replaced(param, name)
                     first_owner[id(param)] = (owner, attr)
@@ -695,17 +754,54 @@ def _attach_forms(root: nn.Module) -> None:
 
 
 def _sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, shard_placement_fn, device=None,
-             spmd=None):
+             spmd=None, mesh_infos: Optional[dict] = None):
     """(the DTensor parameter replacing `param`, its GatheredForm). A tensor subclass (FSDP2's
     all-gather extension point) stays one: its row chunk is cut by its own operations, as
     FSDP2 cuts it, and the engine runs its hooks (see [Note: all-gather extensions] in
-    fsdp_bridge/engine/extension_group.py)."""
+    fsdp_bridge/engine/extension_group.py). `mesh_infos`: see _data_parallel_mesh."""
+    placement, mesh_info = T.resolve_placement(shard_placement_fn, param)
+    own_mesh = _data_parallel_mesh(mesh_info, mesh, shard_placement_fn, name, spmd,
+                                   {} if mesh_infos is None else mesh_infos)
     if spmd is not None:
-        return _sharded_spmd(param, name, *spmd, shard_placement_fn)
+        return _sharded_spmd(param, name, *spmd, shard_placement_fn, placement)
+    target = own_mesh if own_mesh is not None else mesh
     if isinstance(param, DTensor):
-        return _sharded_tensor_parallel(param, name, mesh, shard_placement_fn)
-    dim = T.shard_dim(shard_placement_fn, param, name, tuple(param.shape), mesh.size(-1))
-    return _row_sharded(param, name, mesh, dim, device), GatheredForm(param.shape, dim)
+        new, form = _sharded_tensor_parallel(param, name, target, shard_placement_fn, placement)
+    else:
+        dim = T.shard_dim(shard_placement_fn, placement, param, name, tuple(param.shape),
+                          target.size(-1))
+        new, form = _row_sharded(param, name, target, dim, device), GatheredForm(param.shape, dim)
+    if own_mesh is not None:
+        form = dataclasses.replace(form, shard_mesh=own_mesh)
+    return new, form
+
+
+def _data_parallel_mesh(mesh_info, call_mesh: DeviceMesh, shard_placement_fn, name: str, spmd,
+                        mesh_infos: dict) -> Optional[DeviceMesh]:
+    """The mesh a parameter whose `shard_placement_fn` result names `mesh_info` (a
+    ShardPlacementResult's) is sharded over, when its groups are not the call's; None
+    otherwise (see [Note: groups over other meshes] in fsdp_bridge/engine/layout.py).
+
+    `mesh_infos` maps the (shard, replicate) groups of the call's parameters to the mesh info
+    that named them (None: the call's own), as FSDP2 groups them: two mesh infos over the same
+    groups are refused with FSDP2's error, and its size is the call's parameter group count."""
+    mesh = call_mesh if mesh_info is None else T.mesh_of_info(mesh_info, shard_placement_fn,
+                                                                name)
+    key = T.groups_of(mesh)
+    if mesh_infos.setdefault(key, mesh_info) is not mesh_info:
+        raise T.bad("shard_placement_fn", shard_placement_fn, "one mesh info object per "
+                    f"process group (it returned {mesh_info!r} for {name!r}, whose groups "
+                    f"another parameter's {mesh_infos[key]!r} already names)", "Params "
+                    "sharing the same process group must use the same FSDPMeshInfo object "
+                    "(FSDP2's words): return the same FSDPMeshInfo for all of them.")
+    if key == T.groups_of(call_mesh):
+        return None
+    if spmd is not None:
+        raise T.bad("shard_placement_fn", shard_placement_fn, "a function returning None or "
+                    f"Shard(d) when dp_mesh_dims is given (it named another mesh for {name!r})",
+                    "fsdp_bridge does not shard parameters of an SPMD mesh over meshes of "
+                    "their own yet.", exc=NotImplementedError)
+    return mesh
 
 
 def _check_not_shared_with_earlier_call(param: nn.Parameter, name: str) -> None:
@@ -743,7 +839,8 @@ def _placements(mesh: DeviceMesh, dim: int) -> tuple:
     return (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
 
 
-def _sharded_tensor_parallel(param: DTensor, name: str, mesh: DeviceMesh, shard_placement_fn):
+def _sharded_tensor_parallel(param: DTensor, name: str, mesh: DeviceMesh, shard_placement_fn,
+                             placement):
     """[Note: FSDP over tensor parallelism] A parameter `parallelize_module` made a DTensor on
     a tensor-parallel mesh: the data-parallel mesh splits this rank's local part of it, and
     the result is a DTensor on the two meshes together (data-parallel dim first) with the
@@ -764,7 +861,8 @@ def _sharded_tensor_parallel(param: DTensor, name: str, mesh: DeviceMesh, shard_
                     "Slice both from one mesh: init_device_mesh(..., mesh_dim_names=('dp', "
                     f"'tp')), then mesh['dp'] and mesh['tp'] ({error}).") from error
     local = param.to_local().detach()
-    dim = T.shard_dim(shard_placement_fn, param, name, tuple(local.shape), mesh.size(0))
+    dim = T.shard_dim(shard_placement_fn, placement, param, name, tuple(local.shape),
+                      mesh.size(0))
     start, rows = chunk_rows(local.shape[dim], mesh.size(0), mesh.get_local_rank(0))
     chunk = local.narrow(dim, start, rows)
     if not chunk.is_meta:
@@ -783,7 +881,7 @@ def _sharded_tensor_parallel(param: DTensor, name: str, mesh: DeviceMesh, shard_
 
 
 def _sharded_spmd(param: nn.Parameter, name: str, spmd_mesh: DeviceMesh, dp_mesh_dims,
-                  shard_placement_fn):
+                  shard_placement_fn, placement):
     """[Note: SPMD meshes] With `dp_mesh_dims` (torch >= 2.12; torchtitan's SPMD backend)
     every parameter is already a DTensor on the whole SPMD mesh, Replicate on its data-parallel
     dimensions. As FSDP2, the shard dimension's group splits this rank's local tensor, and the
@@ -811,7 +909,7 @@ def _sharded_spmd(param: nn.Parameter, name: str, spmd_mesh: DeviceMesh, dp_mesh
     shard_index = names.index(shard_name)
     local = param.to_local().detach()
     ranks = spmd_mesh.size(shard_index)
-    dim = T.shard_dim(shard_placement_fn, param, name, tuple(local.shape), ranks)
+    dim = T.shard_dim(shard_placement_fn, placement, param, name, tuple(local.shape), ranks)
     start, rows = chunk_rows(local.shape[dim], ranks, spmd_mesh.get_local_rank(shard_index))
     chunk = local.narrow(dim, start, rows)
     if not chunk.is_meta:

@@ -414,6 +414,8 @@ def init_errors(which):
     out = {}
     mesh_3d = init_device_mesh(device_type(), (world, 1, 1))
     out["mesh_ndim"] = _raised(lambda: fsdp.fully_shard(nn.Linear(4, 4), mesh=mesh_3d))
+    unnamed_2d = init_device_mesh(device_type(), (1, world))
+    out["mesh_2d_unnamed"] = _raised(lambda: fsdp.fully_shard(nn.Linear(4, 4), mesh=unnamed_2d))
     scalar = nn.Sequential(nn.Linear(4, 4))
     scalar.register_parameter("scalar_p", nn.Parameter(torch.tensor(1.0)))
     out["scalar"] = _raised(lambda: fsdp.fully_shard(scalar))

@@ -16,6 +16,7 @@ from torch.distributed.tensor import Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.utils._pytree import tree_map
 
+from tests.frontends import fsdp2_expert_cases
 from tests.world import device_type, run_case_table
 
 STEPS = 3
@@ -597,6 +598,7 @@ def cases() -> dict:
         "after_forward_methods": _both(after_forward_methods),
         "torchtitan_shaped": _both(torchtitan_shaped),
         "spmd_tensor_parallel": _both(spmd_tensor_parallel),
+        **fsdp2_expert_cases.cases(_both),
     }
 
 

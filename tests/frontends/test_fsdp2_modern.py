@@ -24,9 +24,11 @@ one CPU/gloo world of two ranks (fsdp2_modern_cases.py):
   natively; left at the default it keeps its gathered parameters;
 - a frozen parameter of another dtype beside trainable ones in one call trains as natively;
 - each refused `fully_shard` raises native's exception type and carries native's words (the
-  patterns torch's own tests match): a 3-D mesh, a scalar parameter, a non-contiguous one, an
-  uneven split on dim 1, a placement on a dim the parameter lacks, and a forward on meta
-  parameters (naming the parameters native names).
+  patterns torch's own tests match): a 3-D mesh, a 2-D mesh without dimension names, a scalar
+  parameter, a non-contiguous one, an uneven split on dim 1, a placement on a dim the parameter
+  lacks, and a forward on meta parameters (naming the parameters native names);
+- a `shard_placement_fn` returning a `ShardPlacementResult` over the call's own groups is
+  accepted, as natively (one over another mesh: test_fsdp2_round3.py).
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ def test_a_frozen_parameter_of_another_dtype_trains_as_native(world, rank):
 # check -> FSDP2's own words (the pattern torch's own tests match).
 NATIVE_WORDS = {
     "mesh_ndim": r"fully_shard expects a 1D or 2D DeviceMesh but got DeviceMesh",
+    "mesh_2d_unnamed": r"Please init the 2D mesh for HSDP with mesh_dim_names specified",
     "scalar": r"Change scalar_p to a 1D tensor with numel equal to 1\.",
     "non_contiguous": r"FSDP does not support non-contiguous parameters",
     "uneven_dim1": r"FSDP does not support uneven sharding on dim 1",
@@ -164,9 +167,7 @@ def test_fully_shard_checks_raise_natives_exception_type_and_words(world, check)
     assert ours["message"] and re.search(NATIVE_WORDS[check], ours["message"]), ours["message"]
 
 
-def test_a_placement_with_a_mesh_of_its_own_is_refused_by_name(world):
+def test_a_placement_result_naming_the_calls_own_groups_is_accepted_as_native(world):
     result = case(world, "init_errors", 0)
     assert result["native"]["placement_result"]["types"] == [], "native accepts it"
-    ours = result["ours"]["placement_result"]
-    assert ours["types"][0] == "NotImplementedError"
-    assert "ShardPlacementResult" in ours["message"] and "torch's own" in ours["message"]
+    assert result["ours"]["placement_result"]["types"] == []

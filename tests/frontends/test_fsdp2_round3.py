@@ -32,7 +32,17 @@
   as natively, and its sharded DTensors again after backward; a loss term reading such a weight
   between forward and backward trains it as natively; a state dict taken after a forward
   without gradients is one of sharded DTensors and loads back; a registered forward method
-  that runs the forward (as `generate` does) ends with the sharded parameters registered.
+  that runs the forward (as `generate` does) ends with the sharded parameters registered;
+- expert parallelism beside data parallelism, torchtitan's MoE recipe (fsdp2_expert_cases.py,
+  torch >= 2.12): experts split over ep and, through a `shard_placement_fn` returning
+  `ShardPlacementResult`s, sharded over the expert-data-parallel mesh while the rest is sharded
+  over all four ranks, train as natively bit for bit (losses, gradients, placements,
+  torchtitan's per-mesh clipping norms, state dicts), with FSDP2's gradient averaging and with
+  division turned off, and experts sharded instead over a 2-D (replicate, shard) mesh of their
+  own (HSDP); DCP checkpoints load both ways; per-module collectives and hooks over several
+  meshes are refused with FSDP2's ValueError;
+- `set_all_reduce_hook(hook, stream=...)` runs the hook inside the stream, and is refused under
+  HSDP with FSDP2's ValueError, as natively.
 """
 
 from __future__ import annotations
@@ -224,3 +234,77 @@ def test_dp_mesh_dims_with_tensor_parallelism_trains_as_native(world, rank):
     assert ours["losses"] == native["losses"]
     for name, value in native["full"].items():
         assert torch.equal(ours["full"][name], value), name
+
+
+def _has_placement_result() -> bool:
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import (  # noqa: F401
+            ShardPlacementResult,
+        )
+    except ImportError:
+        return False
+    return True
+
+
+needs_placement_result = pytest.mark.skipif(
+    not _has_placement_result(), reason=f"torch {torch.__version__} has no ShardPlacementResult "
+    "(a shard_placement_fn naming a mesh of its own needs torch >= 2.12)")
+
+
+EXPERT_PLACEMENTS = {
+    # The experts: DTensors on the (efsdp, ep) mesh, split over both.
+    "expert_parallel": ("('efsdp', 'ep')", "(_StridedShard(dim=0, sf=2), Shard(dim=0))"),
+    "expert_parallel_undivided": ("('efsdp', 'ep')", "(_StridedShard(dim=0, sf=2), Shard(dim=0))"),
+    # No expert parallelism: HSDP over a (replicate, shard) mesh of their own.
+    "experts_over_hsdp_mesh": ("('replicate', 'shard')", "(Replicate(), Shard(dim=0))"),
+}
+
+
+@needs_placement_result
+@pytest.mark.parametrize("variant", sorted(EXPERT_PLACEMENTS))
+@pytest.mark.parametrize("rank", [0, 3])
+def test_experts_sharded_over_their_own_mesh_train_as_native(world, variant, rank):
+    result = case(world, variant, rank)
+    native, ours = result["native"], result["ours"]
+    assert native["placements"]["layers.0.experts.w1"] == EXPERT_PLACEMENTS[variant]
+    # The rest over dp (all four ranks).
+    assert native["placements"]["layers.0.router.weight"] == ("('dp',)", "(Shard(dim=0),)")
+    assert ours["placements"] == native["placements"]
+    assert ours["losses"] == native["losses"]
+    for name, (placements, grad) in native["grads"].items():
+        assert ours["grads"][name][0] == placements, name
+        assert torch.equal(ours["grads"][name][1], grad), name
+    # torchtitan's clipping (a norm per mesh, combined) gives native's norms bit for bit.
+    assert all(torch.equal(a, b) for a, b in zip(ours["norms"], native["norms"]))
+    # torch's clip_grad_norm_ over parameters of both meshes at once: the same outcome.
+    assert ours["all_at_once"].keys() == native["all_at_once"].keys()
+    assert ours["all_at_once"].get("raised") == native["all_at_once"].get("raised")
+    for name, value in native["full"].items():
+        assert torch.equal(ours["full"][name], value), name
+
+
+@needs_placement_result
+@pytest.mark.parametrize("rank", [0, 3])
+def test_expert_checkpoints_load_across_native_and_ours(world, rank):
+    result = case(world, "expert_checkpoints", rank)
+    saved = result["saved"]
+    for name, value in saved["native"].items():  # one step, on both sides alike
+        assert torch.equal(saved["ours"][name], value), name
+    for pair in ("native->ours", "ours->native"):
+        source = saved[pair.split("->")[0]]
+        for name, value in source.items():
+            assert torch.equal(result["loaded"][pair][name], value), (pair, name)
+
+
+@needs_placement_result
+def test_per_module_collectives_over_several_meshes_are_refused_as_native(world):
+    result = case(world, "expert_per_module_comms", 0)
+    assert all(value is not None for value in result["native"].values())
+    assert result["ours"] == result["native"]
+
+
+def test_an_all_reduce_hook_runs_inside_its_stream_as_native(world):
+    result = case(world, "all_reduce_hook_stream", 0)
+    assert result["native"] == {"refused": "stream cannot be set when using native HSDP",
+                                "inside_stream": [True]}
+    assert result["ours"] == result["native"]
