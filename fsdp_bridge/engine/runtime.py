@@ -788,7 +788,8 @@ class ShardedModel:
         self.micro_step += 1
         steps = self.plan.gradient_accumulation_steps
         # A unit whose replicas were not all-reduced has no gradient to expose yet.
-        synced = [unit for unit in synced if unit.requires_all_reduce or not self._hybrid]
+        synced = [unit for unit in synced if unit.requires_all_reduce
+                  or not any(self._hybrid(group) for group in unit.groups)]
         if synced and self.micro_step % steps == 0:
             without_grad = self._params_without_grad(synced)
             for unit in synced:

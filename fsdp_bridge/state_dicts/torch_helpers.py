@@ -93,10 +93,10 @@ def _take(optimizer, state_dict: dict):
 def _refuse_flat_params(optimizer, helper: str) -> None:
     """[Note: torch's helpers and flat parameters] torch's state-dict helpers name optimizer
     state by the model's parameters. With `use_orig_params=False` those are FSDP1's flat
-    parameters, which torch maps back to the original names only for its own FSDP1 class (and
-    then cannot load them again: it looks for state under `_flat_param`). Keyed by our flat
-    parameters, the state would only load back at the same world size and wrapping: refuse,
-    naming the APIs that give native's per-parameter form."""
+    parameters, which torch maps back to the original names only for its own FSDP1 class
+    (through `FSDP.optim_state_dict`, a class ours is not). Keyed by our flat parameters, the
+    state would only load back at the same world size and wrapping: refuse, naming the APIs
+    that give native's per-parameter form."""
     if flat_optim.holds_flat_params(optimizer):
         raise ValueError(
             f"torch.distributed.checkpoint.state_dict.{helper}: this optimizer steps "

@@ -105,10 +105,10 @@ def test_cells_native_cannot_run_and_known_differences_are_reported_apart():
     outcome = verdict.judge(cell, {"native": _run([1.0]), "ours": _run([1.0])},
                             axes.native_limit(cell))
     assert outcome.status == "no reference" and outcome.conforming
-    known_cell = axes.Cell.of(frontend="fsdp1", orig_params=False)
+    known_cell = axes.Cell.of(frontend="fsdp2", compile="whole", param="bf16")
     known = verdict.judge(known_cell, {"native": _run([1.0]), "ours": _run([1.5]),
                                        "native-again": _run([1.0])}, None)
-    assert known.status == "differs" and known.known == "FSDP1 use_orig_params=False"
+    assert known.status == "differs" and known.known == "fully_shard compiled whole in low precision"
     assert table.exit_code([known]) == table.EXIT_CONFORMS
     assert table.exit_code([known, verdict.not_run(cell, "budget")]) == table.EXIT_INCOMPLETE
     plain = verdict.judge(axes.Cell.of(frontend="fsdp2"), {

@@ -301,10 +301,6 @@ class Known:
 
 
 KNOWN: tuple[Known, ...] = (
-    Known("FSDP1 use_orig_params=False",
-          "FSDP1's flat parameters (use_orig_params=False) are being rebuilt as native's "
-          "nested module tree",
-          lambda c: c.frontend == "fsdp1" and not c.orig_params),
     Known("fully_shard compiled whole in low precision",
           "dynamo fails to build a shape guard when it recompiles our fully_shard model with "
           "bf16 / fp16 parameters (IndexError in symbolic_shapes); fp32 compiles and is equal",

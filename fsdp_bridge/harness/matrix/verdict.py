@@ -67,6 +67,9 @@ LISTED_REFUSALS: tuple[Refusal, ...] = (
             "Mixing dialects)", lambda c: c.outer != "none"),
     Refusal("a parameter assigned after our wrap is refused at the next forward (README, "
             "Mixing dialects)", lambda c: c.late_param),
+    Refusal("torch's state-dict helpers over FSDP1's flat parameters are refused by name "
+            "(README, Checkpoints)",
+            lambda c: c.frontend == "fsdp1" and not c.orig_params and c.resume == "sharded"),
 )
 
 
