@@ -124,7 +124,7 @@ def _world(rank, world_size):
 
 @pytest.fixture(scope="module")
 def results():
-    return run_world(_world, world_size=2)
+    return run_world(_world, world_size=2, fresh_interpreters=True)
 
 
 def _ok(result: dict) -> dict:

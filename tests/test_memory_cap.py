@@ -187,7 +187,7 @@ def runs(tmp_path_factory):
     previous = os.environ.get(MMAP_THRESHOLD)
     os.environ[MMAP_THRESHOLD] = "65536"  # read by glibc in each spawned rank
     try:
-        capped = run_world(_world, CAPPED_WORLD, True, directory)
+        capped = run_world(_world, CAPPED_WORLD, True, directory, fresh_interpreters=True)
     finally:
         if previous is None:
             os.environ.pop(MMAP_THRESHOLD)

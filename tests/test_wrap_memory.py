@@ -239,7 +239,7 @@ def _world(rank, world_size):
 
 @pytest.fixture(scope="module")
 def results():
-    return run_world(_world, world_size=WORLD)
+    return run_world(_world, world_size=WORLD, fresh_interpreters=True)
 
 
 def _needs_heap():

@@ -101,10 +101,17 @@ def to_cpu(value):
     return value
 
 
-def _setup(backend_name: str):
+# What nearly every test world imports: ranks are forked from a server that imported these
+# once (see RankSetup.preload), rather than each importing them (3-6 s a rank).
+PRELOAD = ("torch", "torch.distributed.fsdp", "fsdp_bridge.fsdp", "tests.world", "tests.models",
+           "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2")
+
+
+def _setup(backend_name: str, fresh_interpreters: bool):
     """How a test rank joins its world: on CUDA with the GPU `rank % device_count` (its own on
     NCCL, shared on gloo), else on the CPU."""
-    return RankSetup(backend=backend_name, one_gpu_per_rank=device_type() == "cuda")
+    return RankSetup(backend=backend_name, one_gpu_per_rank=device_type() == "cuda",
+                     preload=() if fresh_interpreters else PRELOAD)
 
 
 def _test_rank(rank, world_size, fn, args):
@@ -112,15 +119,19 @@ def _test_rank(rank, world_size, fn, args):
     return to_cpu(value) if device_type() == "cuda" else value
 
 
-def run_world(fn, world_size: int = 2, *args, timeout: float = 600.0, backend_name=None):
+def run_world(fn, world_size: int = 2, *args, timeout: float = 600.0, backend_name=None,
+              fresh_interpreters: bool = False):
     """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return their results.
-    `backend_name`: the process-group backend (default: `backend()`). (`timeout` is accepted
-    for the callers that pass it: a hung rank is ended by the process group's own timeout.)"""
+    `backend_name`: the process-group backend (default: `backend()`). `fresh_interpreters`:
+    each rank a new interpreter rather than a fork of the preloaded server, for tests of what
+    a process reads when it starts (glibc's malloc settings) or of its memory from the start.
+    (`timeout` is accepted for the callers that pass it: a hung rank is ended by the process
+    group's own timeout.)"""
     backend_name = backend_name or backend()
     if device_type() == "cuda":
         require_cuda(world_size, backend_name)
     try:
-        return spawn(_test_rank, world_size, (fn, args), _setup(backend_name))
+        return spawn(_test_rank, world_size, (fn, args), _setup(backend_name, fresh_interpreters))
     except WorldFailed as failed:
         raise AssertionError("distributed run failed:\n" + "\n".join(failed.errors)) from None
 

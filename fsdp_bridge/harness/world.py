@@ -37,6 +37,11 @@ class RankSetup:
     group_timeout_s: float = 180.0
     threads: int | None = 1  # torch's intra-op threads per rank; None leaves torch's choice
     one_gpu_per_rank: bool = False  # torch.cuda.set_device(rank % device count)
+    # Modules a fork server imports once, for every world this process spawns after: ranks
+    # are then forked from it, already holding them, instead of each importing torch (seconds
+    # a rank). Empty: each rank is a fresh interpreter (multiprocessing's "spawn"). See
+    # [Note: ranks forked from a server].
+    preload: tuple[str, ...] = ()
 
 
 class WorldFailed(RuntimeError):
@@ -51,10 +56,15 @@ def spawn(fn, world_size: int, args: tuple = (), setup: RankSetup = RankSetup())
     """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; their values by rank."""
     import torch.multiprocessing as mp
 
+    start_method = "spawn"
+    if setup.preload:
+        start_method = "forkserver"
+        mp.get_context(start_method).set_forkserver_preload(list(setup.preload))
+    parent = _ParentState(dict(os.environ), os.getcwd())
     with tempfile.TemporaryDirectory(prefix="fsdp-bridge-world-") as folder:
         context = mp.start_processes(
-            _rank_main, args=(world_size, folder, setup, fn, args), nprocs=world_size,
-            join=False, start_method="spawn",
+            _rank_main, args=(world_size, folder, setup, fn, args, parent), nprocs=world_size,
+            join=False, start_method=start_method,
         )
         errors = _wait(context)
         outcomes = [_read_outcome(folder, rank) for rank in range(world_size)]
@@ -121,9 +131,33 @@ def _join_group(rank: int, world_size: int, folder: str, setup: RankSetup) -> No
     )
 
 
-def _rank_main(rank: int, world_size: int, folder: str, setup: RankSetup, fn, args) -> None:
+@dataclasses.dataclass(frozen=True)
+class _ParentState:
+    """What a rank takes from the parent at the moment of the call.
+
+    [Note: ranks forked from a server] A rank forked from multiprocessing's fork server starts
+    with the server's environment and working directory, those of the parent when the server
+    started (its first world), not those of this call; so each rank takes the parent's current
+    ones first. The server only imports modules (no tensor work, no threads started), so a
+    fork of it is as clean as a fresh interpreter; module-level settings those modules read
+    from the environment at import are the server's."""
+
+    environ: dict
+    cwd: str
+
+    def apply(self) -> None:
+        if dict(os.environ) != self.environ:
+            os.environ.clear()
+            os.environ.update(self.environ)
+        if os.getcwd() != self.cwd:
+            os.chdir(self.cwd)
+
+
+def _rank_main(rank: int, world_size: int, folder: str, setup: RankSetup, fn, args,
+               parent: _ParentState) -> None:
     import torch.distributed as dist
 
+    parent.apply()
     faulthandler.enable()  # a rank that dies on a signal prints its Python stack to stderr
     _join_group(rank, world_size, folder, setup)
     try:
