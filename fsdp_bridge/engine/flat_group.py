@@ -588,11 +588,15 @@ class FlatGroup:
             return None
         kept = self._kept_grad_shard()
         assert kept is not None
+        taken = kept.to(self.device, copy=True)
+        if self.flat_param is not None:  # its `.grad` is the kept shard whole (no pieces to drop)
+            self.flat_param.grad = None
+            return taken
         for index, param in enumerate(self.local_params):
             if param.grad is None:  # dropped on its own: it counts as zero
-                self._piece(kept, index).zero_()
+                self._piece(taken, index).zero_()
         self.grad_shard_ref = None
-        return kept.to(self.device, copy=True)
+        return taken
 
     def take_unsynced_grad(self, grads: Optional[tuple] = None) -> torch.Tensor:
         """The no_sync sum, with `grads` (the synchronising backward's, if any) added, in the

@@ -17,6 +17,10 @@ PINNED = (
     axes.Cell.of(frontend="fsdp2", world=3, param="bf16"),
     # ... and the sum of several micro-steps' fp32 reductions once, where native divides each.
     axes.Cell.of(frontend="fsdp2", world=3, accumulate="sync", micro=2),
+    # FSDP1's flat parameters under NO_SHARD with synchronised accumulation: the gradient kept
+    # in the flat parameter's `.grad` was reduced again and also added to (counted twice).
+    axes.Cell.of(frontend="fsdp1", strategy="no_shard", accumulate="sync", micro=2,
+                 orig_params=False),
 )
 
 
