@@ -195,12 +195,17 @@ def prepared(source: str, max_world: int, ours: bool) -> str:
     return _before_main(_insert_at_top(source, prelude), CAP_WORLDS)
 
 
-def collected(path: Path, env: dict) -> list[str]:
-    """The test ids pytest collects from `path`, in order."""
+def collected(path: Path, env: dict) -> tuple[list[str], str]:
+    """The test ids pytest collects from `path`, in order, and the last error line pytest
+    printed (why nothing was collected: a missing module such as expecttest, an import that
+    this torch lacks)."""
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
          str(path.name)], cwd=path.parent, env=env, capture_output=True, text=True, check=False)
-    return [line.strip() for line in done.stdout.splitlines() if "::" in line]
+    errors = [line.strip() for line in (done.stdout + done.stderr).splitlines()
+              if line.startswith("E ") or "Error" in line]
+    return ([line.strip() for line in done.stdout.splitlines() if "::" in line],
+            errors[-1] if errors else "")
 
 
 def run_tests(path: Path, ids: list[str], env: dict, timeout: float, log: Path) -> dict:
@@ -291,10 +296,10 @@ def run_file(source_path: Path, out: Path, args, env: dict, native=None) -> dict
     ours_path = ours_dir / source_path.name
     native_path.write_text(prepared(source, args.max_world, ours=False))
     ours_path.write_text(prepared(source, args.max_world, ours=True))
-    ids = collected(native_path, env)
+    ids, error = collected(native_path, env)
     if not ids:
-        return {"file": source_path.name, "error": "nothing collected (does it import "
-                                                   "against this torch?)"}
+        return {"file": source_path.name,
+                "error": f"nothing collected: {error or 'pytest printed no error'}"}
     if native is None:
         native = run_tests(native_path, ids, env, args.timeout,
                            out / f"{source_path.stem}.native.log")
