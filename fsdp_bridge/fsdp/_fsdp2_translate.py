@@ -211,9 +211,10 @@ def check_call(module, mesh, reshard_after_forward, shard_placement_fn, mp_polic
         if not isinstance(m, nn.Module):
             raise bad(name, m, "an nn.Module", "Pass the module itself.", exc=TypeError)
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
-            raise bad(name, m, "a module that implements forward (not a ModuleList / "
-                      "ModuleDict container, as FSDP2 requires)", "Call fully_shard on each "
-                      "layer in the container instead.")
+            raise bad(name, m, "a module that implements forward (fully_shard does not "
+                      "support containers that do not implement forward, FSDP2's words: "
+                      "a ModuleList or ModuleDict)", "Call fully_shard on each layer in the "
+                      "container instead.")
     if mesh is not None:
         if not isinstance(mesh, DeviceMesh):
             raise bad("mesh", mesh, "None or a DeviceMesh", "Build one with "

@@ -70,7 +70,7 @@ _BUILDING = threading.local()
 _DEFAULT_MESHES: dict = {}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # one per call, hashable by identity as FSDP2's states are
 class FullyShardCall:
     """What one `fully_shard(...)` call asked for, recorded until the model is sharded."""
 
@@ -530,13 +530,22 @@ def _lazy_init_hook(module, args, kwargs):
 _CLASS_CACHE: dict[type, type] = {}
 
 
+def _refuse_deepcopy(module: nn.Module, memo: dict):
+    """As FSDP2 (whose words these are): a sharded module's parameters are pieces of flat
+    groups shared with the rest of its model, which a copy would not be part of."""
+    raise AssertionError("FSDP does not support deepcopy. Please use state dict for "
+                         "serialization (fully_shard-ed modules cannot be copied: copy the "
+                         "model before fully_shard, or build a new one and load a state dict).")
+
+
 def _swap_class(module: nn.Module) -> None:
     cls = type(module)
     if issubclass(cls, FSDPModule):
         return
     new_cls = _CLASS_CACHE.get(cls)
     if new_cls is None:
-        new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls),
+                       {"__deepcopy__": _refuse_deepcopy})
         _CLASS_CACHE[cls] = new_cls
     module.__class__ = new_cls
 
@@ -563,8 +572,10 @@ def fully_shard(
                         "calls made until then, and this module's model has already run",
                         "Call fully_shard on every module before the first forward.")
         if _call_of(m) is not None:
-            raise T.bad("module", m, "a module not fully_shard-ed yet (as FSDP2, which asserts)",
-                        "Call fully_shard once per module.")
+            raise T.bad("module", m, "a module not fully_shard-ed yet",
+                        "Each distinct composable distributed API can only be applied to a "
+                        "module once (FSDP2's words). Call fully_shard once per module.",
+                        exc=T.AssertedByFsdp2)
     _check_one_dtype(modules, mp_policy, ignored_params or ())
     mesh = mesh if mesh is not None else _default_mesh()
     spmd = None

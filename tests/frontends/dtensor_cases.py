@@ -582,6 +582,15 @@ def bad_inputs(rank, world):
     fsdp = dialect("ours")
     out = {}
 
+    def _raises(kind, fn) -> bool:
+        try:
+            fn()
+        except kind:
+            return True
+        except Exception:  # noqa: BLE001 - another kind
+            return False
+        return False
+
     def error(fn):
         try:
             fn()
@@ -618,6 +627,17 @@ def bad_inputs(rank, world):
     twice = nn.Linear(2, 2)
     fsdp.fully_shard(twice)
     out["twice"] = error(lambda: fsdp.fully_shard(twice))
+    out["twice_is_assertion"] = _raises(AssertionError, lambda: fsdp.fully_shard(twice))
+    import copy
+
+    out["deepcopy"] = error(lambda: copy.deepcopy(twice))
+    out["deepcopy_is_assertion"] = _raises(AssertionError, lambda: copy.deepcopy(twice))
+    nested = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    for layer in nested:
+        fsdp.fully_shard(layer)
+    fsdp.fully_shard(nested)
+    states = [fsdp.fully_shard.state(m) for m in (nested, *nested)]
+    out["distinct_states"] = len(set(states))
     mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).to(torch.bfloat16))
     out["mixed_dtypes"] = error(lambda: fsdp.fully_shard(mixed))
     stranger = nn.Parameter(torch.zeros(3))

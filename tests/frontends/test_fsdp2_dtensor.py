@@ -150,6 +150,12 @@ def test_bad_inputs_are_refused_by_name(world):
     assert "ranks disagree" in result["rank_dependent_buffer"]
     assert "buffer table (2,)" in result["rank_dependent_buffer"]
     assert "fully_shard once per module" in result["twice"]
+    # FSDP2's exception types and words, so code and torch's own tests matching them work.
+    assert result["twice_is_assertion"] and "Each distinct composable distributed API can only " \
+        "be applied to a module once" in result["twice"]
+    assert result["deepcopy_is_assertion"] and "FSDP does not support deepcopy" in result[
+        "deepcopy"]
+    assert result["distinct_states"] == 3  # fully_shard.state: one hashable state per call
     assert "torch.bfloat16 ('1.weight')" in result["mixed_dtypes"]
     assert "param_dtype" in result["mixed_dtypes"]
     # Ignoring a parameter outside the call's modules changes nothing, as in native FSDP2.
