@@ -126,6 +126,10 @@ class Plan:
     # reduced again with it (FSDP1); otherwise each reduction's result is added to it. See
     # [Note: a kept gradient reduced again] in engine/flat_group.py.
     rereduce_kept_grad: bool = False
+    # Call each parameter's post-accumulate-grad hooks once its reduced gradient is set as
+    # `.grad` (FSDP2 does, after each reduction: optimizer-in-backward). Autograd cannot: the
+    # engine computes with gathered views, so it never accumulates into the parameters.
+    post_accumulate_grad_hooks: bool = False
     frontend: str = "engine"  # who built the plan, for messages
     # Settings a front-end could not honour, each "argument: reason" (warned once at build).
     notes: tuple[str, ...] = ()
@@ -172,6 +176,8 @@ class Plan:
             lines.append(f"unsynchronised gradients summed in: {self.unsynced_grad_sum.value}")
         if self.rereduce_kept_grad:
             lines.append("kept gradients reduced again where shards are whole")
+        if self.post_accumulate_grad_hooks:
+            lines.append("post-accumulate-grad hooks called once a reduced gradient is set")
         return "\n".join(lines)
 
     def __str__(self) -> str:

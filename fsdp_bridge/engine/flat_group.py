@@ -743,10 +743,13 @@ class FlatGroup:
             return None
         return shard
 
-    def finalize_grads(self, divisor: float, without_grad: frozenset = frozenset()) -> None:
+    def finalize_grads(self, divisor: float, without_grad: frozenset = frozenset(),
+                       run_hooks: bool = False) -> None:
         """Divide once, expose the result as `.grad` views, and end the cycle. Parameters
         whose index is in `without_grad` (no rank's backward reached them) keep a `.grad` of
-        None unless the user kept one from an earlier cycle, which stays as it was."""
+        None unless the user kept one from an earlier cycle, which stays as it was.
+        `run_hooks`: then call the post-accumulate-grad hooks of the parameters the backward
+        reached (see `Plan.post_accumulate_grad_hooks`)."""
         self.grads_seen = None
         if self.grad_cycle is GradCycle.CLOSED:
             return
@@ -763,6 +766,12 @@ class FlatGroup:
                     param.grad = self._grad_of(index)
         self.grad_shard_ref = weakref.ref(self.grad_shard)
         self.grad_shard = self.accumulator = None  # closes the cycle
+        if run_hooks:
+            for index, param in enumerate(self.local_params):
+                if index not in without_grad:
+                    for hook in (getattr(param, "_post_accumulate_grad_hooks", None)
+                                 or {}).values():
+                        hook(param)
 
     def _grad_of(self, index: int) -> torch.Tensor:
         """Parameter `index`'s gradient as the user sees it: a view of the gradient shard."""

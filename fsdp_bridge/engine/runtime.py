@@ -796,7 +796,8 @@ class ShardedModel:
                 for group in unit.trainable_groups:
                     # See [Note: all-reduce hook].
                     divisor = 1.0 if self._divides_each_reduce(group) else self._divisor_of(group)
-                    group.finalize_grads(divisor, without_grad.get(id(group), frozenset()))
+                    group.finalize_grads(divisor, without_grad.get(id(group), frozenset()),
+                                         self.plan.post_accumulate_grad_hooks)
             self.micro_step = 0
         for unit in self.units:
             unit.in_use = False

@@ -477,6 +477,7 @@ def build_plan(root: nn.Module, calls: list[tuple[str, Any]]):
         cpu_offload=offload,
         param_layout=ParamLayout.ROWS,
         unused_grad_is_none=True,
+        post_accumulate_grad_hooks=True,
         frontend=FRONTEND,
         notes=notes,
     )

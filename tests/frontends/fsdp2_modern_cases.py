@@ -374,6 +374,50 @@ def frozen_other_dtype(which):
     return _train(model)
 
 
+class WithUnusedHead(nn.Module):
+    """Two blocks and a head, beside a head the forward never calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(Block(), Block())
+        self.head = nn.Linear(WIDTH, WIDTH)
+        self.unused = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def optimizer_in_backward(which):
+    """The optimizer-in-backward recipe: one SGD optimizer per parameter, stepped by the
+    parameter's post-accumulate-grad hook (FSDP2 calls it once the reduced gradient is set).
+    A block whose parameter no backward reaches shows which parameters' hooks run."""
+    torch.manual_seed(0)
+    model = WithUnusedHead().to(device_type())
+    fsdp = _fsdp(which)
+    for block in model.blocks:
+        fsdp.fully_shard(block)
+    fsdp.fully_shard(model)
+    calls: dict = {}
+    optimizers = {}
+    for name, param in model.named_parameters():
+        optimizers[name] = torch.optim.SGD([param], lr=0.1)
+
+        def step(param, name=name):
+            calls[name] = calls.get(name, 0) + 1
+            optimizers[name].step()
+            optimizers[name].zero_grad()
+
+        param.register_post_accumulate_grad_hook(step)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses = []
+    for step_index in range(STEPS):
+        loss = model(_inputs(step_index, rank, world)).pow(2).mean()
+        loss.backward()
+        losses.append(loss.item())
+    return {"losses": losses, "calls": calls,
+            "full": {n: _full(p) for n, p in model.named_parameters()}}
+
+
 # -- the errors of fully_shard's checks -----------------------------------------------------------------
 
 
@@ -444,6 +488,7 @@ def cases() -> dict:
         "root_reshard_int": _both(root_reshard, 2),
         "root_reshard_default": _both(root_reshard, None),
         "frozen_other_dtype": _both(frozen_other_dtype),
+        "optimizer_in_backward": _both(optimizer_in_backward),
         "init_errors": _both(init_errors),
         "float8_all_gather": _both(float8_all_gather),
         "float8_precomputed_scale": _both(float8_all_gather, True),

@@ -141,6 +141,15 @@ def test_a_frozen_parameter_of_another_dtype_trains_as_native(world, rank):
     _bit_identical(case(world, "frozen_other_dtype", rank))
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_post_accumulate_grad_hooks_run_once_per_reduction_as_native(world, rank):
+    result = case(world, "optimizer_in_backward", rank)
+    _bit_identical(result)  # the hooks' optimizers stepped the same parameters the same way
+    native, ours = result["native"], result["ours"]
+    assert ours["calls"] == native["calls"] and set(native["calls"].values()) == {C.STEPS}
+    assert not any(name.startswith("unused") for name in native["calls"])
+
+
 # check -> FSDP2's own words (the pattern torch's own tests match).
 NATIVE_WORDS = {
     "mesh_ndim": r"fully_shard expects a 1D or 2D DeviceMesh but got DeviceMesh",
