@@ -582,21 +582,18 @@ def bad_inputs(rank, world):
     fsdp = dialect("ours")
     out = {}
 
-    def _raises(kind, fn) -> bool:
+    def caught(fn):
         try:
             fn()
-        except kind:
-            return True
-        except Exception:  # noqa: BLE001 - another kind
-            return False
-        return False
+        except Exception as exc:  # noqa: BLE001 - the exception is the result
+            return exc
+        return None
+
+    def described(exc):
+        return None if exc is None else f"{type(exc).__name__}: {exc}"
 
     def error(fn):
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - the message is the result
-            return f"{type(exc).__name__}: {exc}"
-        return None
+        return described(caught(fn))
 
     model = _shard_llama("ours")
     key = "model.layers.0.mlp.up_proj.weight"
@@ -626,12 +623,14 @@ def bad_inputs(rank, world):
     out["rank_dependent_buffer"] = error(lambda: uneven(torch.zeros(1, 4)))
     twice = nn.Linear(2, 2)
     fsdp.fully_shard(twice)
-    out["twice"] = error(lambda: fsdp.fully_shard(twice))
-    out["twice_is_assertion"] = _raises(AssertionError, lambda: fsdp.fully_shard(twice))
+    twice_error = caught(lambda: fsdp.fully_shard(twice))
+    out["twice"] = described(twice_error)
+    out["twice_is_assertion"] = isinstance(twice_error, AssertionError)
     import copy
 
-    out["deepcopy"] = error(lambda: copy.deepcopy(twice))
-    out["deepcopy_is_assertion"] = _raises(AssertionError, lambda: copy.deepcopy(twice))
+    deepcopy_error = caught(lambda: copy.deepcopy(twice))
+    out["deepcopy"] = described(deepcopy_error)
+    out["deepcopy_is_assertion"] = isinstance(deepcopy_error, AssertionError)
     nested = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     for layer in nested:
         fsdp.fully_shard(layer)
