@@ -25,5 +25,5 @@ class Unflatten(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.runtime.post_backward(ctx.group, grads)
+        ctx.runtime.post_backward(ctx.group, ctx.group.grads_to_reduce(grads))
         return None, None, None

@@ -465,6 +465,10 @@ class FlatGroup:
 
     # -- gradients ----------------------------------------------------------------------------
 
+    def grads_to_reduce(self, grads: tuple) -> tuple:
+        """The gradients of one backward as the reduction takes them (here as they come)."""
+        return grads
+
     def note_grads(self, grads: tuple) -> None:
         """Record which parameters this backward gave a gradient (None: unused)."""
         seen = self.grads_seen or [False] * len(grads)

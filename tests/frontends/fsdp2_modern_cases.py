@@ -235,6 +235,157 @@ def monkey_patched_hooks(which):
     return out
 
 
+# -- a subclass holding its values twice (torch's TwoTensor) ---------------------------------------
+
+
+def _two_tensor_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+    return (self.a, self.b), None
+
+
+def _two_tensor_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b = outputs
+    if out is not None:  # the outputs are the ones `out` was built around
+        return None
+    return TwoTensor(a, b), (a, b)
+
+
+def _gather_self(self, mesh, outer_size, outer_stride, module, mp_policy):
+    return (self,), None
+
+
+@torch.no_grad()
+def _compute_with_output(self, outputs, metadata, param_dtype, *, out=None):
+    from torch.autograd import _unsafe_preserve_version_counter
+
+    (tensor,) = outputs
+    if out is not None:
+        with _unsafe_preserve_version_counter(out):
+            out.copy_(tensor)
+        return None
+    return tensor.clone(), (tensor,)
+
+
+def two_tensor(which, on_objects=False):
+    """Linear weights that are torch's TwoTensor (every op runs on both inner tensors); the
+    two start apart, so each one's training shows in its own numbers. Its class gets hooks
+    gathering both inner tensors; or (`on_objects`) each weight's local TwoTensor object gets
+    hooks after fully_shard that gather the object itself and compute with a plain tensor
+    (torch's own "monkey patch" recipe on a subclass). Three AdamW steps; the losses and the
+    full inner tensors."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH, bias=False), nn.ReLU(),
+                          nn.Linear(2 * WIDTH, WIDTH, bias=False))
+    for layer in (model[0], model[2]):
+        weight = layer.weight.detach()
+        layer.weight = nn.Parameter(TwoTensor(weight.clone(), 0.5 * weight - 0.1))
+    if not on_objects:
+        TwoTensor.fsdp_pre_all_gather = _two_tensor_pre_all_gather
+        TwoTensor.fsdp_post_all_gather = _two_tensor_post_all_gather
+    try:
+        fully_shard = _fsdp(which).fully_shard
+        fully_shard(model[0])
+        fully_shard(model)
+        if on_objects:
+            for layer in (model[0], model[2]):
+                local = layer.weight._local_tensor
+                local.fsdp_pre_all_gather = _gather_self.__get__(local)
+                local.fsdp_post_all_gather = _compute_with_output.__get__(local)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        losses = []
+        for step in range(STEPS):
+            loss = model(_inputs(step, rank, world)).pow(2).mean()
+            loss.backward()
+            optim.step()
+            optim.zero_grad()
+            parts = (loss.a, loss.b) if isinstance(loss, TwoTensor) else (loss,)
+            losses.append(tuple(part.item() for part in parts))
+        full = {}
+        for name, param in model.named_parameters():
+            value = _full(param)
+            full[f"{name}.a"], full[f"{name}.b"] = value.a.clone(), value.b.clone()
+        local = model[0].weight.to_local()
+        return {"losses": losses, "full": full, "local_type": type(local).__name__}
+    finally:
+        if not on_objects:
+            del TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather
+
+
+# -- a parameter split unevenly, its hooks padding their inputs ---------------------------------
+
+
+class BF16Gathered(torch.Tensor):
+    """A weight gathered in bf16 by its hooks; the pre-hook pads this rank's rows to the full
+    chunk when the split is uneven (unless `pad` is False), as FSDP2 requires. Its
+    `__tensor_unflatten__` has the signature torch's own test subclass has (not the protocol's),
+    so it cannot be rebuilt from its inner tensor: only through its own ops, as FSDP2 builds it."""
+
+    @staticmethod
+    def __new__(cls, data, pad=True):
+        return torch.Tensor._make_wrapper_subclass(cls, data.shape, data.stride(),
+                                                   data.storage_offset(), dtype=data.dtype,
+                                                   device=data.device)
+
+    def __init__(self, data, pad=True):
+        self._data, self._pad = data, pad
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        rows = -(-outer_size[0] // mesh.size())
+        if not self._pad or self._data.size(0) == rows:
+            return (self._data.to(torch.bfloat16),), None
+        padded = torch.zeros(rows, *outer_size[1:], dtype=torch.bfloat16, device=self.device)
+        padded[: self._data.size(0)].copy_(self._data)
+        return (padded,), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        from torch.autograd import _unsafe_preserve_version_counter
+
+        (tensor,) = outputs
+        if out is not None:  # `out` is the parameter's first rows of the padded outputs
+            with torch.no_grad(), _unsafe_preserve_version_counter(out):
+                out.copy_(tensor[: out.size(0)])
+            return None
+        upcast = tensor.to(param_dtype)
+        return upcast, (tensor, upcast)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args, kwargs=None):
+        import torch.utils._pytree as pytree
+
+        pad = all(x._pad for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, cls))
+        out = func(*pytree.tree_map_only(cls, lambda x: x._data, args),
+                   **pytree.tree_map_only(cls, lambda x: x._data, kwargs or {}))
+        return pytree.tree_map_only(torch.Tensor, lambda x: cls(x, pad), out)
+
+    def __tensor_flatten__(self):
+        return ["_data"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, outer_size, outer_stride):
+        return inner_tensors["_data"]
+
+
+def uneven_extension(which, pad=True):
+    """Weights of 9 and 3 rows over 2 ranks (chunks of 5 and 4, 2 and 1 rows), gathered
+    through BF16Gathered's hooks; three AdamW steps. Unpadded (`pad=False`) only ours runs:
+    native waits in its all-gather on the ranks holding full chunks."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 9, bias=False), nn.ReLU(), nn.Linear(9, 3, bias=False))
+    for layer in (model[0], model[2]):
+        layer.weight = nn.Parameter(BF16Gathered(layer.weight.detach().clone(), pad))
+    _fsdp(which).fully_shard(model)
+    if not pad:
+        return _raised(lambda: model(_inputs(0, dist.get_rank(), dist.get_world_size(), 3)))
+    out = _train(model, width=3)
+    out["local_type"] = type(model[0].weight.to_local()).__name__
+    out["full"] = {name: value._data.clone() for name, value in out["full"].items()}
+    return out
+
+
 # -- user collectives --------------------------------------------------------------------------------
 
 
@@ -496,6 +647,10 @@ def cases() -> dict:
         "custom_collectives": _both(custom_collectives),
         "nf4_qlora": _both(nf4_qlora),
         "spmd_mesh_dims": _both(spmd_mesh_dims),
+        "two_tensor": _both(two_tensor),
+        "two_tensor_hooks_on_objects": _both(two_tensor, True),
+        "uneven_extension": _both(uneven_extension),
+        "uneven_extension_unpadded": lambda rank, world: uneven_extension("ours", pad=False),
     }
 
 

@@ -14,6 +14,13 @@ one CPU/gloo world of two ranks (fsdp2_modern_cases.py):
   bit for bit;
 - all-gather hooks attached to a weight's local tensor after `fully_shard` (torch's own "monkey
   patch" recipe) are called, and train as natively;
+- weights that are torch's TwoTensor (values held twice, every op run on both), their two inner
+  tensors started apart, with hooks on the class gathering both or hooks on each local object
+  gathering the object itself: both inner tensors train as natively, bit for bit;
+- a weight split unevenly on dim 0 (9 rows over 2 ranks) whose pre-all-gather hook pads its
+  rows to the full chunk trains as natively; unpadded, every rank raises an AssertionError
+  naming the parameter and the ranks (natively the ranks with full chunks wait in the
+  all-gather);
 - user collectives (`set_custom_all_gather` / `set_custom_reduce_scatter`, torch's AllGather /
   ReduceScatter objects running torch's collectives) are called as often as natively and train
   bit for bit;
@@ -98,6 +105,34 @@ def test_hooks_attached_after_fully_shard_are_called_as_native(world):
     assert result["native"]["calls"] == ["post", "pre"]
     assert result["ours"]["calls"] == result["native"]["calls"]
     _bit_identical(result)
+
+
+@pytest.mark.parametrize("name", ["two_tensor", "two_tensor_hooks_on_objects"])
+def test_a_subclass_holding_its_values_twice_trains_both_as_native(world, name):
+    for rank in (0, 1):
+        result = case(world, name, rank)
+        assert result["ours"]["local_type"] == result["native"]["local_type"] == "TwoTensor"
+        _bit_identical(result)
+        # The two inner tensors started apart and were trained apart.
+        full = result["ours"]["full"]
+        assert not torch.equal(full["0.weight.a"], full["0.weight.b"])
+
+
+def test_an_uneven_split_gathered_through_padding_hooks_trains_as_native(world):
+    for rank in (0, 1):
+        result = case(world, "uneven_extension", rank)
+        assert result["ours"]["local_type"] == result["native"]["local_type"] == "BF16Gathered"
+        _bit_identical(result)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_unpadded_hook_inputs_of_an_uneven_split_raise_on_every_rank(world, rank):
+    result = case(world, "uneven_extension_unpadded", rank)
+    assert result["types"][0] == "AssertionError", result
+    message = result["message"]
+    assert "parameter '0.weight' is unevenly sharded" in message, message
+    assert "padded sharded size torch.Size([5, 3])" in message, message
+    assert "rank(s) [1]" in message, message
 
 
 def test_user_collectives_are_called_and_train_as_native(world):
