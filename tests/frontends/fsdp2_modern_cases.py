@@ -45,8 +45,15 @@ def _train(model, steps: int = STEPS, width: int = WIDTH) -> dict:
         loss.backward()
         optim.step()
         optim.zero_grad()
-        losses.append(loss.item())
+        losses.append(_loss_value(loss))
     return {"losses": losses, "full": {n: _full(p) for n, p in model.named_parameters()}}
+
+
+def _loss_value(loss):
+    """The loss's value; both of a TwoTensor's (it runs every op on both inner tensors)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    return (loss.a.item(), loss.b.item()) if isinstance(loss, TwoTensor) else loss.item()
 
 
 # -- per-block compile -----------------------------------------------------------------------------
@@ -294,22 +301,11 @@ def two_tensor(which, on_objects=False):
                 local = layer.weight._local_tensor
                 local.fsdp_pre_all_gather = _gather_self.__get__(local)
                 local.fsdp_post_all_gather = _compute_with_output.__get__(local)
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        rank, world = dist.get_rank(), dist.get_world_size()
-        losses = []
-        for step in range(STEPS):
-            loss = model(_inputs(step, rank, world)).pow(2).mean()
-            loss.backward()
-            optim.step()
-            optim.zero_grad()
-            parts = (loss.a, loss.b) if isinstance(loss, TwoTensor) else (loss,)
-            losses.append(tuple(part.item() for part in parts))
-        full = {}
-        for name, param in model.named_parameters():
-            value = _full(param)
-            full[f"{name}.a"], full[f"{name}.b"] = value.a.clone(), value.b.clone()
-        local = model[0].weight.to_local()
-        return {"losses": losses, "full": full, "local_type": type(local).__name__}
+        out = _train(model)
+        out["full"] = {f"{name}.{part}": getattr(value, part)
+                       for name, value in out["full"].items() for part in "ab"}
+        out["local_type"] = type(model[0].weight.to_local()).__name__
+        return out
     finally:
         if not on_objects:
             del TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather
