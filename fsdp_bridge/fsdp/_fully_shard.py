@@ -48,7 +48,12 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp_bridge import engine
 from fsdp_bridge.engine.casting import cast_floating
-from fsdp_bridge.engine.layout import FLATTENED_MARK, GATHERED_FORM, GatheredForm
+from fsdp_bridge.engine.layout import (
+    FLATTENED_MARK,
+    GATHERED_FORM,
+    GatheredForm,
+    has_all_gather_extension,
+)
 from fsdp_bridge.engine.row_group import chunk_rows
 from fsdp_bridge.fsdp import _fsdp2_translate as T
 from fsdp_bridge.fsdp._stale_optimizer import mark_replaced
@@ -846,35 +851,52 @@ def _check_one_dtype(modules, mp_policy: MixedPrecisionPolicy, ignored_params) -
                     "to one dtype, or set mp_policy=MixedPrecisionPolicy(param_dtype=...).")
 
 
-def _placements(mesh: DeviceMesh, dim: int) -> tuple:
-    return (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
+def _placements(mesh: DeviceMesh, shard) -> tuple:
+    """FSDP2's data-parallel placements over `mesh` (1-D: FSDP; 2-D: HSDP, replicate first),
+    the shard dimension's being `shard` (a Shard, or a _StridedShard under tensor parallelism)."""
+    return (shard,) if mesh.ndim == 1 else (Replicate(), shard)
 
 
 def _sharded_tensor_parallel(param: DTensor, name: str, mesh: DeviceMesh, shard_placement_fn,
                              placement):
     """[Note: FSDP over tensor parallelism] A parameter `parallelize_module` made a DTensor on
-    a tensor-parallel mesh: the data-parallel mesh splits this rank's local part of it, and
-    the result is a DTensor on the two meshes together (data-parallel dim first) with the
-    placements FSDP2 gives it, so its full value, state dict and checkpoints are FSDP2's.
-    Gathered over the data-parallel group, it is the tensor-parallel DTensor again."""
+    a tensor-parallel mesh: the data-parallel mesh's shard dimension splits this rank's local
+    part of it, and the result is a DTensor on the meshes together (data-parallel dims first,
+    HSDP's replicate dimension before its shard one) with the placements FSDP2 gives it, so its
+    full value, state dict and checkpoints are FSDP2's. Gathered over the shard group, it is
+    the tensor-parallel DTensor again; under HSDP its gradient is then all-reduced over the
+    replicate group, as any HSDP gradient."""
     tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
-    if mesh.ndim != 1 or tp_mesh.ndim != 1 or any(p.is_partial() for p in tp_placements):
+    if mesh.ndim not in (1, 2) or tp_mesh.ndim != 1 or any(p.is_partial()
+                                                             for p in tp_placements):
         raise T.bad(f"parameter {name!r}", f"a DTensor on mesh {tp_mesh} with placements "
                     f"{tp_placements}, sharded over mesh {mesh}", "a DTensor on a 1-D "
                     "tensor-parallel mesh (Shard or Replicate), sharded over a 1-D "
-                    "data-parallel mesh of the same device mesh", "Pass mesh=world_mesh['dp'] "
-                    "after parallelize_module(model, world_mesh['tp'], plan).")
+                    "data-parallel mesh (FSDP) or a 2-D (replicate, shard) one (HSDP) of the "
+                    "same device mesh", "Pass mesh=world_mesh['dp'] (or mesh=world_mesh["
+                    "'dp_replicate', 'dp_shard']) after parallelize_module(model, "
+                    "world_mesh['tp'], plan).")
+    if mesh.ndim == 2 and has_all_gather_extension(param):
+        # The extension's pre-all-gather hook is handed the shard group's mesh, which the
+        # engine finds only on a 2-D (dp, tp) mesh so far.
+        raise T.bad(f"parameter {name!r}", "a tensor-parallel DTensor whose local tensor "
+                    "defines fsdp_pre_all_gather / fsdp_post_all_gather, under HSDP",
+                    "all-gather extensions under tensor parallelism with a 1-D data-parallel "
+                    "mesh", "fsdp_bridge does not run all-gather extensions under HSDP with "
+                    "tensor parallelism yet: pass a 1-D data-parallel mesh, or use torch's own "
+                    "fully_shard.", exc=NotImplementedError)
     try:
         spmd_mesh = DeviceMesh._concatenate([mesh, tp_mesh])
     except Exception as error:  # noqa: BLE001 - reported with the fix
-        raise T.bad("mesh", mesh, f"the data-parallel dimension of the device mesh whose other "
+        raise T.bad("mesh", mesh, f"the data-parallel dimensions of the device mesh whose last "
                     f"dimension is parameter {name!r}'s tensor-parallel mesh {tp_mesh}",
                     "Slice both from one mesh: init_device_mesh(..., mesh_dim_names=('dp', "
                     f"'tp')), then mesh['dp'] and mesh['tp'] ({error}).") from error
     local = param.to_local().detach()
+    shard = mesh.ndim - 1
     dim = T.shard_dim(shard_placement_fn, placement, param, name, tuple(local.shape),
-                      mesh.size(0))
-    start, rows = chunk_rows(local.shape[dim], mesh.size(0), mesh.get_local_rank(0))
+                      mesh.size(shard))
+    start, rows = chunk_rows(local.shape[dim], mesh.size(shard), mesh.get_local_rank(shard))
     chunk = local.narrow(dim, start, rows)
     if not chunk.is_meta:
         chunk = chunk.clone(memory_format=torch.contiguous_format)
@@ -882,7 +904,8 @@ def _sharded_tensor_parallel(param: DTensor, name: str, mesh: DeviceMesh, shard_
     # rank's rows are a slice of every tensor-parallel chunk (FSDP2's _StridedShard).
     splits = math.prod(tp_mesh.size(0) for p in tp_placements if p.is_shard(dim))
     dp_placement = _StridedShard(dim, split_factor=splits) if splits > 1 else Shard(dim)
-    dtensor = DTensor.from_local(chunk, spmd_mesh, (dp_placement, *tp_placements),
+    dtensor = DTensor.from_local(chunk, spmd_mesh, (*_placements(mesh, dp_placement),
+                                                    *tp_placements),
                                  run_check=False, shape=param.shape, stride=param.stride())
     new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
     setattr(new, SHARDED, True)
@@ -970,7 +993,7 @@ def _row_sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, dim: int,
             else local
     else:
         local = _plain_chunk(param, dim, start, rows, device)
-    dtensor = DTensor.from_local(local, mesh, _placements(mesh, dim), run_check=False,
+    dtensor = DTensor.from_local(local, mesh, _placements(mesh, Shard(dim)), run_check=False,
                                  shape=param.shape, stride=param.stride())
     new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
     setattr(new, SHARDED, True)

@@ -308,3 +308,30 @@ def test_an_all_reduce_hook_runs_inside_its_stream_as_native(world):
     assert result["native"] == {"refused": "stream cannot be set when using native HSDP",
                                 "inside_stream": [True]}
     assert result["ours"] == result["native"]
+
+
+def _assert_trains_as_native(result: dict) -> None:
+    """Losses, the last step's gradients (placements, local and full values), the parameters'
+    meshes, placements and local values, and the full state dict: bit for bit."""
+    native, ours = result["native"], result["ours"]
+    assert ours["losses"] == native["losses"]
+    for kind in ("grads", "params"):
+        assert ours[kind].keys() == native[kind].keys(), kind
+        for name, (*described, local) in native[kind].items():
+            *our_described, our_local = ours[kind][name]
+            assert our_described == described, (kind, name)
+            assert torch.equal(our_local, local), (kind, name)
+    for kind in ("full_grads", "full"):
+        assert ours[kind].keys() == native[kind].keys(), kind
+        for name, value in native[kind].items():
+            assert torch.equal(ours[kind][name], value), (kind, name)
+
+
+@pytest.mark.parametrize("shape", ["replicas", "shards"])
+@pytest.mark.parametrize("rank", [0, 3])
+def test_hsdp_with_tensor_parallelism_trains_as_native(world, shape, rank):
+    result = case(world, f"hsdp_tp_{shape}", rank)
+    placements = {name: described[1] for name, described in result["native"]["params"].items()}
+    assert placements["0.weight"] == "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))"
+    assert placements["2.weight"] == "(Replicate(), Shard(dim=0), Shard(dim=1))"
+    _assert_trains_as_native(result)
