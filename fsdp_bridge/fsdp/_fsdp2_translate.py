@@ -268,10 +268,9 @@ def check_call(module, mesh, reshard_after_forward, shard_placement_fn, mp_polic
 
 
 def check_dp_mesh_dims(mesh, dp_mesh_dims) -> None:
-    """FSDP2's checks of `dp_mesh_dims` (torch >= 2.12), and what the engine supports of it:
-    one shard dimension (with an optional replicate one: HSDP) of the SPMD mesh; tensor
-    parallelism beside HSDP, several shard names (flattened) and replication alone (DDP) are
-    refused by name."""
+    """FSDP2's checks of `dp_mesh_dims` (torch >= 2.12): names of the mesh's dimensions,
+    several shard names being consecutive dimensions in the mesh's order (FSDP2 puts their
+    flattening in their place)."""
     shard = getattr(dp_mesh_dims, "shard_names", None)
     replicate = getattr(dp_mesh_dims, "replicate_names", None)
     if shard is None or replicate is None:
@@ -282,32 +281,35 @@ def check_dp_mesh_dims(mesh, dp_mesh_dims) -> None:
         raise bad("mesh", mesh, "a DeviceMesh with mesh_dim_names when dp_mesh_dims is given "
                   "(FSDP2: mesh must have mesh_dim_names when dp_mesh_dims is provided)",
                   "Build it with init_device_mesh(..., mesh_dim_names=(...)).")
+    names = mesh.mesh_dim_names
     for name in (*shard, *replicate):
-        if name not in mesh.mesh_dim_names:
+        if name not in names:
             raise bad("dp_mesh_dims", dp_mesh_dims, f"names of the mesh's dimensions "
-                      f"{mesh.mesh_dim_names}", f"Mesh dim name '{name}' not found in "
-                      f"mesh.mesh_dim_names {mesh.mesh_dim_names} (FSDP2's words).")
-    others = [n for n in mesh.mesh_dim_names if n not in (*shard, *replicate)]
-    problem = ("replication alone (no shard dimension: DDP)" if not shard
-               else f"{len(shard)} shard dimensions {shard} (flattened into one by FSDP2)"
-               if len(shard) > 1 or len(replicate) > 1
-               else f"HSDP beside the other dimensions {others}" if replicate and others
-               else None)
-    if problem is not None:
-        raise bad("dp_mesh_dims", dp_mesh_dims, "one shard dimension, with one replicate "
-                  "dimension (HSDP) when the mesh has no other dimensions", f"fsdp_bridge "
-                  f"does not support {problem} yet; shard with torch's own fully_shard, or "
-                  "name one shard dimension.", exc=NotImplementedError)
+                      f"{names}", f"Mesh dim name '{name}' not found in "
+                      f"mesh.mesh_dim_names {names} (FSDP2's words).")
+    indices = [names.index(name) for name in shard]
+    if len(indices) > 1 and indices != list(range(indices[0], indices[0] + len(indices))):
+        raise bad("dp_mesh_dims", dp_mesh_dims, f"shard names of consecutive dimensions of "
+                  f"the mesh {names}, in its order (FSDP2 flattens them into one dimension "
+                  "in their place)", "Order the mesh's dimensions so that the shard "
+                  "dimensions are neighbours, e.g. ('dp_shard', 'cp', 'tp').")
 
 
 def dp_mesh_of(mesh, dp_mesh_dims):
     """The data-parallel mesh `dp_mesh_dims` names in the SPMD `mesh` (checked by
-    check_dp_mesh_dims): its shard dimension, after its replicate one under HSDP."""
-    (shard,) = dp_mesh_dims.shard_names
-    if not dp_mesh_dims.replicate_names:
-        return mesh[shard]
-    (replicate,) = dp_mesh_dims.replicate_names
-    return mesh[(replicate, shard)]
+    check_dp_mesh_dims), as FSDP2 builds it: the shard dimensions (flattened into one when
+    several), after the replicate ones (flattened likewise) under HSDP; the replicate
+    dimensions alone without a shard name (DDP)."""
+
+    def joined(names: tuple):
+        return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
+
+    shard, replicate = dp_mesh_dims.shard_names, dp_mesh_dims.replicate_names
+    if not replicate:
+        return joined(shard)
+    if not shard:
+        return joined(replicate)
+    return DeviceMesh._concatenate([joined(replicate), joined(shard)])
 
 
 def resolve_placement(shard_placement_fn, param: nn.Parameter):
@@ -443,16 +445,21 @@ def build_plan(root: nn.Module, calls: list[tuple[str, Any]]):
     """`calls`: (path, FullyShardCall) of every fully_shard-ed module under `root`, post-order,
     root ("") last. Returns the plan and the groups it is sharded over."""
     assert calls and calls[-1][0] == ""
-    root_mesh = calls[-1][1].mesh
+    root_mesh, replicates = calls[-1][1].mesh, calls[-1][1].replicates_only
     for path, call in calls:
-        if call.mesh is not root_mesh and call.mesh != root_mesh:
-            raise bad(f"mesh (of {path!r})", call.mesh, f"the root's mesh {root_mesh!r}",
-                      "Pass the same mesh to every fully_shard call.")
-    # A 2-D mesh is FSDP2's HSDP: its mode comes from the mesh, not from an argument.
+        if (call.mesh is not root_mesh and call.mesh != root_mesh) \
+                or call.replicates_only != replicates:
+            raise bad(f"mesh (of {path!r})", call.mesh, f"the root's mesh {root_mesh!r}"
+                      f"{' (replicated: dp_mesh_dims without a shard name)' * replicates}",
+                      "Pass the same mesh (and dp_mesh_dims) to every fully_shard call.")
+    # A 2-D mesh is FSDP2's HSDP: its mode comes from the mesh, not from an argument; a
+    # mesh of replicate dimensions alone (dp_mesh_dims without a shard name) is DDP.
     hybrid = root_mesh is not None and root_mesh.ndim == 2
-    mode = ShardingMode.HYBRID if hybrid else ShardingMode.SHARD
+    mode = ShardingMode.REPLICATE if replicates else ShardingMode.HYBRID if hybrid \
+        else ShardingMode.SHARD
     topology = resolve_topology(mode, device_mesh=root_mesh, frontend=FRONTEND)
-    shard_size = root_mesh.size(root_mesh.ndim - 1) if root_mesh is not None else _world()
+    shard_size = 1 if replicates else root_mesh.size(root_mesh.ndim - 1) \
+        if root_mesh is not None else _world()
     notes: tuple = ()
     units = []
     for path, call in calls:

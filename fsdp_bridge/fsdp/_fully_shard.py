@@ -96,6 +96,9 @@ class FullyShardCall:
     # How many groups of processes the call's parameters are sharded over (FSDP2's parameter
     # groups: more than one when shard_placement_fn gives some a mesh of their own).
     param_groups: int = 1
+    # `mesh` holds replicate dimensions alone (dp_mesh_dims without a shard name): FSDP2
+    # replicates, DDP-style, all-reducing gradients.
+    replicates_only: bool = False
 
 
 class UnshardHandle:
@@ -594,6 +597,7 @@ def fully_shard(
         mp_policy=mp_policy,
         offload_policy=offload_policy,
         ignored_params=frozenset(ignored_params or ()),
+        replicates_only=spmd is not None and not dp_mesh_dims.shard_names,
     )
     # A parameter refused halfway (a scalar, a non-contiguous one) leaves nothing converted.
     with contextlib.ExitStack() as stack:
@@ -779,7 +783,7 @@ def _sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, shard_placement_f
     own_mesh = _data_parallel_mesh(mesh_info, mesh, shard_placement_fn, name, spmd,
                                    {} if mesh_infos is None else mesh_infos)
     if spmd is not None:
-        return _sharded_spmd(param, name, *spmd, shard_placement_fn, placement)
+        return _sharded_spmd(param, name, *spmd, mesh, shard_placement_fn, placement)
     target = own_mesh if own_mesh is not None else mesh
     if isinstance(param, DTensor):
         new, form = _sharded_tensor_parallel(param, name, target, shard_placement_fn, placement)
@@ -915,13 +919,17 @@ def _sharded_tensor_parallel(param: DTensor, name: str, mesh: DeviceMesh, shard_
 
 
 def _sharded_spmd(param: nn.Parameter, name: str, spmd_mesh: DeviceMesh, dp_mesh_dims,
-                  shard_placement_fn, placement):
+                  dp_mesh: DeviceMesh, shard_placement_fn, placement):
     """[Note: SPMD meshes] With `dp_mesh_dims` (torch >= 2.12; torchtitan's SPMD backend)
     every parameter is already a DTensor on the whole SPMD mesh, Replicate on its data-parallel
-    dimensions. As FSDP2, the shard dimension's group splits this rank's local tensor, and the
-    result stays on the SPMD mesh with that dimension's placement replaced by Shard(d)
-    (_StridedShard(d) when a later mesh dimension splits d too); modules compute with the
-    DTensor the parameter was, its gradient's Partial data-parallel part reduced by the engine."""
+    dimensions. As FSDP2, the shard group (`dp_mesh`'s last dimension: the shard dimensions,
+    flattened into one when several are named) splits this rank's local tensor, and each shard
+    dimension's placement becomes Shard(d) (_StridedShard(d) when a later mesh dimension splits
+    d too). The parameter stays on the SPMD mesh, or, with several shard dimensions, on FSDP2's
+    mesh with their flattening in their place (after the replicate dimension under HSDP).
+    With replication alone (DDP) nothing is split: the parameter keeps its placements and its
+    gradient is all-reduced over the replicate group. Modules compute with the DTensor the
+    parameter was, its gradient's Partial data-parallel part reduced by the engine."""
     names = spmd_mesh.mesh_dim_names
     if not isinstance(param, DTensor) or param.device_mesh != spmd_mesh:
         got = (f"a DTensor on mesh {param.device_mesh}" if isinstance(param, DTensor)
@@ -931,29 +939,33 @@ def _sharded_spmd(param: nn.Parameter, name: str, spmd_mesh: DeviceMesh, dp_mesh
                     "must be DTensors on the full SPMD mesh (e.g. via distribute_module) "
                     "(FSDP2's words).")
     placements = tuple(param.placements)
-    (shard_name,) = dp_mesh_dims.shard_names
-    dp_dims = tuple(names.index(n) for n in (*dp_mesh_dims.shard_names,
-                                              *dp_mesh_dims.replicate_names))
+    shard_dims = tuple(names.index(n) for n in dp_mesh_dims.shard_names)
+    dp_dims = shard_dims + tuple(names.index(n) for n in dp_mesh_dims.replicate_names)
     for index in dp_dims:
         if not placements[index].is_replicate():
             raise T.bad(f"parameter {name!r}", f"a DTensor with placements {placements}",
                         "Replicate() on every data-parallel dimension", f"Expected Replicate() "
                         f"on DP dim '{names[index]}' (index {index}) but got "
                         f"{placements[index]} (FSDP2's words).")
-    shard_index = names.index(shard_name)
     local = param.to_local().detach()
-    ranks = spmd_mesh.size(shard_index)
+    shard = dp_mesh.ndim - 1
+    ranks, rank = ((dp_mesh.size(shard), dp_mesh.get_local_rank(shard)) if shard_dims
+                   else (1, 0))
     dim = T.shard_dim(shard_placement_fn, placement, param, name, tuple(local.shape), ranks)
-    start, rows = chunk_rows(local.shape[dim], ranks, spmd_mesh.get_local_rank(shard_index))
+    start, rows = chunk_rows(local.shape[dim], ranks, rank)
     chunk = local.narrow(dim, start, rows)
     if not chunk.is_meta:
         chunk = chunk.clone(memory_format=torch.contiguous_format)
-    splits = math.prod(spmd_mesh.size(j) for j in range(shard_index + 1, spmd_mesh.ndim)
-                       if placements[j].is_shard(dim))
     new_placements = list(placements)
-    new_placements[shard_index] = _StridedShard(dim, split_factor=splits) if splits > 1 \
-        else Shard(dim)
-    dtensor = DTensor.from_local(chunk, spmd_mesh, new_placements, run_check=False,
+    for index in shard_dims:
+        splits = math.prod(spmd_mesh.size(j) for j in range(index + 1, spmd_mesh.ndim)
+                           if isinstance(placements[j], (Shard, _StridedShard))
+                           and placements[j].dim == dim)
+        new_placements[index] = _StridedShard(dim, split_factor=splits) if splits > 1 \
+            else Shard(dim)
+    mesh, new_placements = _flattened_shard_dims(spmd_mesh, dp_mesh_dims, dp_mesh,
+                                                 new_placements)
+    dtensor = DTensor.from_local(chunk, mesh, new_placements, run_check=False,
                                  shape=param.shape, stride=param.stride())
     new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
     setattr(new, SHARDED, True)
@@ -961,6 +973,27 @@ def _sharded_spmd(param: nn.Parameter, name: str, spmd_mesh: DeviceMesh, dp_mesh
     form = GatheredForm(local.shape, dim, spmd_mesh, placements, param.shape, param.stride(),
                         data_parallel_dims=dp_dims)
     return new, form
+
+
+def _flattened_shard_dims(spmd_mesh: DeviceMesh, dp_mesh_dims, dp_mesh: DeviceMesh,
+                          placements: list) -> tuple:
+    """(mesh, placements) of a sharded SPMD parameter, as FSDP2 lays it out: the SPMD mesh
+    with one shard dimension; with several (consecutive, see check_dp_mesh_dims), `dp_mesh`
+    in their place (its flattened shard dimension, after the replicate one under HSDP, whose
+    own dimensions then go) and the other dimensions as they are."""
+    shard_names = dp_mesh_dims.shard_names
+    if len(shard_names) <= 1:
+        return spmd_mesh, tuple(placements)
+    hsdp = bool(dp_mesh_dims.replicate_names)
+    meshes, out = [], []
+    for index, name in enumerate(spmd_mesh.mesh_dim_names):
+        if name == shard_names[0]:
+            meshes.append(dp_mesh)
+            out.extend((Replicate(), placements[index]) if hsdp else (placements[index],))
+        elif name not in shard_names and name not in dp_mesh_dims.replicate_names:
+            meshes.append(spmd_mesh[name])
+            out.append(placements[index])
+    return DeviceMesh._concatenate(meshes), tuple(out)
 
 
 def _row_sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, dim: int,

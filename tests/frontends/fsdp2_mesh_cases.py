@@ -6,6 +6,13 @@ native `fully_shard` and with ours in the four-rank world of fsdp2_round3_cases.
   mesh, fully_shard given `mesh=mesh["dp_replicate", "dp_shard"]`. Four ranks hold a (2, 1, 2)
   mesh (the replicas' all-reduce, each shard group of one rank) and a (1, 2, 2) one (the shard
   group's split and its strided placements): every index of the three dimensions is exercised.
+- `dp_mesh_dims` (torch >= 2.12), every parameter a DTensor on the whole SPMD mesh (Replicate on
+  its data-parallel dimensions, column-wise then row-wise on "tp"): a replicate dimension beside
+  two shard names and tensor parallelism (a (dp_replicate 2, dp_shard 1, cp 1, tp 2) mesh: the
+  SPMD spelling of HSDP + TP, its shard names flattened into one dimension, placed after the
+  replicate one), two shard names splitting the parameters four ways (a (2, 2) mesh), and
+  replication alone (DDP: a (dp_replicate 2, tp 2) mesh). Tensor parallelism with a shard
+  dimension of two ranks is fsdp2_round3_cases.py's `spmd_tensor_parallel`.
 
 Each case records the losses, the last step's gradients (placements, local and full values),
 the parameters' placements and local values, and the full state dict after three steps.
@@ -18,6 +25,7 @@ import importlib
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     RowwiseParallel,
@@ -85,9 +93,46 @@ def hsdp_tensor_parallel(which, shape: tuple):
     return _record(model, lambda step: model(_inputs(step, dp_rank, dp.size())).pow(2).mean())
 
 
+def spmd(which, shape: tuple, names: tuple, shard=None, replicate=None):
+    """`dp_mesh_dims` naming `shard` / `replicate` of a mesh of `shape` and `names`: each
+    parameter distributed on the whole mesh (tensor-parallel on "tp" when the mesh has it),
+    the batch split over the data-parallel dimensions, each linear and the root fully_shard-ed
+    with the same dp_mesh_dims."""
+    fsdp = _fsdp(which)
+    mesh = init_device_mesh(device_type(), shape, mesh_dim_names=names)
+    model = _model()
+    layouts = {"0.weight": Shard(0), "0.bias": Shard(0), "2.weight": Shard(1)}
+    for name, param in list(model.named_parameters()):
+        module, _, attr = name.rpartition(".")
+        placements = [layouts.get(name, Replicate()) if dim == "tp" else Replicate()
+                      for dim in names]
+        setattr(model.get_submodule(module), attr,
+                nn.Parameter(distribute_tensor(param.detach(), mesh, placements)))
+    dims = fsdp.DataParallelMeshDims(shard=shard, replicate=replicate)
+    for layer in (model[0], model[2], model):
+        fsdp.fully_shard(layer, mesh=mesh, dp_mesh_dims=dims)
+    data = [dim for dim in names if dim != "tp"]
+    dp_rank, dp_size = 0, 1
+    for dim in data:
+        dp_rank, dp_size = dp_rank * mesh[dim].size() + mesh[dim].get_local_rank(), \
+            dp_size * mesh[dim].size()
+    batch_placements = [Replicate() if dim == "tp" else Shard(0) for dim in names]
+
+    def step_loss(step):
+        batch = DTensor.from_local(_inputs(step, dp_rank, dp_size), mesh, batch_placements)
+        return model(batch).pow(2).mean()
+
+    return _record(model, step_loss)
+
+
 def cases(both) -> dict:
     """name -> rank function, each running `fn("native")` then `fn("ours")` through `both`."""
     return {
         "hsdp_tp_replicas": both(hsdp_tensor_parallel, (2, 1, 2)),
         "hsdp_tp_shards": both(hsdp_tensor_parallel, (1, 2, 2)),
+        "spmd_hsdp_tp": both(spmd, (2, 1, 1, 2), ("dp_replicate", "dp_shard", "cp", "tp"),
+                             ("dp_shard", "cp"), "dp_replicate"),
+        "spmd_two_shard_names": both(spmd, (2, 2), ("dp_shard", "cp"), ("dp_shard", "cp")),
+        "spmd_replicate_only": both(spmd, (2, 2), ("dp_replicate", "tp"), None,
+                                    "dp_replicate"),
     }

@@ -335,3 +335,25 @@ def test_hsdp_with_tensor_parallelism_trains_as_native(world, shape, rank):
     assert placements["0.weight"] == "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))"
     assert placements["2.weight"] == "(Replicate(), Shard(dim=0), Shard(dim=1))"
     _assert_trains_as_native(result)
+
+
+SPMD_PLACEMENTS = {
+    # HSDP beside tensor parallelism, the shard names (dp_shard, cp) flattened after dp_replicate.
+    "spmd_hsdp_tp": ("('dp_replicate', 'dp_shard_cp', 'tp')",
+                     "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))"),
+    # Two shard names flattened into one dimension of four ranks.
+    "spmd_two_shard_names": ("('dp_shard_cp',)", "(Shard(dim=0),)"),
+    # Replication alone (DDP): the parameter keeps its placements.
+    "spmd_replicate_only": ("('dp_replicate', 'tp')", "(Replicate(), Shard(dim=0))"),
+}
+
+
+@pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"),
+                    reason=f"torch {torch.__version__} has no DataParallelMeshDims (dp_mesh_dims "
+                    "needs torch >= 2.12)")
+@pytest.mark.parametrize("variant", list(SPMD_PLACEMENTS))
+@pytest.mark.parametrize("rank", [0, 3])
+def test_dp_mesh_dims_layouts_train_as_native(world, variant, rank):
+    result = case(world, variant, rank)
+    assert result["native"]["params"]["0.weight"][:2] == SPMD_PLACEMENTS[variant]
+    _assert_trains_as_native(result)
