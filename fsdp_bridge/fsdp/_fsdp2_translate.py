@@ -264,6 +264,13 @@ def check_call(module, mesh, reshard_after_forward, shard_placement_fn, mp_polic
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise bad("shard_placement_fn", shard_placement_fn, "None or a callable",
                   "Drop it to shard on dim 0.", exc=TypeError)
+    if shard_placement_fn is not None and dp_mesh_dims is not None \
+            and not dp_mesh_dims.shard_names:
+        raise bad("shard_placement_fn", shard_placement_fn, "None when dp_mesh_dims names no "
+                  "shard dimension (replication alone: nothing is sharded)", "Per-param mesh "
+                  "via shard_placement_fn is not supported with DDPMeshInfo; it requires "
+                  "FSDPMeshInfo (or subclass) (FSDP2's words): drop shard_placement_fn, or "
+                  "name a shard dimension in dp_mesh_dims.")
     return modules
 
 
@@ -334,12 +341,6 @@ def mesh_of_info(mesh_info, shard_placement_fn, name: str):
                   "Shard(d), or a ShardPlacementResult whose mesh_info is an FSDPMeshInfo or "
                   f"HSDPMeshInfo (it returned mesh_info={mesh_info!r} for {name!r})",
                   "Build it as FSDPMeshInfo(mesh=..., shard_mesh_dim=0).")
-    if getattr(mesh_info, "is_spmd_mesh", False):
-        raise bad("shard_placement_fn", shard_placement_fn, "a ShardPlacementResult whose "
-                  f"mesh_info is not an SPMD mesh (dp_mesh_dims; it returned one for {name!r})",
-                  "fsdp_bridge does not shard a parameter over an SPMD mesh of its own yet: "
-                  "give it an FSDPMeshInfo over its data-parallel mesh.",
-                  exc=NotImplementedError)
     if (mesh.ndim, replicate, shard) not in ((1, None, 0), (2, 0, 1)):
         raise bad("shard_placement_fn", shard_placement_fn, "a ShardPlacementResult whose "
                   "mesh_info is FSDPMeshInfo(1-D mesh, shard_mesh_dim=0) or HSDPMeshInfo(2-D "
@@ -349,6 +350,22 @@ def mesh_of_info(mesh_info, shard_placement_fn, name: str):
                   "(replicate, shard) one: slice the data-parallel dimensions out of the mesh "
                   "first.", exc=NotImplementedError)
     return mesh
+
+
+def spmd_of_info(mesh_info, param: nn.Parameter):
+    """(SPMD mesh, dp_mesh_dims) of a parameter whose `ShardPlacementResult` names an SPMD
+    mesh info (one built with dp_mesh_dims, torch >= 2.12), None for another mesh info. As
+    FSDP2, the SPMD mesh is the parameter's own DTensor mesh, which must be the info's
+    `spmd_mesh` when that is set (a parameter that is no DTensor is refused where it is
+    sharded)."""
+    if not getattr(mesh_info, "is_spmd_mesh", False):
+        return None
+    spmd_mesh = getattr(mesh_info, "spmd_mesh", None)
+    if spmd_mesh is None:
+        spmd_mesh = getattr(param, "device_mesh", None)
+    if isinstance(spmd_mesh, DeviceMesh):
+        check_dp_mesh_dims(spmd_mesh, mesh_info.dp_mesh_dims)
+    return spmd_mesh, mesh_info.dp_mesh_dims
 
 
 def groups_of(mesh: DeviceMesh) -> tuple:

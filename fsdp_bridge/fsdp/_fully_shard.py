@@ -780,12 +780,14 @@ def _sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, shard_placement_f
     FSDP2 cuts it, and the engine runs its hooks (see [Note: all-gather extensions] in
     fsdp_bridge/engine/extension_group.py). `mesh_infos`: see _data_parallel_mesh."""
     placement, mesh_info = T.resolve_placement(shard_placement_fn, param)
-    own_mesh = _data_parallel_mesh(mesh_info, mesh, shard_placement_fn, name, spmd,
+    own_mesh = _data_parallel_mesh(mesh_info, mesh, shard_placement_fn, name,
                                    {} if mesh_infos is None else mesh_infos)
-    if spmd is not None:
-        return _sharded_spmd(param, name, *spmd, mesh, shard_placement_fn, placement)
     target = own_mesh if own_mesh is not None else mesh
-    if isinstance(param, DTensor):
+    if mesh_info is not None:  # the parameter's own mesh info says whether it is SPMD
+        spmd = T.spmd_of_info(mesh_info, param)
+    if spmd is not None:
+        new, form = _sharded_spmd(param, name, *spmd, target, shard_placement_fn, placement)
+    elif isinstance(param, DTensor):
         new, form = _sharded_tensor_parallel(param, name, target, shard_placement_fn, placement)
     else:
         dim = T.shard_dim(shard_placement_fn, placement, param, name, tuple(param.shape),
@@ -796,7 +798,7 @@ def _sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, shard_placement_f
     return new, form
 
 
-def _data_parallel_mesh(mesh_info, call_mesh: DeviceMesh, shard_placement_fn, name: str, spmd,
+def _data_parallel_mesh(mesh_info, call_mesh: DeviceMesh, shard_placement_fn, name: str,
                         mesh_infos: dict) -> Optional[DeviceMesh]:
     """The mesh a parameter whose `shard_placement_fn` result names `mesh_info` (a
     ShardPlacementResult's) is sharded over, when its groups are not the call's; None
@@ -816,11 +818,6 @@ def _data_parallel_mesh(mesh_info, call_mesh: DeviceMesh, shard_placement_fn, na
                     "(FSDP2's words): return the same FSDPMeshInfo for all of them.")
     if key == T.groups_of(call_mesh):
         return None
-    if spmd is not None:
-        raise T.bad("shard_placement_fn", shard_placement_fn, "a function returning None or "
-                    f"Shard(d) when dp_mesh_dims is given (it named another mesh for {name!r})",
-                    "fsdp_bridge does not shard parameters of an SPMD mesh over meshes of "
-                    "their own yet.", exc=NotImplementedError)
     return mesh
 
 

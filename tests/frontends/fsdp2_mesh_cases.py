@@ -13,6 +13,10 @@ native `fully_shard` and with ours in the four-rank world of fsdp2_round3_cases.
   replicate one), two shard names splitting the parameters four ways (a (2, 2) mesh), and
   replication alone (DDP: a (dp_replicate 2, tp 2) mesh). Tensor parallelism with a shard
   dimension of two ranks is fsdp2_round3_cases.py's `spmd_tensor_parallel`.
+- a `shard_placement_fn` under `dp_mesh_dims` giving expert weights an SPMD mesh info of their
+  own (shard "efsdp" of a sparse (efsdp 2, ep 2) mesh; the dense parameters on a mesh "dp" of
+  the four ranks), torchtitan's MoE layout in the SPMD spelling; with replication alone,
+  FSDP2's refusal of any `shard_placement_fn`.
 
 Each case records the losses, the last step's gradients (placements, local and full values),
 the parameters' placements and local values, and the full state dict after three steps.
@@ -125,6 +129,80 @@ def spmd(which, shape: tuple, names: tuple, shard=None, replicate=None):
     return _record(model, step_loss)
 
 
+class _Experts(nn.Module):
+    """A dense input and output layer around expert weights: each rank applies the experts it
+    holds (its expert-parallel share) to its rows, so the experts live on a mesh of their own."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.experts = nn.Parameter(torch.randn(4, 8, 8) / 8)
+        self.out = nn.Linear(8, 4)
+
+    def forward(self, x):
+        hidden = self.inp(x).relu()
+        mine = self.experts.to_local()
+        mixed = torch.einsum("bi,eio->bo", hidden.to_local(), mine)
+        return self.out(DTensor.from_local(mixed, hidden.device_mesh, hidden.placements))
+
+
+def spmd_experts(which):
+    """`dp_mesh_dims` over a dense SPMD mesh of the four ranks ("dp"), the dense parameters
+    DTensors on it; the experts DTensors on a sparse SPMD mesh (efsdp 2, ep 2), split over ep,
+    that a `shard_placement_fn` gives an SPMD FSDPMeshInfo of their own (shard efsdp): sharded
+    over efsdp and reduced and averaged there, as FSDP2's parameter groups."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import (
+        FSDPMeshInfo,
+        ShardPlacementResult,
+    )
+
+    fsdp = _fsdp(which)
+    dense = init_device_mesh(device_type(), (4,), mesh_dim_names=("dp",))
+    sparse = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("efsdp", "ep"))
+    torch.manual_seed(0)
+    model = _Experts().to(device_type())
+    for name, param in list(model.named_parameters()):
+        module, _, attr = name.rpartition(".")
+        value = (distribute_tensor(param.detach(), sparse, [Replicate(), Shard(0)])
+                 if name == "experts" else distribute_tensor(param.detach(), dense, [Replicate()]))
+        setattr(model.get_submodule(module), attr, nn.Parameter(value))
+    expert_dims = fsdp.DataParallelMeshDims(shard="efsdp")
+    expert_info = FSDPMeshInfo(sparse["efsdp"], shard_mesh_dim=0, dp_mesh_dims=expert_dims,
+                               spmd_mesh=sparse)
+
+    def placement(param):
+        return ShardPlacementResult(Shard(0), expert_info) if param is model.experts else None
+
+    dims = fsdp.DataParallelMeshDims(shard="dp")
+    fsdp.fully_shard(model.inp, mesh=dense, dp_mesh_dims=dims)
+    fsdp.fully_shard(model, mesh=dense, dp_mesh_dims=dims, shard_placement_fn=placement)
+    rank = dense.get_local_rank()
+
+    def step_loss(step):
+        batch = DTensor.from_local(_inputs(step, rank, dense.size()), dense, [Shard(0)])
+        return model(batch).pow(2).mean()
+
+    return _record(model, step_loss)
+
+
+def replicate_only_with_placement_fn(which):
+    """A `shard_placement_fn` when `dp_mesh_dims` names no shard dimension: FSDP2 refuses it
+    (at fully_shard time) with a ValueError. The exception's type and message."""
+    fsdp = _fsdp(which)
+    mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("dp_replicate", "tp"))
+    model = nn.Linear(4, 4).to(device_type())
+    model.weight = nn.Parameter(distribute_tensor(model.weight.detach(), mesh,
+                                                  [Replicate(), Replicate()]))
+    model.bias = nn.Parameter(distribute_tensor(model.bias.detach(), mesh,
+                                                [Replicate(), Replicate()]))
+    try:
+        fsdp.fully_shard(model, mesh=mesh, shard_placement_fn=lambda param: None,
+                         dp_mesh_dims=fsdp.DataParallelMeshDims(replicate="dp_replicate"))
+    except Exception as error:  # noqa: BLE001 - the result is the exception
+        return {"types": [t.__name__ for t in type(error).__mro__], "message": str(error)}
+    return {"types": [], "message": ""}
+
+
 def cases(both) -> dict:
     """name -> rank function, each running `fn("native")` then `fn("ours")` through `both`."""
     return {
@@ -133,6 +211,8 @@ def cases(both) -> dict:
         "spmd_hsdp_tp": both(spmd, (2, 1, 1, 2), ("dp_replicate", "dp_shard", "cp", "tp"),
                              ("dp_shard", "cp"), "dp_replicate"),
         "spmd_two_shard_names": both(spmd, (2, 2), ("dp_shard", "cp"), ("dp_shard", "cp")),
+        "spmd_experts": both(spmd_experts),
+        "replicate_only_with_placement_fn": both(replicate_only_with_placement_fn),
         "spmd_replicate_only": both(spmd, (2, 2), ("dp_replicate", "tp"), None,
                                     "dp_replicate"),
     }

@@ -357,3 +357,28 @@ def test_dp_mesh_dims_layouts_train_as_native(world, variant, rank):
     result = case(world, variant, rank)
     assert result["native"]["params"]["0.weight"][:2] == SPMD_PLACEMENTS[variant]
     _assert_trains_as_native(result)
+
+
+@needs_placement_result
+@pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"),
+                    reason=f"torch {torch.__version__} has no DataParallelMeshDims (dp_mesh_dims "
+                    "needs torch >= 2.12)")
+@pytest.mark.parametrize("rank", [0, 3])
+def test_a_parameter_given_an_spmd_mesh_of_its_own_trains_as_native(world, rank):
+    result = case(world, "spmd_experts", rank)
+    params = result["native"]["params"]
+    assert params["experts"][:2] == ("('efsdp', 'ep')",
+                                     "(_StridedShard(dim=0, sf=2), Shard(dim=0))")
+    assert params["inp.weight"][:2] == ("('dp',)", "(Shard(dim=0),)")
+    _assert_trains_as_native(result)
+
+
+@pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"),
+                    reason=f"torch {torch.__version__} has no DataParallelMeshDims (dp_mesh_dims "
+                    "needs torch >= 2.12)")
+def test_a_placement_fn_with_replication_alone_is_refused_as_native(world):
+    result = case(world, "replicate_only_with_placement_fn", 0)
+    native, ours = result["native"], result["ours"]
+    words = "Per-param mesh via shard_placement_fn is not supported with DDPMeshInfo"
+    assert native["types"][0] == "ValueError" and words in native["message"], native
+    assert "ValueError" in ours["types"] and words in ours["message"], ours
