@@ -72,24 +72,33 @@ TABLE = register_table(
                        "that mesh: gathered, reduced and averaged over its own groups, a "
                        "DTensor on that mesh (with the expert-parallel mesh for DTensor "
                        "parameters), as FSDP2's parameter groups"),
+            translated("shard_placement_fn -> ShardPlacementResult over an SPMD mesh info",
+                       "(dp_mesh_dims set on the mesh info) the parameter, a DTensor on the "
+                       "info's SPMD mesh, is split over the info's data-parallel mesh as "
+                       "dp_mesh_dims splits it, in a flat group of its own (torchtitan's SPMD "
+                       "MoE: experts on a sparse mesh)"),
             rejected("shard_placement_fn=<other placements>", "refused at fully_shard time: "
                      "only Shard(d) placements split a parameter over the shard group; a "
-                     "ShardPlacementResult over an SPMD mesh (dp_mesh_dims) or over a mesh "
-                     "of another shape than 1-D or 2-D (replicate, shard) is refused with "
-                     "NotImplementedError"),
+                     "ShardPlacementResult over a mesh of another shape than 1-D or 2-D "
+                     "(replicate, shard) is refused with NotImplementedError; with "
+                     "dp_mesh_dims naming no shard dimension any shard_placement_fn is "
+                     "refused with FSDP2's ValueError"),
             translated("tensor-parallel (DTensor) parameters", "a parameter parallelize_module "
                        "made a DTensor on a 1-D tensor-parallel mesh is split further over the "
-                       "1-D data-parallel mesh: a DTensor on both (FSDP2's placements, "
+                       "data-parallel mesh's shard dimension (1-D: FSDP; 2-D: HSDP, all-reduced "
+                       "over the replicas): a DTensor on all of them (FSDP2's placements, "
                        "_StridedShard included), gathered back into the tensor-parallel DTensor "
-                       "for compute; HSDP with tensor parallelism and Partial placements are "
-                       "refused by name"),
-            translated("dp_mesh_dims", "(torch >= 2.12) the SPMD mesh's named shard dimension "
-                       "(and replicate one: HSDP) is the data-parallel mesh; each parameter, a "
-                       "DTensor on the SPMD mesh (Replicate on those dimensions), is split on "
-                       "the shard dimension with FSDP2's placements and computes as the "
-                       "DTensor it was"),
-            rejected("dp_mesh_dims with several shard names, replication alone, or HSDP "
-                     "beside tensor parallelism", "refused by name (NotImplementedError)"),
+                       "for compute; Partial placements, a tensor-parallel mesh of several "
+                       "dimensions and an all-gather extension under HSDP with tensor "
+                       "parallelism are refused by name"),
+            translated("dp_mesh_dims", "(torch >= 2.12) the SPMD mesh's named shard dimensions "
+                       "(flattened into one when several, as FSDP2) and replicate ones (HSDP; "
+                       "alone: DDP, mode replicate, gradients all-reduced) are the "
+                       "data-parallel mesh; each parameter, a DTensor on the SPMD mesh "
+                       "(Replicate on those dimensions), is split on the shard dimension with "
+                       "FSDP2's placements (on FSDP2's mesh with the flattened dimension when "
+                       "several are named) and computes as the DTensor it was; other "
+                       "dimensions (tensor parallelism) stay as they are"),
             translated("set_requires_gradient_sync", "the gradient sync flag of this module's "
                        "unit (and of the units below it, with recurse)"),
             translated("set_requires_all_reduce", "HSDP: False sums this module's unit's "
