@@ -55,6 +55,10 @@ from tests.frontends import fsdp2_round3_cases as C
 from tests.world import case_result as case
 from tests.world import run_world
 
+needs_dp_mesh_dims = pytest.mark.skipif(
+    not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"), reason=f"torch "
+    f"{torch.__version__} has no DataParallelMeshDims (dp_mesh_dims needs torch >= 2.12)")
+
 
 @pytest.fixture(scope="module")
 def world():
@@ -222,9 +226,7 @@ def test_a_torchtitan_shaped_training_matches_native_bit_for_bit(world, rank):
         assert torch.equal(ours["full"][name], value), name
 
 
-@pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"),
-                    reason=f"torch {torch.__version__} has no DataParallelMeshDims (dp_mesh_dims "
-                    "needs torch >= 2.12)")
+@needs_dp_mesh_dims
 @pytest.mark.parametrize("rank", [0, 3])
 def test_dp_mesh_dims_with_tensor_parallelism_trains_as_native(world, rank):
     result = case(world, "spmd_tensor_parallel", rank)
@@ -348,9 +350,7 @@ SPMD_PLACEMENTS = {
 }
 
 
-@pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"),
-                    reason=f"torch {torch.__version__} has no DataParallelMeshDims (dp_mesh_dims "
-                    "needs torch >= 2.12)")
+@needs_dp_mesh_dims
 @pytest.mark.parametrize("variant", list(SPMD_PLACEMENTS))
 @pytest.mark.parametrize("rank", [0, 3])
 def test_dp_mesh_dims_layouts_train_as_native(world, variant, rank):
@@ -360,9 +360,7 @@ def test_dp_mesh_dims_layouts_train_as_native(world, variant, rank):
 
 
 @needs_placement_result
-@pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"),
-                    reason=f"torch {torch.__version__} has no DataParallelMeshDims (dp_mesh_dims "
-                    "needs torch >= 2.12)")
+@needs_dp_mesh_dims
 @pytest.mark.parametrize("rank", [0, 3])
 def test_a_parameter_given_an_spmd_mesh_of_its_own_trains_as_native(world, rank):
     result = case(world, "spmd_experts", rank)
@@ -373,9 +371,7 @@ def test_a_parameter_given_an_spmd_mesh_of_its_own_trains_as_native(world, rank)
     _assert_trains_as_native(result)
 
 
-@pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"),
-                    reason=f"torch {torch.__version__} has no DataParallelMeshDims (dp_mesh_dims "
-                    "needs torch >= 2.12)")
+@needs_dp_mesh_dims
 def test_a_placement_fn_with_replication_alone_is_refused_as_native(world):
     result = case(world, "replicate_only_with_placement_fn", 0)
     native, ours = result["native"], result["ours"]
