@@ -8,11 +8,13 @@ native `fully_shard` and with ours in the four-rank world of fsdp2_round3_cases.
   group's split and its strided placements): every index of the three dimensions is exercised.
 - `dp_mesh_dims` (torch >= 2.12), every parameter a DTensor on the whole SPMD mesh (Replicate on
   its data-parallel dimensions, column-wise then row-wise on "tp"): a replicate dimension beside
-  two shard names and tensor parallelism (a (dp_replicate 2, dp_shard 1, cp 1, tp 2) mesh: the
-  SPMD spelling of HSDP + TP, its shard names flattened into one dimension, placed after the
-  replicate one), two shard names splitting the parameters four ways (a (2, 2) mesh), and
-  replication alone (DDP: a (dp_replicate 2, tp 2) mesh). Tensor parallelism with a shard
-  dimension of two ranks is fsdp2_round3_cases.py's `spmd_tensor_parallel`.
+  tensor parallelism (the SPMD spelling of HSDP + TP, on a (2, 1, 2) mesh), a replicate
+  dimension with two shard names (flattened into one shard dimension of two ranks, placed after
+  the replicate one: a (dp_replicate 2, dp_shard 1, cp 2) mesh), two shard names splitting the
+  parameters four ways (a (2, 2) mesh), and replication alone (DDP: a (dp_replicate 2, tp 2)
+  mesh). Tensor parallelism with a shard dimension of two ranks is fsdp2_round3_cases.py's
+  `spmd_tensor_parallel`. (A mesh of four dimensions, to combine them all, costs DTensor's
+  sharding propagation over a minute.)
 - a `shard_placement_fn` under `dp_mesh_dims` giving expert weights an SPMD mesh info of their
   own (shard "efsdp" of a sparse (efsdp 2, ep 2) mesh; the dense parameters on a mesh "dp" of
   the four ranks), torchtitan's MoE layout in the SPMD spelling; with replication alone,
@@ -61,9 +63,11 @@ def _model() -> nn.Sequential:
 
 
 def _record(model: nn.Module, step_loss) -> dict:
-    """Three AdamW steps (`step_loss(step)` runs a forward and returns the loss tensor); the
-    losses, the last step's gradients, the parameters and the full state dict afterwards."""
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    """Three SGD steps (`step_loss(step)` runs a forward and returns the loss tensor; SGD
+    rather than AdamW: AdamW's many operations on DTensors of a 3-D mesh each cost DTensor's
+    sharding propagation, about 3 s more over this module's cases); the losses, the last
+    step's gradients, the parameters and the full state dict afterwards."""
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, grads, full_grads = [], {}, {}
     for step in range(STEPS):
         loss = step_loss(step)
@@ -210,8 +214,9 @@ def cases(both) -> dict:
     return {
         "hsdp_tp_replicas": both(hsdp_tensor_parallel, (2, 1, 2)),
         "hsdp_tp_shards": both(hsdp_tensor_parallel, (1, 2, 2)),
-        "spmd_hsdp_tp": both(spmd, (2, 1, 1, 2), ("dp_replicate", "dp_shard", "cp", "tp"),
-                             ("dp_shard", "cp"), "dp_replicate"),
+        "spmd_hsdp_tp": both(spmd, (2, 1, 2), MESH_NAMES, "dp_shard", "dp_replicate"),
+        "spmd_hsdp_two_shard_names": both(spmd, (2, 1, 2), ("dp_replicate", "dp_shard", "cp"),
+                                          ("dp_shard", "cp"), "dp_replicate"),
         "spmd_two_shard_names": both(spmd, (2, 2), ("dp_shard", "cp"), ("dp_shard", "cp")),
         "spmd_experts": both(spmd_experts),
         "spmd_replicate_only": both(spmd, (2, 2), ("dp_replicate", "tp"), None,

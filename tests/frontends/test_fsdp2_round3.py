@@ -340,9 +340,12 @@ def test_hsdp_with_tensor_parallelism_trains_as_native(world, shape, rank):
 
 
 SPMD_PLACEMENTS = {
-    # HSDP beside tensor parallelism, the shard names (dp_shard, cp) flattened after dp_replicate.
-    "spmd_hsdp_tp": ("('dp_replicate', 'dp_shard_cp', 'tp')",
+    # HSDP beside tensor parallelism.
+    "spmd_hsdp_tp": ("('dp_replicate', 'dp_shard', 'tp')",
                      "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))"),
+    # HSDP with the shard names (dp_shard, cp) flattened after dp_replicate.
+    "spmd_hsdp_two_shard_names": ("('dp_replicate', 'dp_shard_cp')",
+                                  "(Replicate(), Shard(dim=0))"),
     # Two shard names flattened into one dimension of four ranks.
     "spmd_two_shard_names": ("('dp_shard_cp',)", "(Shard(dim=0),)"),
     # Replication alone (DDP): the parameter keeps its placements.
