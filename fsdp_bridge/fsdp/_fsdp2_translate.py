@@ -242,7 +242,14 @@ def check_call(module, mesh, reshard_after_forward, shard_placement_fn, mp_polic
         raise bad("reshard_after_forward", reshard_after_forward, "None, True, False or an int "
                   "dividing the shard-group size", "e.g. reshard_after_forward=True.",
                   exc=TypeError)
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool) \
+            and getattr(dp_mesh_dims, "shard_names", None):
+        raise bad("reshard_after_forward", reshard_after_forward, "None, True or False when "
+                  "dp_mesh_dims names a shard dimension", "reshard_after_forward as int is not "
+                  "yet supported with SPMD mesh (dp_mesh_dims) (FSDP2's words): pass True or "
+                  "False.", exc=NotImplementedError)
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool) \
+            and dp_mesh_dims is None:
         shard_size = mesh.size(mesh.ndim - 1) if mesh is not None else _world()
         if reshard_after_forward < 1 or shard_size % reshard_after_forward:
             raise bad("reshard_after_forward", reshard_after_forward, f"an int >= 1 dividing "

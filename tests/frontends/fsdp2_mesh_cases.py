@@ -17,8 +17,9 @@ native `fully_shard` and with ours in the four-rank world of fsdp2_round3_cases.
   sharding propagation over a minute.)
 - a `shard_placement_fn` under `dp_mesh_dims` giving expert weights an SPMD mesh info of their
   own (shard "efsdp" of a sparse (efsdp 2, ep 2) mesh; the dense parameters on a mesh "dp" of
-  the four ranks), torchtitan's MoE layout in the SPMD spelling; with replication alone,
-  FSDP2's refusal of any `shard_placement_fn`.
+  the four ranks), torchtitan's MoE layout in the SPMD spelling; FSDP2's refusals of any
+  `shard_placement_fn` with replication alone and of an int `reshard_after_forward` with a
+  shard dimension.
 
 Each case records the losses, the last step's gradients (placements, local and full values),
 the parameters' placements and local values, and the full state dict after three steps.
@@ -189,24 +190,40 @@ def spmd_experts(which):
     return _record(model, step_loss)
 
 
-def replicate_only_with_placement_fn(which):
-    """A `shard_placement_fn` when `dp_mesh_dims` names no shard dimension: FSDP2 refuses it
-    (at fully_shard time) with a ValueError. The exception's type and message."""
+def _refusal(call) -> dict:
+    """The type (with its bases) and message of what `call()` raises; empty when it does not."""
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 - the result is the exception
+        return {"types": [t.__name__ for t in type(error).__mro__], "message": str(error)}
+    return {"types": [], "message": ""}
+
+
+def refused_with_dp_mesh_dims(which):
+    """What FSDP2 refuses with `dp_mesh_dims`, at fully_shard time: a `shard_placement_fn`
+    when no shard dimension is named (ValueError), an int `reshard_after_forward` when one is
+    (NotImplementedError). Each exception's type and message."""
     fsdp = _fsdp(which)
     # Names of its own: after this case, a case building an equal mesh saw native FSDP2's check
     # that a parameter's mesh is the very mesh fully_shard is given fail (not investigated).
     mesh = init_device_mesh(device_type(), (2, 2), mesh_dim_names=("replicas", "tp"))
-    model = nn.Linear(4, 4).to(device_type())
-    model.weight = nn.Parameter(distribute_tensor(model.weight.detach(), mesh,
-                                                  [Replicate(), Replicate()]))
-    model.bias = nn.Parameter(distribute_tensor(model.bias.detach(), mesh,
-                                                [Replicate(), Replicate()]))
-    try:
-        fsdp.fully_shard(model, mesh=mesh, shard_placement_fn=lambda param: None,
-                         dp_mesh_dims=fsdp.DataParallelMeshDims(replicate="replicas"))
-    except Exception as error:  # noqa: BLE001 - the result is the exception
-        return {"types": [t.__name__ for t in type(error).__mro__], "message": str(error)}
-    return {"types": [], "message": ""}
+
+    def replicated():  # a new module per call: a refused native call leaves its module marked
+        model = nn.Linear(4, 4).to(device_type())
+        for attr in ("weight", "bias"):
+            value = getattr(model, attr).detach()
+            setattr(model, attr, nn.Parameter(distribute_tensor(value, mesh,
+                                                                [Replicate(), Replicate()])))
+        return model
+
+    return {
+        "placement_fn": _refusal(lambda: fsdp.fully_shard(
+            replicated(), mesh=mesh, shard_placement_fn=lambda param: None,
+            dp_mesh_dims=fsdp.DataParallelMeshDims(replicate="replicas"))),
+        "reshard_int": _refusal(lambda: fsdp.fully_shard(
+            replicated(), mesh=mesh, reshard_after_forward=2,
+            dp_mesh_dims=fsdp.DataParallelMeshDims(shard="replicas"))),
+    }
 
 
 def cases(both) -> dict:
@@ -221,5 +238,5 @@ def cases(both) -> dict:
         "spmd_experts": both(spmd_experts),
         "spmd_replicate_only": both(spmd, (2, 2), ("dp_replicate", "tp"), None,
                                     "dp_replicate"),
-        "replicate_only_with_placement_fn": both(replicate_only_with_placement_fn),
+        "refused_with_dp_mesh_dims": both(refused_with_dp_mesh_dims),
     }

@@ -374,10 +374,19 @@ def test_a_parameter_given_an_spmd_mesh_of_its_own_trains_as_native(world, rank)
     _assert_trains_as_native(result)
 
 
+DP_MESH_DIMS_REFUSALS = {
+    "placement_fn": ("ValueError", "Per-param mesh via shard_placement_fn is not supported with "
+                     "DDPMeshInfo"),
+    "reshard_int": ("NotImplementedError", "reshard_after_forward as int is not yet supported "
+                    "with SPMD mesh (dp_mesh_dims)"),
+}
+
+
 @needs_dp_mesh_dims
-def test_a_placement_fn_with_replication_alone_is_refused_as_native(world):
-    result = case(world, "replicate_only_with_placement_fn", 0)
-    native, ours = result["native"], result["ours"]
-    words = "Per-param mesh via shard_placement_fn is not supported with DDPMeshInfo"
-    assert native["types"][0] == "ValueError" and words in native["message"], native
-    assert "ValueError" in ours["types"] and words in ours["message"], ours
+@pytest.mark.parametrize("refusal", sorted(DP_MESH_DIMS_REFUSALS))
+def test_dp_mesh_dims_refusals_raise_as_native(world, refusal):
+    result = case(world, "refused_with_dp_mesh_dims", 0)
+    native, ours = result["native"][refusal], result["ours"][refusal]
+    kind, words = DP_MESH_DIMS_REFUSALS[refusal]
+    assert native["types"][0] == kind and words in native["message"], native
+    assert kind in ours["types"] and words in ours["message"], ours
