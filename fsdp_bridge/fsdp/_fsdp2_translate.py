@@ -72,24 +72,33 @@ TABLE = register_table(
                        "that mesh: gathered, reduced and averaged over its own groups, a "
                        "DTensor on that mesh (with the expert-parallel mesh for DTensor "
                        "parameters), as FSDP2's parameter groups"),
+            translated("shard_placement_fn -> ShardPlacementResult over an SPMD mesh info",
+                       "(dp_mesh_dims set on the mesh info) the parameter, a DTensor on the "
+                       "info's SPMD mesh, is split over the info's data-parallel mesh as "
+                       "dp_mesh_dims splits it, in a flat group of its own (torchtitan's SPMD "
+                       "MoE: experts on a sparse mesh)"),
             rejected("shard_placement_fn=<other placements>", "refused at fully_shard time: "
                      "only Shard(d) placements split a parameter over the shard group; a "
-                     "ShardPlacementResult over an SPMD mesh (dp_mesh_dims) or over a mesh "
-                     "of another shape than 1-D or 2-D (replicate, shard) is refused with "
-                     "NotImplementedError"),
+                     "ShardPlacementResult over a mesh of another shape than 1-D or 2-D "
+                     "(replicate, shard) is refused with NotImplementedError; with "
+                     "dp_mesh_dims naming no shard dimension any shard_placement_fn is "
+                     "refused with FSDP2's ValueError"),
             translated("tensor-parallel (DTensor) parameters", "a parameter parallelize_module "
                        "made a DTensor on a 1-D tensor-parallel mesh is split further over the "
-                       "1-D data-parallel mesh: a DTensor on both (FSDP2's placements, "
+                       "data-parallel mesh's shard dimension (1-D: FSDP; 2-D: HSDP, all-reduced "
+                       "over the replicas): a DTensor on all of them (FSDP2's placements, "
                        "_StridedShard included), gathered back into the tensor-parallel DTensor "
-                       "for compute; HSDP with tensor parallelism and Partial placements are "
-                       "refused by name"),
-            translated("dp_mesh_dims", "(torch >= 2.12) the SPMD mesh's named shard dimension "
-                       "(and replicate one: HSDP) is the data-parallel mesh; each parameter, a "
-                       "DTensor on the SPMD mesh (Replicate on those dimensions), is split on "
-                       "the shard dimension with FSDP2's placements and computes as the "
-                       "DTensor it was"),
-            rejected("dp_mesh_dims with several shard names, replication alone, or HSDP "
-                     "beside tensor parallelism", "refused by name (NotImplementedError)"),
+                       "for compute; Partial placements, a tensor-parallel mesh of several "
+                       "dimensions and an all-gather extension under HSDP with tensor "
+                       "parallelism are refused by name"),
+            translated("dp_mesh_dims", "(torch >= 2.12) the SPMD mesh's named shard dimensions "
+                       "(flattened into one when several, as FSDP2) and replicate ones (HSDP; "
+                       "alone: DDP, mode replicate, gradients all-reduced) are the "
+                       "data-parallel mesh; each parameter, a DTensor on the SPMD mesh "
+                       "(Replicate on those dimensions), is split on the shard dimension with "
+                       "FSDP2's placements (on FSDP2's mesh with the flattened dimension when "
+                       "several are named) and computes as the DTensor it was; other "
+                       "dimensions (tensor parallelism) stay as they are"),
             translated("set_requires_gradient_sync", "the gradient sync flag of this module's "
                        "unit (and of the units below it, with recurse)"),
             translated("set_requires_all_reduce", "HSDP: False sums this module's unit's "
@@ -233,7 +242,14 @@ def check_call(module, mesh, reshard_after_forward, shard_placement_fn, mp_polic
         raise bad("reshard_after_forward", reshard_after_forward, "None, True, False or an int "
                   "dividing the shard-group size", "e.g. reshard_after_forward=True.",
                   exc=TypeError)
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool) \
+            and getattr(dp_mesh_dims, "shard_names", None):
+        raise bad("reshard_after_forward", reshard_after_forward, "None, True or False when "
+                  "dp_mesh_dims names a shard dimension", "reshard_after_forward as int is not "
+                  "yet supported with SPMD mesh (dp_mesh_dims) (FSDP2's words): pass True or "
+                  "False.", exc=NotImplementedError)
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool) \
+            and dp_mesh_dims is None:
         shard_size = mesh.size(mesh.ndim - 1) if mesh is not None else _world()
         if reshard_after_forward < 1 or shard_size % reshard_after_forward:
             raise bad("reshard_after_forward", reshard_after_forward, f"an int >= 1 dividing "
@@ -264,14 +280,20 @@ def check_call(module, mesh, reshard_after_forward, shard_placement_fn, mp_polic
     if shard_placement_fn is not None and not callable(shard_placement_fn):
         raise bad("shard_placement_fn", shard_placement_fn, "None or a callable",
                   "Drop it to shard on dim 0.", exc=TypeError)
+    if shard_placement_fn is not None and dp_mesh_dims is not None \
+            and not dp_mesh_dims.shard_names:
+        raise bad("shard_placement_fn", shard_placement_fn, "None when dp_mesh_dims names no "
+                  "shard dimension (replication alone: nothing is sharded)", "Per-param mesh "
+                  "via shard_placement_fn is not supported with DDPMeshInfo; it requires "
+                  "FSDPMeshInfo (or subclass) (FSDP2's words): drop shard_placement_fn, or "
+                  "name a shard dimension in dp_mesh_dims.")
     return modules
 
 
 def check_dp_mesh_dims(mesh, dp_mesh_dims) -> None:
-    """FSDP2's checks of `dp_mesh_dims` (torch >= 2.12), and what the engine supports of it:
-    one shard dimension (with an optional replicate one: HSDP) of the SPMD mesh; tensor
-    parallelism beside HSDP, several shard names (flattened) and replication alone (DDP) are
-    refused by name."""
+    """FSDP2's checks of `dp_mesh_dims` (torch >= 2.12): names of the mesh's dimensions,
+    several shard names being consecutive dimensions in the mesh's order (FSDP2 puts their
+    flattening in their place)."""
     shard = getattr(dp_mesh_dims, "shard_names", None)
     replicate = getattr(dp_mesh_dims, "replicate_names", None)
     if shard is None or replicate is None:
@@ -282,32 +304,35 @@ def check_dp_mesh_dims(mesh, dp_mesh_dims) -> None:
         raise bad("mesh", mesh, "a DeviceMesh with mesh_dim_names when dp_mesh_dims is given "
                   "(FSDP2: mesh must have mesh_dim_names when dp_mesh_dims is provided)",
                   "Build it with init_device_mesh(..., mesh_dim_names=(...)).")
+    names = mesh.mesh_dim_names
     for name in (*shard, *replicate):
-        if name not in mesh.mesh_dim_names:
+        if name not in names:
             raise bad("dp_mesh_dims", dp_mesh_dims, f"names of the mesh's dimensions "
-                      f"{mesh.mesh_dim_names}", f"Mesh dim name '{name}' not found in "
-                      f"mesh.mesh_dim_names {mesh.mesh_dim_names} (FSDP2's words).")
-    others = [n for n in mesh.mesh_dim_names if n not in (*shard, *replicate)]
-    problem = ("replication alone (no shard dimension: DDP)" if not shard
-               else f"{len(shard)} shard dimensions {shard} (flattened into one by FSDP2)"
-               if len(shard) > 1 or len(replicate) > 1
-               else f"HSDP beside the other dimensions {others}" if replicate and others
-               else None)
-    if problem is not None:
-        raise bad("dp_mesh_dims", dp_mesh_dims, "one shard dimension, with one replicate "
-                  "dimension (HSDP) when the mesh has no other dimensions", f"fsdp_bridge "
-                  f"does not support {problem} yet; shard with torch's own fully_shard, or "
-                  "name one shard dimension.", exc=NotImplementedError)
+                      f"{names}", f"Mesh dim name '{name}' not found in "
+                      f"mesh.mesh_dim_names {names} (FSDP2's words).")
+    indices = [names.index(name) for name in shard]
+    if len(indices) > 1 and indices != list(range(indices[0], indices[0] + len(indices))):
+        raise bad("dp_mesh_dims", dp_mesh_dims, f"shard names of consecutive dimensions of "
+                  f"the mesh {names}, in its order (FSDP2 flattens them into one dimension "
+                  "in their place)", "Order the mesh's dimensions so that the shard "
+                  "dimensions are neighbours, e.g. ('dp_shard', 'cp', 'tp').")
 
 
 def dp_mesh_of(mesh, dp_mesh_dims):
     """The data-parallel mesh `dp_mesh_dims` names in the SPMD `mesh` (checked by
-    check_dp_mesh_dims): its shard dimension, after its replicate one under HSDP."""
-    (shard,) = dp_mesh_dims.shard_names
-    if not dp_mesh_dims.replicate_names:
-        return mesh[shard]
-    (replicate,) = dp_mesh_dims.replicate_names
-    return mesh[(replicate, shard)]
+    check_dp_mesh_dims), as FSDP2 builds it: the shard dimensions (flattened into one when
+    several), after the replicate ones (flattened likewise) under HSDP; the replicate
+    dimensions alone without a shard name (DDP)."""
+
+    def joined(names: tuple):
+        return mesh[names[0]] if len(names) == 1 else mesh[names]._flatten("_".join(names))
+
+    shard, replicate = dp_mesh_dims.shard_names, dp_mesh_dims.replicate_names
+    if not replicate:
+        return joined(shard)
+    if not shard:
+        return joined(replicate)
+    return DeviceMesh._concatenate([joined(replicate), joined(shard)])
 
 
 def resolve_placement(shard_placement_fn, param: nn.Parameter):
@@ -332,12 +357,6 @@ def mesh_of_info(mesh_info, shard_placement_fn, name: str):
                   "Shard(d), or a ShardPlacementResult whose mesh_info is an FSDPMeshInfo or "
                   f"HSDPMeshInfo (it returned mesh_info={mesh_info!r} for {name!r})",
                   "Build it as FSDPMeshInfo(mesh=..., shard_mesh_dim=0).")
-    if getattr(mesh_info, "is_spmd_mesh", False):
-        raise bad("shard_placement_fn", shard_placement_fn, "a ShardPlacementResult whose "
-                  f"mesh_info is not an SPMD mesh (dp_mesh_dims; it returned one for {name!r})",
-                  "fsdp_bridge does not shard a parameter over an SPMD mesh of its own yet: "
-                  "give it an FSDPMeshInfo over its data-parallel mesh.",
-                  exc=NotImplementedError)
     if (mesh.ndim, replicate, shard) not in ((1, None, 0), (2, 0, 1)):
         raise bad("shard_placement_fn", shard_placement_fn, "a ShardPlacementResult whose "
                   "mesh_info is FSDPMeshInfo(1-D mesh, shard_mesh_dim=0) or HSDPMeshInfo(2-D "
@@ -347,6 +366,22 @@ def mesh_of_info(mesh_info, shard_placement_fn, name: str):
                   "(replicate, shard) one: slice the data-parallel dimensions out of the mesh "
                   "first.", exc=NotImplementedError)
     return mesh
+
+
+def spmd_of_info(mesh_info, param: nn.Parameter):
+    """(SPMD mesh, dp_mesh_dims) of a parameter whose `ShardPlacementResult` names an SPMD
+    mesh info (one built with dp_mesh_dims, torch >= 2.12), None for another mesh info. As
+    FSDP2, the SPMD mesh is the parameter's own DTensor mesh, which must be the info's
+    `spmd_mesh` when that is set (a parameter that is no DTensor is refused where it is
+    sharded)."""
+    if not getattr(mesh_info, "is_spmd_mesh", False):
+        return None
+    spmd_mesh = getattr(mesh_info, "spmd_mesh", None)
+    if spmd_mesh is None:
+        spmd_mesh = getattr(param, "device_mesh", None)
+    if isinstance(spmd_mesh, DeviceMesh):
+        check_dp_mesh_dims(spmd_mesh, mesh_info.dp_mesh_dims)
+    return spmd_mesh, mesh_info.dp_mesh_dims
 
 
 def groups_of(mesh: DeviceMesh) -> tuple:
@@ -443,16 +478,21 @@ def build_plan(root: nn.Module, calls: list[tuple[str, Any]]):
     """`calls`: (path, FullyShardCall) of every fully_shard-ed module under `root`, post-order,
     root ("") last. Returns the plan and the groups it is sharded over."""
     assert calls and calls[-1][0] == ""
-    root_mesh = calls[-1][1].mesh
+    root_mesh, replicates = calls[-1][1].mesh, calls[-1][1].replicates_only
     for path, call in calls:
-        if call.mesh is not root_mesh and call.mesh != root_mesh:
-            raise bad(f"mesh (of {path!r})", call.mesh, f"the root's mesh {root_mesh!r}",
-                      "Pass the same mesh to every fully_shard call.")
-    # A 2-D mesh is FSDP2's HSDP: its mode comes from the mesh, not from an argument.
+        if (call.mesh is not root_mesh and call.mesh != root_mesh) \
+                or call.replicates_only != replicates:
+            raise bad(f"mesh (of {path!r})", call.mesh, f"the root's mesh {root_mesh!r}"
+                      f"{' (replicated: dp_mesh_dims without a shard name)' * replicates}",
+                      "Pass the same mesh (and dp_mesh_dims) to every fully_shard call.")
+    # A 2-D mesh is FSDP2's HSDP: its mode comes from the mesh, not from an argument; a
+    # mesh of replicate dimensions alone (dp_mesh_dims without a shard name) is DDP.
     hybrid = root_mesh is not None and root_mesh.ndim == 2
-    mode = ShardingMode.HYBRID if hybrid else ShardingMode.SHARD
+    mode = ShardingMode.REPLICATE if replicates else ShardingMode.HYBRID if hybrid \
+        else ShardingMode.SHARD
     topology = resolve_topology(mode, device_mesh=root_mesh, frontend=FRONTEND)
-    shard_size = root_mesh.size(root_mesh.ndim - 1) if root_mesh is not None else _world()
+    shard_size = 1 if replicates else root_mesh.size(root_mesh.ndim - 1) \
+        if root_mesh is not None else _world()
     notes: tuple = ()
     units = []
     for path, call in calls:

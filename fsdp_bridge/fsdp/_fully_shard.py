@@ -48,7 +48,12 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp_bridge import engine
 from fsdp_bridge.engine.casting import cast_floating
-from fsdp_bridge.engine.layout import FLATTENED_MARK, GATHERED_FORM, GatheredForm
+from fsdp_bridge.engine.layout import (
+    FLATTENED_MARK,
+    GATHERED_FORM,
+    GatheredForm,
+    has_all_gather_extension,
+)
 from fsdp_bridge.engine.row_group import chunk_rows
 from fsdp_bridge.fsdp import _fsdp2_translate as T
 from fsdp_bridge.fsdp._stale_optimizer import mark_replaced
@@ -91,6 +96,9 @@ class FullyShardCall:
     # How many groups of processes the call's parameters are sharded over (FSDP2's parameter
     # groups: more than one when shard_placement_fn gives some a mesh of their own).
     param_groups: int = 1
+    # `mesh` holds replicate dimensions alone (dp_mesh_dims without a shard name): FSDP2
+    # replicates, DDP-style, all-reducing gradients.
+    replicates_only: bool = False
 
 
 class UnshardHandle:
@@ -589,6 +597,7 @@ def fully_shard(
         mp_policy=mp_policy,
         offload_policy=offload_policy,
         ignored_params=frozenset(ignored_params or ()),
+        replicates_only=spmd is not None and not dp_mesh_dims.shard_names,
     )
     # A parameter refused halfway (a scalar, a non-contiguous one) leaves nothing converted.
     with contextlib.ExitStack() as stack:
@@ -771,12 +780,14 @@ def _sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, shard_placement_f
     FSDP2 cuts it, and the engine runs its hooks (see [Note: all-gather extensions] in
     fsdp_bridge/engine/extension_group.py). `mesh_infos`: see _data_parallel_mesh."""
     placement, mesh_info = T.resolve_placement(shard_placement_fn, param)
-    own_mesh = _data_parallel_mesh(mesh_info, mesh, shard_placement_fn, name, spmd,
+    own_mesh = _data_parallel_mesh(mesh_info, mesh, shard_placement_fn, name,
                                    {} if mesh_infos is None else mesh_infos)
-    if spmd is not None:
-        return _sharded_spmd(param, name, *spmd, shard_placement_fn, placement)
     target = own_mesh if own_mesh is not None else mesh
-    if isinstance(param, DTensor):
+    if mesh_info is not None:  # the parameter's own mesh info says whether it is SPMD
+        spmd = T.spmd_of_info(mesh_info, param)
+    if spmd is not None:
+        new, form = _sharded_spmd(param, name, *spmd, target, shard_placement_fn, placement)
+    elif isinstance(param, DTensor):
         new, form = _sharded_tensor_parallel(param, name, target, shard_placement_fn, placement)
     else:
         dim = T.shard_dim(shard_placement_fn, placement, param, name, tuple(param.shape),
@@ -787,7 +798,7 @@ def _sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, shard_placement_f
     return new, form
 
 
-def _data_parallel_mesh(mesh_info, call_mesh: DeviceMesh, shard_placement_fn, name: str, spmd,
+def _data_parallel_mesh(mesh_info, call_mesh: DeviceMesh, shard_placement_fn, name: str,
                         mesh_infos: dict) -> Optional[DeviceMesh]:
     """The mesh a parameter whose `shard_placement_fn` result names `mesh_info` (a
     ShardPlacementResult's) is sharded over, when its groups are not the call's; None
@@ -807,11 +818,6 @@ def _data_parallel_mesh(mesh_info, call_mesh: DeviceMesh, shard_placement_fn, na
                     "(FSDP2's words): return the same FSDPMeshInfo for all of them.")
     if key == T.groups_of(call_mesh):
         return None
-    if spmd is not None:
-        raise T.bad("shard_placement_fn", shard_placement_fn, "a function returning None or "
-                    f"Shard(d) when dp_mesh_dims is given (it named another mesh for {name!r})",
-                    "fsdp_bridge does not shard parameters of an SPMD mesh over meshes of "
-                    "their own yet.", exc=NotImplementedError)
     return mesh
 
 
@@ -846,35 +852,52 @@ def _check_one_dtype(modules, mp_policy: MixedPrecisionPolicy, ignored_params) -
                     "to one dtype, or set mp_policy=MixedPrecisionPolicy(param_dtype=...).")
 
 
-def _placements(mesh: DeviceMesh, dim: int) -> tuple:
-    return (Shard(dim),) if mesh.ndim == 1 else (Replicate(), Shard(dim))
+def _placements(mesh: DeviceMesh, shard) -> tuple:
+    """FSDP2's data-parallel placements over `mesh` (1-D: FSDP; 2-D: HSDP, replicate first),
+    the shard dimension's being `shard` (a Shard, or a _StridedShard under tensor parallelism)."""
+    return (shard,) if mesh.ndim == 1 else (Replicate(), shard)
 
 
 def _sharded_tensor_parallel(param: DTensor, name: str, mesh: DeviceMesh, shard_placement_fn,
                              placement):
     """[Note: FSDP over tensor parallelism] A parameter `parallelize_module` made a DTensor on
-    a tensor-parallel mesh: the data-parallel mesh splits this rank's local part of it, and
-    the result is a DTensor on the two meshes together (data-parallel dim first) with the
-    placements FSDP2 gives it, so its full value, state dict and checkpoints are FSDP2's.
-    Gathered over the data-parallel group, it is the tensor-parallel DTensor again."""
+    a tensor-parallel mesh: the data-parallel mesh's shard dimension splits this rank's local
+    part of it, and the result is a DTensor on the meshes together (data-parallel dims first,
+    HSDP's replicate dimension before its shard one) with the placements FSDP2 gives it, so its
+    full value, state dict and checkpoints are FSDP2's. Gathered over the shard group, it is
+    the tensor-parallel DTensor again; under HSDP its gradient is then all-reduced over the
+    replicate group, as any HSDP gradient."""
     tp_mesh, tp_placements = param.device_mesh, tuple(param.placements)
-    if mesh.ndim != 1 or tp_mesh.ndim != 1 or any(p.is_partial() for p in tp_placements):
+    if mesh.ndim not in (1, 2) or tp_mesh.ndim != 1 or any(p.is_partial()
+                                                             for p in tp_placements):
         raise T.bad(f"parameter {name!r}", f"a DTensor on mesh {tp_mesh} with placements "
                     f"{tp_placements}, sharded over mesh {mesh}", "a DTensor on a 1-D "
                     "tensor-parallel mesh (Shard or Replicate), sharded over a 1-D "
-                    "data-parallel mesh of the same device mesh", "Pass mesh=world_mesh['dp'] "
-                    "after parallelize_module(model, world_mesh['tp'], plan).")
+                    "data-parallel mesh (FSDP) or a 2-D (replicate, shard) one (HSDP) of the "
+                    "same device mesh", "Pass mesh=world_mesh['dp'] (or mesh=world_mesh["
+                    "'dp_replicate', 'dp_shard']) after parallelize_module(model, "
+                    "world_mesh['tp'], plan).")
+    if mesh.ndim == 2 and has_all_gather_extension(param):
+        # The extension's pre-all-gather hook is handed the shard group's mesh, which the
+        # engine finds only on a 2-D (dp, tp) mesh so far.
+        raise T.bad(f"parameter {name!r}", "a tensor-parallel DTensor whose local tensor "
+                    "defines fsdp_pre_all_gather / fsdp_post_all_gather, under HSDP",
+                    "all-gather extensions under tensor parallelism with a 1-D data-parallel "
+                    "mesh", "fsdp_bridge does not run all-gather extensions under HSDP with "
+                    "tensor parallelism yet: pass a 1-D data-parallel mesh, or use torch's own "
+                    "fully_shard.", exc=NotImplementedError)
     try:
         spmd_mesh = DeviceMesh._concatenate([mesh, tp_mesh])
     except Exception as error:  # noqa: BLE001 - reported with the fix
-        raise T.bad("mesh", mesh, f"the data-parallel dimension of the device mesh whose other "
+        raise T.bad("mesh", mesh, f"the data-parallel dimensions of the device mesh whose last "
                     f"dimension is parameter {name!r}'s tensor-parallel mesh {tp_mesh}",
                     "Slice both from one mesh: init_device_mesh(..., mesh_dim_names=('dp', "
                     f"'tp')), then mesh['dp'] and mesh['tp'] ({error}).") from error
     local = param.to_local().detach()
+    shard = mesh.ndim - 1
     dim = T.shard_dim(shard_placement_fn, placement, param, name, tuple(local.shape),
-                      mesh.size(0))
-    start, rows = chunk_rows(local.shape[dim], mesh.size(0), mesh.get_local_rank(0))
+                      mesh.size(shard))
+    start, rows = chunk_rows(local.shape[dim], mesh.size(shard), mesh.get_local_rank(shard))
     chunk = local.narrow(dim, start, rows)
     if not chunk.is_meta:
         chunk = chunk.clone(memory_format=torch.contiguous_format)
@@ -882,7 +905,8 @@ def _sharded_tensor_parallel(param: DTensor, name: str, mesh: DeviceMesh, shard_
     # rank's rows are a slice of every tensor-parallel chunk (FSDP2's _StridedShard).
     splits = math.prod(tp_mesh.size(0) for p in tp_placements if p.is_shard(dim))
     dp_placement = _StridedShard(dim, split_factor=splits) if splits > 1 else Shard(dim)
-    dtensor = DTensor.from_local(chunk, spmd_mesh, (dp_placement, *tp_placements),
+    dtensor = DTensor.from_local(chunk, spmd_mesh, (*_placements(mesh, dp_placement),
+                                                    *tp_placements),
                                  run_check=False, shape=param.shape, stride=param.stride())
     new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
     setattr(new, SHARDED, True)
@@ -892,13 +916,17 @@ def _sharded_tensor_parallel(param: DTensor, name: str, mesh: DeviceMesh, shard_
 
 
 def _sharded_spmd(param: nn.Parameter, name: str, spmd_mesh: DeviceMesh, dp_mesh_dims,
-                  shard_placement_fn, placement):
+                  dp_mesh: DeviceMesh, shard_placement_fn, placement):
     """[Note: SPMD meshes] With `dp_mesh_dims` (torch >= 2.12; torchtitan's SPMD backend)
     every parameter is already a DTensor on the whole SPMD mesh, Replicate on its data-parallel
-    dimensions. As FSDP2, the shard dimension's group splits this rank's local tensor, and the
-    result stays on the SPMD mesh with that dimension's placement replaced by Shard(d)
-    (_StridedShard(d) when a later mesh dimension splits d too); modules compute with the
-    DTensor the parameter was, its gradient's Partial data-parallel part reduced by the engine."""
+    dimensions. As FSDP2, the shard group (`dp_mesh`'s last dimension: the shard dimensions,
+    flattened into one when several are named) splits this rank's local tensor, and each shard
+    dimension's placement becomes Shard(d) (_StridedShard(d) when a later mesh dimension splits
+    d too). The parameter stays on the SPMD mesh, or, with several shard dimensions, on FSDP2's
+    mesh with their flattening in their place (after the replicate dimension under HSDP).
+    With replication alone (DDP) nothing is split: the parameter keeps its placements and its
+    gradient is all-reduced over the replicate group. Modules compute with the DTensor the
+    parameter was, its gradient's Partial data-parallel part reduced by the engine."""
     names = spmd_mesh.mesh_dim_names
     if not isinstance(param, DTensor) or param.device_mesh != spmd_mesh:
         got = (f"a DTensor on mesh {param.device_mesh}" if isinstance(param, DTensor)
@@ -908,29 +936,33 @@ def _sharded_spmd(param: nn.Parameter, name: str, spmd_mesh: DeviceMesh, dp_mesh
                     "must be DTensors on the full SPMD mesh (e.g. via distribute_module) "
                     "(FSDP2's words).")
     placements = tuple(param.placements)
-    (shard_name,) = dp_mesh_dims.shard_names
-    dp_dims = tuple(names.index(n) for n in (*dp_mesh_dims.shard_names,
-                                              *dp_mesh_dims.replicate_names))
+    shard_dims = tuple(names.index(n) for n in dp_mesh_dims.shard_names)
+    dp_dims = shard_dims + tuple(names.index(n) for n in dp_mesh_dims.replicate_names)
     for index in dp_dims:
         if not placements[index].is_replicate():
             raise T.bad(f"parameter {name!r}", f"a DTensor with placements {placements}",
                         "Replicate() on every data-parallel dimension", f"Expected Replicate() "
                         f"on DP dim '{names[index]}' (index {index}) but got "
                         f"{placements[index]} (FSDP2's words).")
-    shard_index = names.index(shard_name)
     local = param.to_local().detach()
-    ranks = spmd_mesh.size(shard_index)
+    shard = dp_mesh.ndim - 1
+    ranks, rank = ((dp_mesh.size(shard), dp_mesh.get_local_rank(shard)) if shard_dims
+                   else (1, 0))
     dim = T.shard_dim(shard_placement_fn, placement, param, name, tuple(local.shape), ranks)
-    start, rows = chunk_rows(local.shape[dim], ranks, spmd_mesh.get_local_rank(shard_index))
+    start, rows = chunk_rows(local.shape[dim], ranks, rank)
     chunk = local.narrow(dim, start, rows)
     if not chunk.is_meta:
         chunk = chunk.clone(memory_format=torch.contiguous_format)
-    splits = math.prod(spmd_mesh.size(j) for j in range(shard_index + 1, spmd_mesh.ndim)
-                       if placements[j].is_shard(dim))
     new_placements = list(placements)
-    new_placements[shard_index] = _StridedShard(dim, split_factor=splits) if splits > 1 \
-        else Shard(dim)
-    dtensor = DTensor.from_local(chunk, spmd_mesh, new_placements, run_check=False,
+    for index in shard_dims:
+        splits = math.prod(spmd_mesh.size(j) for j in range(index + 1, spmd_mesh.ndim)
+                           if isinstance(placements[j], (Shard, _StridedShard))
+                           and placements[j].dim == dim)
+        new_placements[index] = _StridedShard(dim, split_factor=splits) if splits > 1 \
+            else Shard(dim)
+    mesh, new_placements = _flattened_shard_dims(spmd_mesh, dp_mesh_dims, dp_mesh,
+                                                 new_placements)
+    dtensor = DTensor.from_local(chunk, mesh, new_placements, run_check=False,
                                  shape=param.shape, stride=param.stride())
     new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
     setattr(new, SHARDED, True)
@@ -938,6 +970,27 @@ def _sharded_spmd(param: nn.Parameter, name: str, spmd_mesh: DeviceMesh, dp_mesh
     form = GatheredForm(local.shape, dim, spmd_mesh, placements, param.shape, param.stride(),
                         data_parallel_dims=dp_dims)
     return new, form
+
+
+def _flattened_shard_dims(spmd_mesh: DeviceMesh, dp_mesh_dims, dp_mesh: DeviceMesh,
+                          placements: list) -> tuple:
+    """(mesh, placements) of a sharded SPMD parameter, as FSDP2 lays it out: the SPMD mesh
+    with one shard dimension; with several (consecutive, see check_dp_mesh_dims), `dp_mesh`
+    in their place (its flattened shard dimension, after the replicate one under HSDP, whose
+    own dimensions then go) and the other dimensions as they are."""
+    shard_names = dp_mesh_dims.shard_names
+    if len(shard_names) <= 1:
+        return spmd_mesh, tuple(placements)
+    hsdp = bool(dp_mesh_dims.replicate_names)
+    meshes, out = [], []
+    for index, name in enumerate(spmd_mesh.mesh_dim_names):
+        if name == shard_names[0]:
+            meshes.append(dp_mesh)
+            out.extend((Replicate(), placements[index]) if hsdp else (placements[index],))
+        elif name not in shard_names and name not in dp_mesh_dims.replicate_names:
+            meshes.append(spmd_mesh[name])
+            out.append(placements[index])
+    return DeviceMesh._concatenate(meshes), tuple(out)
 
 
 def _row_sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, dim: int,
@@ -970,7 +1023,7 @@ def _row_sharded(param: nn.Parameter, name: str, mesh: DeviceMesh, dim: int,
             else local
     else:
         local = _plain_chunk(param, dim, start, rows, device)
-    dtensor = DTensor.from_local(local, mesh, _placements(mesh, dim), run_check=False,
+    dtensor = DTensor.from_local(local, mesh, _placements(mesh, Shard(dim)), run_check=False,
                                  shape=param.shape, stride=param.stride())
     new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
     setattr(new, SHARDED, True)

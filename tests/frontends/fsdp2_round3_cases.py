@@ -16,7 +16,7 @@ from torch.distributed.tensor import Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.utils._pytree import tree_map
 
-from tests.frontends import fsdp2_expert_cases
+from tests.frontends import fsdp2_expert_cases, fsdp2_mesh_cases
 from tests.world import device_type, run_case_table
 
 STEPS = 3
@@ -599,6 +599,7 @@ def cases() -> dict:
         "torchtitan_shaped": _both(torchtitan_shaped),
         "spmd_tensor_parallel": _both(spmd_tensor_parallel),
         **fsdp2_expert_cases.cases(_both),
+        **fsdp2_mesh_cases.cases(_both),
     }
 
 

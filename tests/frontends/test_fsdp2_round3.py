@@ -55,6 +55,10 @@ from tests.frontends import fsdp2_round3_cases as C
 from tests.world import case_result as case
 from tests.world import run_world
 
+needs_dp_mesh_dims = pytest.mark.skipif(
+    not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"), reason=f"torch "
+    f"{torch.__version__} has no DataParallelMeshDims (dp_mesh_dims needs torch >= 2.12)")
+
 
 @pytest.fixture(scope="module")
 def world():
@@ -222,9 +226,7 @@ def test_a_torchtitan_shaped_training_matches_native_bit_for_bit(world, rank):
         assert torch.equal(ours["full"][name], value), name
 
 
-@pytest.mark.skipif(not hasattr(torch.distributed.fsdp, "DataParallelMeshDims"),
-                    reason=f"torch {torch.__version__} has no DataParallelMeshDims (dp_mesh_dims "
-                    "needs torch >= 2.12)")
+@needs_dp_mesh_dims
 @pytest.mark.parametrize("rank", [0, 3])
 def test_dp_mesh_dims_with_tensor_parallelism_trains_as_native(world, rank):
     result = case(world, "spmd_tensor_parallel", rank)
@@ -308,3 +310,83 @@ def test_an_all_reduce_hook_runs_inside_its_stream_as_native(world):
     assert result["native"] == {"refused": "stream cannot be set when using native HSDP",
                                 "inside_stream": [True]}
     assert result["ours"] == result["native"]
+
+
+def _assert_trains_as_native(result: dict) -> None:
+    """Losses, the last step's gradients (placements, local and full values), the parameters'
+    meshes, placements and local values, and the full state dict: bit for bit."""
+    native, ours = result["native"], result["ours"]
+    assert ours["losses"] == native["losses"]
+    for kind in ("grads", "params"):
+        assert ours[kind].keys() == native[kind].keys(), kind
+        for name, (*described, local) in native[kind].items():
+            *our_described, our_local = ours[kind][name]
+            assert our_described == described, (kind, name)
+            assert torch.equal(our_local, local), (kind, name)
+    for kind in ("full_grads", "full"):
+        assert ours[kind].keys() == native[kind].keys(), kind
+        for name, value in native[kind].items():
+            assert torch.equal(ours[kind][name], value), (kind, name)
+
+
+@pytest.mark.parametrize("shape", ["replicas", "shards"])
+@pytest.mark.parametrize("rank", [0, 3])
+def test_hsdp_with_tensor_parallelism_trains_as_native(world, shape, rank):
+    result = case(world, f"hsdp_tp_{shape}", rank)
+    placements = {name: described[1] for name, described in result["native"]["params"].items()}
+    assert placements["0.weight"] == "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))"
+    assert placements["2.weight"] == "(Replicate(), Shard(dim=0), Shard(dim=1))"
+    _assert_trains_as_native(result)
+
+
+SPMD_PLACEMENTS = {
+    # HSDP beside tensor parallelism.
+    "spmd_hsdp_tp": ("('dp_replicate', 'dp_shard', 'tp')",
+                     "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))"),
+    # HSDP with the shard names (dp_shard, cp) flattened after dp_replicate.
+    "spmd_hsdp_two_shard_names": ("('dp_replicate', 'dp_shard_cp')",
+                                  "(Replicate(), Shard(dim=0))"),
+    # Two shard names flattened into one dimension of four ranks.
+    "spmd_two_shard_names": ("('dp_shard_cp',)", "(Shard(dim=0),)"),
+    # Replication alone (DDP): the parameter keeps its placements.
+    "spmd_replicate_only": ("('dp_replicate', 'tp')", "(Replicate(), Shard(dim=0))"),
+}
+
+
+@needs_dp_mesh_dims
+@pytest.mark.parametrize("variant", list(SPMD_PLACEMENTS))
+@pytest.mark.parametrize("rank", [0, 3])
+def test_dp_mesh_dims_layouts_train_as_native(world, variant, rank):
+    result = case(world, variant, rank)
+    assert result["native"]["params"]["0.weight"][:2] == SPMD_PLACEMENTS[variant]
+    _assert_trains_as_native(result)
+
+
+@needs_placement_result
+@needs_dp_mesh_dims
+@pytest.mark.parametrize("rank", [0, 3])
+def test_a_parameter_given_an_spmd_mesh_of_its_own_trains_as_native(world, rank):
+    result = case(world, "spmd_experts", rank)
+    params = result["native"]["params"]
+    assert params["experts"][:2] == ("('efsdp', 'ep')",
+                                     "(_StridedShard(dim=0, sf=2), Shard(dim=0))")
+    assert params["inp.weight"][:2] == ("('dp',)", "(Shard(dim=0),)")
+    _assert_trains_as_native(result)
+
+
+DP_MESH_DIMS_REFUSALS = {
+    "placement_fn": ("ValueError", "Per-param mesh via shard_placement_fn is not supported with "
+                     "DDPMeshInfo"),
+    "reshard_int": ("NotImplementedError", "reshard_after_forward as int is not yet supported "
+                    "with SPMD mesh (dp_mesh_dims)"),
+}
+
+
+@needs_dp_mesh_dims
+@pytest.mark.parametrize("refusal", sorted(DP_MESH_DIMS_REFUSALS))
+def test_dp_mesh_dims_refusals_raise_as_native(world, refusal):
+    result = case(world, "refused_with_dp_mesh_dims", 0)
+    native, ours = result["native"][refusal], result["ours"][refusal]
+    kind, words = DP_MESH_DIMS_REFUSALS[refusal]
+    assert native["types"][0] == kind and words in native["message"], native
+    assert kind in ours["types"] and words in ours["message"], ours
