@@ -333,7 +333,8 @@ def compare_scripts(baseline: str, candidates: Sequence[str], nproc: int = 2,
                     on_run: Callable[[ScriptRun], None] = lambda run: None,
                     require_fsdp: bool = True, require_loss: bool = True) -> ScriptReport:
     """Run `baseline` (twice, unless check_determinism=False) and each candidate; compare.
-    Candidates are not run when the baseline failed (nothing to compare them with).
+    Candidates are not run when the baseline failed, shards nothing or prints no loss (see
+    below), or does not repeat: there is nothing to compare them with.
     `on_run` is called after each run (progress). Runs in which no FSDP module was found
     (`require_fsdp`) or no loss was read (`require_loss`) are an error, not "equivalent"."""
     from fsdp_bridge.harness.compare import tolerance_for
@@ -347,19 +348,22 @@ def compare_scripts(baseline: str, candidates: Sequence[str], nproc: int = 2,
     arguments.scripts(baseline, candidates, nproc, pattern, timeout)
     first = run_one("A", baseline, nproc, args, pattern, timeout)
     runs, notes, errors = [first], [DETERMINISM], []
-    if check_determinism and not first.error:
+    # A baseline that shards nothing or prints no loss cannot be proven equivalent to anything:
+    # say so now rather than after every other run.
+    errors += [] if first.error else _unproven([first], require_fsdp, require_loss, pattern)
+    if check_determinism and not first.error and not errors:
         repeat = run_one("A (repeat)", baseline, nproc, args, pattern, timeout)
         if repeat.error:
             errors.append(repeat.error)
         else:
             _determinism_check(first, repeat, tolerance, notes, errors)
     if first.error or errors:
-        notes.append("the other scripts were not run: A failed or does not repeat, so there is "
-                     "nothing to compare them with")
+        notes.append("the other scripts were not run: A failed, cannot be proven (above) or "
+                     "does not repeat, so there is nothing to compare them with")
     for index, script in enumerate(candidates if not errors and not first.error else ()):
         runs.append(run_one(chr(ord("B") + index), script, nproc, args, pattern, timeout))
     errors = [run.error for run in runs if run.error] + errors
-    errors += [] if errors else _unproven(runs, require_fsdp, require_loss, pattern)
+    errors += [] if errors else _unproven(runs[1:], require_fsdp, require_loss, pattern)
     comparisons = [] if errors else [compare_script_runs(first, run, tolerance)
                                      for run in runs[1:]]
     notes += _run_notes(runs) + _nan_notes(runs)

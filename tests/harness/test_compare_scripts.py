@@ -58,6 +58,9 @@ def test_a_script_that_shards_nothing_is_not_called_equivalent(tmp_path, capsys)
     captured = capsys.readouterr()
     assert "A (" in captured.err and "engaged no FSDP: A: DistributedDataParallel wrapped 1 " \
         "module" in captured.err, captured.err
+    # Known from A's run alone: B is not run for nothing.
+    assert "the other scripts were not run" in captured.out + captured.err
+    assert "B = " not in captured.out + captured.err
     assert main([*argv[:4], "--allow-no-fsdp", *argv[4:]]) == 0
     assert "RESULT: equivalent" in capsys.readouterr().out
 
