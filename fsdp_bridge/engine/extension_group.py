@@ -262,12 +262,35 @@ class ExtensionGroup(RowGroup):
     # -- gathering ----------------------------------------------------------------------------
 
     def _shard_mesh(self, index: int):
-        """The mesh the pre-hook is given, as FSDP2 gives it: the shard group's 1-D mesh."""
+        """The mesh the pre-hook is given, as FSDP2 gives it: the 1-D mesh of the shard group
+        (of the replicate group under replication alone, FSDP2's DDP mesh).
+
+        [Note: the shard dimension of a parameter's mesh] Where the shard dimension sits in the
+        parameter's mesh depends on the layout: the only one of a 1-D mesh, the last of HSDP's
+        (replicate, shard), the first of FSDP + TP's (dp, tp), the middle of HSDP + TP's
+        (replicate, shard, tp), anywhere `dp_mesh_dims` names it in an SPMD mesh (several shard
+        names being flattened into one dimension in their place). So it is found by its process
+        group, the one this group gathers over, rather than by its position."""
         mesh = self.slots[index].param.device_mesh  # type: ignore[attr-defined]
         if mesh.ndim == 1:
             return mesh
-        dim = 0 if self.forms[index].compute_mesh is not None else mesh.ndim - 1
-        return mesh[mesh.mesh_dim_names[dim]]
+        group = self.comm.shard_group or self.comm.replicate_group
+        ranks = dist.get_process_group_ranks(group)
+        names = [name for dim, name in enumerate(mesh.mesh_dim_names or ())
+                 if dist.get_process_group_ranks(mesh.get_group(dim)) == ranks]
+        if not names:
+            raise NotImplementedError(
+                f"fsdp_bridge: parameter {self.slots[index].fqn!r} uses FSDP2's all-gather "
+                f"extension on mesh {mesh}, none of whose dimensions holds the ranks {ranks} it "
+                "is gathered over (FSDP2 hands that dimension's 1-D mesh to its "
+                "fsdp_pre_all_gather). Shard it over one dimension of its own mesh, or use "
+                "torch's own torch.distributed.fsdp.fully_shard.")
+        # Only a group of one rank can match several dimensions (all of one rank): the shard
+        # dimension is then the last of them that is not tensor-parallel.
+        compute = self.forms[index].compute_mesh
+        if len(names) > 1 and compute is not None and compute is not mesh:
+            names = [name for name in names if name not in compute.mesh_dim_names] or names
+        return mesh[names[-1]]
 
     def _pre_all_gather(self, index: int, local: torch.Tensor):
         hook = local.fsdp_pre_all_gather  # type: ignore[attr-defined]
