@@ -181,6 +181,7 @@ class ExtensionGroup(RowGroup):
         self.unsharded: list[Optional[torch.Tensor]] = [None] * count
         self.inner: list[tuple] = [() for _ in range(count)]
         self._gathered_inputs: Optional[list] = None  # (metadata, sizes, dtypes) per param
+        self._hook_meshes: dict[int, Any] = {}  # per param: see _shard_mesh (found once)
         # See [Note: uneven extension parameters]: checked on every rank once.
         self._padding_checked = not any(slot.shape[0] % ranks for slot in self.slots)
 
@@ -269,8 +270,14 @@ class ExtensionGroup(RowGroup):
         parameter's mesh depends on the layout: the only one of a 1-D mesh, the last of HSDP's
         (replicate, shard), the first of FSDP + TP's (dp, tp), the middle of HSDP + TP's
         (replicate, shard, tp), anywhere `dp_mesh_dims` names it in an SPMD mesh (several shard
-        names being flattened into one dimension in their place). So it is found by its process
-        group, the one this group gathers over, rather than by its position."""
+        names being flattened into one dimension in their place). So it is found by the ranks of
+        its process group (those this group gathers over; the front-end may have built its own
+        group object over them), rather than by its position."""
+        if index not in self._hook_meshes:
+            self._hook_meshes[index] = self._find_shard_mesh(index)
+        return self._hook_meshes[index]
+
+    def _find_shard_mesh(self, index: int):
         mesh = self.slots[index].param.device_mesh  # type: ignore[attr-defined]
         if mesh.ndim == 1:
             return mesh
@@ -286,10 +293,12 @@ class ExtensionGroup(RowGroup):
                 "fsdp_pre_all_gather). Shard it over one dimension of its own mesh, or use "
                 "torch's own torch.distributed.fsdp.fully_shard.")
         # Only a group of one rank can match several dimensions (all of one rank): the shard
-        # dimension is then the last of them that is not tensor-parallel.
-        compute = self.forms[index].compute_mesh
-        if len(names) > 1 and compute is not None and compute is not mesh:
-            names = [name for name in names if name not in compute.mesh_dim_names] or names
+        # dimension is then the last of them that is not a compute (tensor-parallel) one.
+        form = self.forms[index]
+        if len(names) > 1 and form.compute_mesh is not None:
+            computing = {name for dim, name in enumerate(form.compute_mesh.mesh_dim_names)
+                         if dim not in form.data_parallel_dims}
+            names = [name for name in names if name not in computing] or names
         return mesh[names[-1]]
 
     def _pre_all_gather(self, index: int, local: torch.Tensor):

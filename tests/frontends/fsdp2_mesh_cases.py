@@ -15,8 +15,9 @@ native `fully_shard` and with ours in the four-rank world of fsdp2_round3_cases.
   dimension with two shard names (flattened into one shard dimension of two ranks, placed after
   the replicate one: a (dp_replicate 2, dp_shard 1, cp 2) mesh), two shard names splitting the
   parameters four ways (a (2, 2) mesh), and replication alone (DDP: a (dp_replicate 2, tp 2)
-  mesh), and on a (1, 2, 2) mesh beside tensor parallelism a weight gathering through FSDP2's
-  all-gather extension (the mesh its hook is given recorded). Tensor parallelism with a shard
+  mesh), and HSDP on a (dp_replicate 2, dp_shard 2) mesh with a weight gathering through
+  FSDP2's all-gather extension (the mesh its hook is given recorded: the shard dimension is
+  not the mesh's first; a 3-D mesh would cost seconds more). Tensor parallelism with a shard
   dimension of two ranks is fsdp2_round3_cases.py's `spmd_tensor_parallel`. (A mesh of four
   dimensions, to combine them all, costs DTensor's sharding propagation over a minute.)
 - a `shard_placement_fn` under `dp_mesh_dims` giving expert weights an SPMD mesh info of their
@@ -307,8 +308,8 @@ def cases(both) -> dict:
         "hsdp_tp_shards": both(hsdp_tensor_parallel, (1, 2, 2)),
         "hsdp_tp_float8": both(hsdp_tensor_parallel_float8),
         "spmd_hsdp_tp": both(spmd, (2, 1, 2), MESH_NAMES, "dp_shard", "dp_replicate"),
-        "spmd_hsdp_tp_extension": both(spmd, (1, 2, 2), MESH_NAMES, "dp_shard",
-                                       "dp_replicate", True),
+        "spmd_hsdp_extension": both(spmd, (2, 2), ("dp_replicate", "dp_shard"), "dp_shard",
+                                    "dp_replicate", True),
         "spmd_hsdp_two_shard_names": both(spmd, (2, 1, 2), ("dp_replicate", "dp_shard", "cp"),
                                           ("dp_shard", "cp"), "dp_replicate"),
         "spmd_two_shard_names": both(spmd, (2, 2), ("dp_shard", "cp"), ("dp_shard", "cp")),

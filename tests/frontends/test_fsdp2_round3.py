@@ -26,8 +26,9 @@
   precomputed after each step: three AdamW steps on native's losses and weights, bit for bit;
 - torchao float8 all-gather under HSDP + TP (a (dp_replicate 1, dp_shard 2, tp 2) mesh, float8
   tensor-parallel plans, fully_shard over (dp_replicate, dp_shard)), and an all-gather
-  extension on an SPMD mesh of the same shape under `dp_mesh_dims`: the pre-all-gather hook is
-  given the shard dimension's 1-D mesh, as natively, and training matches native bit for bit;
+  extension under `dp_mesh_dims` naming the dimensions of a (dp_replicate 2, dp_shard 2) SPMD
+  mesh: the pre-all-gather hook is given the shard dimension's 1-D mesh, as natively, and
+  training matches native bit for bit;
 - `dp_mesh_dims` on a (dp 2, tp 2) SPMD mesh (torch >= 2.12): parameters that are DTensors on
   the whole mesh (column-wise then row-wise on tp) get native's placements and train as natively,
   bit for bit;
@@ -348,18 +349,14 @@ def test_hsdp_with_tensor_parallelism_trains_as_native(world, shape, rank):
 SHARD_MESH = [(1, ("dp_shard",), 2)]
 
 
+@pytest.mark.parametrize("name", [
+    "hsdp_tp_float8",  # torchao's float8 all-gather under HSDP + TP through mesh=
+    pytest.param("spmd_hsdp_extension", marks=needs_dp_mesh_dims),  # HSDP by dp_mesh_dims
+])
 @pytest.mark.parametrize("rank", [0, 3])
-def test_float8_all_gather_under_hsdp_with_tensor_parallelism_trains_as_native(world, rank):
-    result = case(world, "hsdp_tp_float8", rank)
-    assert result["native"]["hook_meshes"] == SHARD_MESH
-    assert result["ours"]["hook_meshes"] == SHARD_MESH
-    _assert_trains_as_native(result)
-
-
-@needs_dp_mesh_dims
-@pytest.mark.parametrize("rank", [0, 3])
-def test_an_extension_under_dp_mesh_dims_is_handed_the_shard_mesh_as_native(world, rank):
-    result = case(world, "spmd_hsdp_tp_extension", rank)
+def test_an_all_gather_extension_is_handed_the_shard_mesh_and_trains_as_native(world, name,
+                                                                                 rank):
+    result = case(world, name, rank)
     assert result["native"]["hook_meshes"] == SHARD_MESH
     assert result["ours"]["hook_meshes"] == SHARD_MESH
     _assert_trains_as_native(result)
