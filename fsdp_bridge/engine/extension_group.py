@@ -181,6 +181,7 @@ class ExtensionGroup(RowGroup):
         self.unsharded: list[Optional[torch.Tensor]] = [None] * count
         self.inner: list[tuple] = [() for _ in range(count)]
         self._gathered_inputs: Optional[list] = None  # (metadata, sizes, dtypes) per param
+        self._hook_meshes: dict[int, Any] = {}  # per param: see _shard_mesh (found once)
         # See [Note: uneven extension parameters]: checked on every rank once.
         self._padding_checked = not any(slot.shape[0] % ranks for slot in self.slots)
 
@@ -262,12 +263,43 @@ class ExtensionGroup(RowGroup):
     # -- gathering ----------------------------------------------------------------------------
 
     def _shard_mesh(self, index: int):
-        """The mesh the pre-hook is given, as FSDP2 gives it: the shard group's 1-D mesh."""
+        """The mesh the pre-hook is given, as FSDP2 gives it: the 1-D mesh of the shard group
+        (of the replicate group under replication alone, FSDP2's DDP mesh).
+
+        [Note: the shard dimension of a parameter's mesh] Where the shard dimension sits in the
+        parameter's mesh depends on the layout: the only one of a 1-D mesh, the last of HSDP's
+        (replicate, shard), the first of FSDP + TP's (dp, tp), the middle of HSDP + TP's
+        (replicate, shard, tp), anywhere `dp_mesh_dims` names it in an SPMD mesh (several shard
+        names being flattened into one dimension in their place). So it is found by the ranks of
+        its process group (those this group gathers over; the front-end may have built its own
+        group object over them), rather than by its position."""
+        if index not in self._hook_meshes:
+            self._hook_meshes[index] = self._find_shard_mesh(index)
+        return self._hook_meshes[index]
+
+    def _find_shard_mesh(self, index: int):
         mesh = self.slots[index].param.device_mesh  # type: ignore[attr-defined]
         if mesh.ndim == 1:
             return mesh
-        dim = 0 if self.forms[index].compute_mesh is not None else mesh.ndim - 1
-        return mesh[mesh.mesh_dim_names[dim]]
+        group = self.comm.shard_group or self.comm.replicate_group
+        ranks = dist.get_process_group_ranks(group)
+        names = [name for dim, name in enumerate(mesh.mesh_dim_names or ())
+                 if dist.get_process_group_ranks(mesh.get_group(dim)) == ranks]
+        if not names:
+            raise NotImplementedError(
+                f"fsdp_bridge: parameter {self.slots[index].fqn!r} uses FSDP2's all-gather "
+                f"extension on mesh {mesh}, none of whose dimensions holds the ranks {ranks} it "
+                "is gathered over (FSDP2 hands that dimension's 1-D mesh to its "
+                "fsdp_pre_all_gather). Shard it over one dimension of its own mesh, or use "
+                "torch's own torch.distributed.fsdp.fully_shard.")
+        # Only a group of one rank can match several dimensions (all of one rank): the shard
+        # dimension is then the last of them that is not a compute (tensor-parallel) one.
+        form = self.forms[index]
+        if len(names) > 1 and form.compute_mesh is not None:
+            computing = {name for dim, name in enumerate(form.compute_mesh.mesh_dim_names)
+                         if dim not in form.data_parallel_dims}
+            names = [name for name in names if name not in computing] or names
+        return mesh[names[-1]]
 
     def _pre_all_gather(self, index: int, local: torch.Tensor):
         hook = local.fsdp_pre_all_gather  # type: ignore[attr-defined]

@@ -88,9 +88,9 @@ TABLE = register_table(
                        "data-parallel mesh's shard dimension (1-D: FSDP; 2-D: HSDP, all-reduced "
                        "over the replicas): a DTensor on all of them (FSDP2's placements, "
                        "_StridedShard included), gathered back into the tensor-parallel DTensor "
-                       "for compute; Partial placements, a tensor-parallel mesh of several "
-                       "dimensions and an all-gather extension under HSDP with tensor "
-                       "parallelism are refused by name"),
+                       "for compute (an all-gather extension's pre-hook handed the shard "
+                       "dimension's 1-D mesh, as FSDP2); Partial placements and a "
+                       "tensor-parallel mesh of several dimensions are refused by name"),
             translated("dp_mesh_dims", "(torch >= 2.12) the SPMD mesh's named shard dimensions "
                        "(flattened into one when several, as FSDP2) and replicate ones (HSDP; "
                        "alone: DDP, mode replicate, gradients all-reduced) are the "

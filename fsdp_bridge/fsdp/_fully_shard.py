@@ -48,12 +48,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdp_bridge import engine
 from fsdp_bridge.engine.casting import cast_floating
-from fsdp_bridge.engine.layout import (
-    FLATTENED_MARK,
-    GATHERED_FORM,
-    GatheredForm,
-    has_all_gather_extension,
-)
+from fsdp_bridge.engine.layout import FLATTENED_MARK, GATHERED_FORM, GatheredForm
 from fsdp_bridge.engine.row_group import chunk_rows
 from fsdp_bridge.fsdp import _fsdp2_translate as T
 from fsdp_bridge.fsdp._stale_optimizer import mark_replaced
@@ -877,15 +872,6 @@ def _sharded_tensor_parallel(param: DTensor, name: str, mesh: DeviceMesh, shard_
                     "same device mesh", "Pass mesh=world_mesh['dp'] (or mesh=world_mesh["
                     "'dp_replicate', 'dp_shard']) after parallelize_module(model, "
                     "world_mesh['tp'], plan).")
-    if mesh.ndim == 2 and has_all_gather_extension(param):
-        # The extension's pre-all-gather hook is handed the shard group's mesh, which the
-        # engine finds only on a 2-D (dp, tp) mesh so far.
-        raise T.bad(f"parameter {name!r}", "a tensor-parallel DTensor whose local tensor "
-                    "defines fsdp_pre_all_gather / fsdp_post_all_gather, under HSDP",
-                    "all-gather extensions under tensor parallelism with a 1-D data-parallel "
-                    "mesh", "fsdp_bridge does not run all-gather extensions under HSDP with "
-                    "tensor parallelism yet: pass a 1-D data-parallel mesh, or use torch's own "
-                    "fully_shard.", exc=NotImplementedError)
     try:
         spmd_mesh = DeviceMesh._concatenate([mesh, tp_mesh])
     except Exception as error:  # noqa: BLE001 - reported with the fix

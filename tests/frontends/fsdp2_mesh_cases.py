@@ -6,15 +6,20 @@ native `fully_shard` and with ours in the four-rank world of fsdp2_round3_cases.
   mesh, fully_shard given `mesh=mesh["dp_replicate", "dp_shard"]`. Four ranks hold a (2, 1, 2)
   mesh (the replicas' all-reduce, each shard group of one rank) and a (1, 2, 2) one (the shard
   group's split and its strided placements): every index of the three dimensions is exercised.
+  On the (1, 2, 2) one, torchao's float8 training with float8 all-gather and its float8
+  tensor-parallel plans (torchtitan's float8 HSDP + TP), recording the mesh the weights'
+  pre-all-gather hook is given.
 - `dp_mesh_dims` (torch >= 2.12), every parameter a DTensor on the whole SPMD mesh (Replicate on
   its data-parallel dimensions, column-wise then row-wise on "tp"): a replicate dimension beside
   tensor parallelism (the SPMD spelling of HSDP + TP, on a (2, 1, 2) mesh), a replicate
   dimension with two shard names (flattened into one shard dimension of two ranks, placed after
   the replicate one: a (dp_replicate 2, dp_shard 1, cp 2) mesh), two shard names splitting the
   parameters four ways (a (2, 2) mesh), and replication alone (DDP: a (dp_replicate 2, tp 2)
-  mesh). Tensor parallelism with a shard dimension of two ranks is fsdp2_round3_cases.py's
-  `spmd_tensor_parallel`. (A mesh of four dimensions, to combine them all, costs DTensor's
-  sharding propagation over a minute.)
+  mesh), and HSDP on a (dp_replicate 2, dp_shard 2) mesh with a weight gathering through
+  FSDP2's all-gather extension (the mesh its hook is given recorded: the shard dimension is
+  not the mesh's first; a 3-D mesh would cost seconds more). Tensor parallelism with a shard
+  dimension of two ranks is fsdp2_round3_cases.py's `spmd_tensor_parallel`. (A mesh of four
+  dimensions, to combine them all, costs DTensor's sharding propagation over a minute.)
 - a `shard_placement_fn` under `dp_mesh_dims` giving expert weights an SPMD mesh info of their
   own (shard "efsdp" of a sparse (efsdp 2, ep 2) mesh; the dense parameters on a mesh "dp" of
   the four ranks), torchtitan's MoE layout in the SPMD spelling; FSDP2's refusals of any
@@ -27,7 +32,10 @@ the parameters' placements and local values, and the full state dict after three
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import inspect
+from typing import Optional
 
 import torch
 from torch import nn
@@ -51,8 +59,8 @@ def _fsdp(which):
                                    else "fsdp_bridge.fsdp")
 
 
-def _inputs(step: int, dp_rank: int, dp_size: int) -> torch.Tensor:
-    batch = torch.randn(GLOBAL_BATCH, 6, generator=torch.Generator().manual_seed(step))
+def _inputs(step: int, dp_rank: int, dp_size: int, width: int = 6) -> torch.Tensor:
+    batch = torch.randn(GLOBAL_BATCH, width, generator=torch.Generator().manual_seed(step))
     per_rank = GLOBAL_BATCH // dp_size
     return batch[dp_rank * per_rank:(dp_rank + 1) * per_rank].to(device_type())
 
@@ -102,11 +110,75 @@ def hsdp_tensor_parallel(which, shape: tuple):
     return _record(model, lambda step: model(_inputs(step, dp_rank, dp.size())).pow(2).mean())
 
 
-def spmd(which, shape: tuple, names: tuple, shard=None, replicate=None):
+@contextlib.contextmanager
+def _meshes_handed_to(kind: type):
+    """The (ndim, dimension names, size) of every mesh `kind`'s pre-all-gather hook is given
+    while the block runs (the hook is wrapped on the class for that time)."""
+    seen: set = set()
+    original = kind.fsdp_pre_all_gather
+
+    def recording(self, mesh, outer_size, outer_stride, module, mp_policy):
+        seen.add((mesh.ndim, mesh.mesh_dim_names, mesh.size()))
+        return original(self, mesh, outer_size, outer_stride, module, mp_policy)
+
+    def recording_short(self, mesh):  # FSDP2's other signature (torchao's float8 weights)
+        seen.add((mesh.ndim, mesh.mesh_dim_names, mesh.size()))
+        return original(self, mesh)
+
+    short = len(inspect.signature(original).parameters) == 2
+    kind.fsdp_pre_all_gather = recording_short if short else recording
+    try:
+        yield seen
+    finally:
+        kind.fsdp_pre_all_gather = original
+
+
+def hsdp_tensor_parallel_float8(which):
+    """HSDP + TP with float8 all-gather, torchtitan's float8 recipe on a (1, 2, 2) mesh:
+    torchao float8 training (emulated), its float8 tensor-parallel plans on "tp", each linear
+    and the root fully_shard-ed over (dp_replicate, dp_shard); the meshes the float8 weights'
+    pre-all-gather hook was given (FSDP2 gives it the shard dimension's)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+    )
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    mesh = init_device_mesh(device_type(), (1, 2, 2), mesh_dim_names=MESH_NAMES)
+    torch.manual_seed(0)
+    # Biases beside the float8 weights: FSDP2 gathers a group of float8 inputs alone in
+    # float8, which gloo cannot send, and mixed dtypes as bytes.
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)).to(device_type())
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True, emulate=True)
+    convert_to_float8_training(model, config=config)
+    parallelize_module(model, mesh["tp"], {"0": Float8ColwiseParallel(),
+                                           "2": Float8RowwiseParallel()})
+    dp = mesh["dp_replicate", "dp_shard"]
+    fully_shard = _fsdp(which).fully_shard
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=dp)
+    dp_rank = dp.get_local_rank(1)
+    with _meshes_handed_to(WeightWithDynamicFloat8CastTensor) as meshes:
+        out = _record(model, lambda step: model(_inputs(step, dp_rank, 2, 16)).pow(2).mean())
+    return {**out, "hook_meshes": sorted(meshes)}
+
+
+def spmd(which, shape: tuple, names: tuple, shard=None, replicate=None, extension=False):
     """`dp_mesh_dims` naming `shard` / `replicate` of a mesh of `shape` and `names`: each
     parameter distributed on the whole mesh (tensor-parallel on "tp" when the mesh has it),
     the batch split over the data-parallel dimensions, each linear and the root fully_shard-ed
-    with the same dp_mesh_dims."""
+    with the same dp_mesh_dims. With `extension`, "2.weight"'s local tensor gathers through
+    FSDP2's all-gather extension (in bf16), and the meshes its pre-all-gather hook was given
+    are recorded."""
+    from tests.frontends.fsdp2_round3_cases import GathersInBf16
+
+    with _meshes_handed_to(GathersInBf16) as meshes:
+        out = _spmd(which, shape, names, shard, replicate, GathersInBf16 if extension else None)
+    return {**out, "hook_meshes": sorted(meshes)} if extension else out
+
+
+def _spmd(which, shape: tuple, names: tuple, shard, replicate, extension: Optional[type]):
     fsdp = _fsdp(which)
     mesh = init_device_mesh(device_type(), shape, mesh_dim_names=names)
     model = _model()
@@ -115,8 +187,11 @@ def spmd(which, shape: tuple, names: tuple, shard=None, replicate=None):
         module, _, attr = name.rpartition(".")
         placements = [layouts.get(name, Replicate()) if dim == "tp" else Replicate()
                       for dim in names]
-        setattr(model.get_submodule(module), attr,
-                nn.Parameter(distribute_tensor(param.detach(), mesh, placements)))
+        value = distribute_tensor(param.detach(), mesh, placements)
+        if extension is not None and name == "2.weight":
+            value = DTensor.from_local(extension(value.to_local()), mesh, placements,
+                                       shape=value.shape, stride=value.stride())
+        setattr(model.get_submodule(module), attr, nn.Parameter(value))
     dims = fsdp.DataParallelMeshDims(shard=shard, replicate=replicate)
     for layer in (model[0], model[2], model):
         fsdp.fully_shard(layer, mesh=mesh, dp_mesh_dims=dims)
@@ -231,7 +306,10 @@ def cases(both) -> dict:
     return {
         "hsdp_tp_replicas": both(hsdp_tensor_parallel, (2, 1, 2)),
         "hsdp_tp_shards": both(hsdp_tensor_parallel, (1, 2, 2)),
+        "hsdp_tp_float8": both(hsdp_tensor_parallel_float8),
         "spmd_hsdp_tp": both(spmd, (2, 1, 2), MESH_NAMES, "dp_shard", "dp_replicate"),
+        "spmd_hsdp_extension": both(spmd, (2, 2), ("dp_replicate", "dp_shard"), "dp_shard",
+                                    "dp_replicate", True),
         "spmd_hsdp_two_shard_names": both(spmd, (2, 1, 2), ("dp_replicate", "dp_shard", "cp"),
                                           ("dp_shard", "cp"), "dp_replicate"),
         "spmd_two_shard_names": both(spmd, (2, 2), ("dp_shard", "cp"), ("dp_shard", "cp")),

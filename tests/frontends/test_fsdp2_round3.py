@@ -24,6 +24,11 @@
   training with float8 all-gather, tensor parallelism on each block (torchao's float8 plans),
   each block compiled in place with `fullgraph=True` (aot_eager), fully_shard over dp, scales
   precomputed after each step: three AdamW steps on native's losses and weights, bit for bit;
+- torchao float8 all-gather under HSDP + TP (a (dp_replicate 1, dp_shard 2, tp 2) mesh, float8
+  tensor-parallel plans, fully_shard over (dp_replicate, dp_shard)), and an all-gather
+  extension under `dp_mesh_dims` naming the dimensions of a (dp_replicate 2, dp_shard 2) SPMD
+  mesh: the pre-all-gather hook is given the shard dimension's 1-D mesh, as natively, and
+  training matches native bit for bit;
 - `dp_mesh_dims` on a (dp 2, tp 2) SPMD mesh (torch >= 2.12): parameters that are DTensors on
   the whole mesh (column-wise then row-wise on tp) get native's placements and train as natively,
   bit for bit;
@@ -336,6 +341,24 @@ def test_hsdp_with_tensor_parallelism_trains_as_native(world, shape, rank):
     placements = {name: described[1] for name, described in result["native"]["params"].items()}
     assert placements["0.weight"] == "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))"
     assert placements["2.weight"] == "(Replicate(), Shard(dim=0), Shard(dim=1))"
+    _assert_trains_as_native(result)
+
+
+# FSDP2 hands an all-gather extension's pre-all-gather hook the 1-D mesh of the shard
+# dimension (two ranks here), not the replicate one before it.
+SHARD_MESH = [(1, ("dp_shard",), 2)]
+
+
+@pytest.mark.parametrize("name", [
+    "hsdp_tp_float8",  # torchao's float8 all-gather under HSDP + TP through mesh=
+    pytest.param("spmd_hsdp_extension", marks=needs_dp_mesh_dims),  # HSDP by dp_mesh_dims
+])
+@pytest.mark.parametrize("rank", [0, 3])
+def test_an_all_gather_extension_is_handed_the_shard_mesh_and_trains_as_native(world, name,
+                                                                                 rank):
+    result = case(world, name, rank)
+    assert result["native"]["hook_meshes"] == SHARD_MESH
+    assert result["ours"]["hook_meshes"] == SHARD_MESH
     _assert_trains_as_native(result)
 
 
