@@ -5,7 +5,8 @@ put the `test_fully_shard_*.py` files of a torch version whose helpers match the
 torch in a folder outside this repository, and point this script at it:
 
     .venv/bin/python benchmarks/torch_fully_shard_tests.py /tmp/torch_fsdp_tests/files \
-        [--only test_fully_shard_init.py ...] [--max-world 4] [--out DIR] [--json FILE]
+        [--only test_fully_shard_init.py ...] [--select CLASS[::TEST] ...] [--max-world 4] \
+        [--test-timeout S] [--native-from FILE] [--out DIR] [--json FILE]
 
 Each file is copied twice into `--out` and run with pytest, one file at a time:
 
@@ -28,6 +29,14 @@ rather than None (files that read its `.type` at import), and (5) runs `compiled
 tests once, eagerly, with the module's own `fully_shard` (torch's decorator swaps torch's
 `fully_shard` into the module; with no Triton it runs only that eager pass anyway). Both
 copies get the same prelude, so the comparison is fair.
+
+Long files (test_fully_shard_training.py runs for over an hour natively on 2 cores): run them
+a class at a time with `--select`, keep the native outcomes with `--json` and give them back
+with `--native-from` (only the tests that passed natively run through ours), and stop a test
+that hangs with `--test-timeout`. torch's own harness fails a multi-process test that runs
+past `DISTRIBUTED_TESTS_DEFAULT_TIMEOUT` seconds (300 by default; its ranks then report "timed
+out"): on a loaded machine some tests of that file need more, natively and through ours alike,
+so set that variable for the run (both copies read it).
 
 Printed: per file, the tests that passed natively, those that pass through ours, and each test
 that passed natively but fails through ours with the first line of its error, marked `private`
