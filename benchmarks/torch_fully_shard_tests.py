@@ -390,8 +390,9 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=float, default=3600,
                         help="seconds one pytest process may run (default 3600)")
     parser.add_argument("--test-timeout", type=float, default=None,
-                        help="seconds one test may run; it is then marked TIMEOUT and the "
-                        "run goes on with the next (default: no limit)")
+                        help="seconds one test may run (the first of a pytest process: with "
+                        "pytest's start and collection); it is then marked TIMEOUT and the run "
+                        "goes on with the next (default: no limit)")
     parser.add_argument("--select", nargs="*", default=None,
                         help="run only the test ids containing one of these (a class name, "
                         "Class::test_name)")
