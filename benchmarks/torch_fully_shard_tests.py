@@ -5,7 +5,8 @@ put the `test_fully_shard_*.py` files of a torch version whose helpers match the
 torch in a folder outside this repository, and point this script at it:
 
     .venv/bin/python benchmarks/torch_fully_shard_tests.py /tmp/torch_fsdp_tests/files \
-        [--only test_fully_shard_init.py ...] [--max-world 4] [--out DIR] [--json FILE]
+        [--only test_fully_shard_init.py ...] [--select CLASS[::TEST] ...] [--max-world 4] \
+        [--test-timeout S] [--native-from FILE] [--out DIR] [--json FILE]
 
 Each file is copied twice into `--out` and run with pytest, one file at a time:
 
@@ -29,6 +30,14 @@ tests once, eagerly, with the module's own `fully_shard` (torch's decorator swap
 `fully_shard` into the module; with no Triton it runs only that eager pass anyway). Both
 copies get the same prelude, so the comparison is fair.
 
+Long files (test_fully_shard_training.py runs for over an hour natively on 2 cores): run them
+a class at a time with `--select`, keep the native outcomes with `--json` and give them back
+with `--native-from` (only the tests that passed natively run through ours), and stop a test
+that hangs with `--test-timeout`. torch's own harness fails a multi-process test that runs
+past `DISTRIBUTED_TESTS_DEFAULT_TIMEOUT` seconds (300 by default; its ranks then report "timed
+out"): on a loaded machine some tests of that file need more, natively and through ours alike,
+so set that variable for the run (both copies read it).
+
 Printed: per file, the tests that passed natively, those that pass through ours, and each test
 that passed natively but fails through ours with the first line of its error, marked `private`
 where the error is a read of torch's private FSDP state (our modules keep none; see
@@ -43,6 +52,7 @@ import ast
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -208,10 +218,11 @@ def collected(path: Path, env: dict) -> tuple[list[str], str]:
             errors[-1] if errors else "")
 
 
-def run_tests(path: Path, ids: list[str], env: dict, timeout: float, log: Path) -> dict:
+def run_tests(path: Path, ids: list[str], env: dict, timeout: float, log: Path,
+              test_timeout: float | None = None) -> dict:
     """{test id: (outcome, first error line)} for `ids` of `path`, one pytest process at a
-    time, its output streamed into `log`; a process that runs out of time marks the test it
-    was in TIMEOUT and goes on without it."""
+    time, its output streamed into `log`; a process that runs out of time (`timeout` in all,
+    or `test_timeout` on one test) marks the test it was in TIMEOUT and goes on without it."""
     results: dict[str, tuple[str, str]] = {}
     left = list(ids)
     log.write_text("")
@@ -220,27 +231,55 @@ def run_tests(path: Path, ids: list[str], env: dict, timeout: float, log: Path) 
         command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider",
                    f"--junitxml={report}", "-o", "junit_family=xunit2", *left]
         start = log.stat().st_size
-        started = time.monotonic()
         with log.open("a") as out:
-            try:
-                subprocess.run(command, cwd=path.parent, env=env, stdout=out,
-                               stderr=subprocess.STDOUT, timeout=timeout, check=False)
-            except subprocess.TimeoutExpired:
-                out.write(f"\n--- timed out after {time.monotonic() - started:.0f} s\n")
-                with log.open() as written:
-                    written.seek(start)
-                    finished = _from_verbose(written.read())
-                results.update(finished)
-                remaining = [t for t in left if t not in finished]
-                if remaining:
-                    results[remaining[0]] = ("TIMEOUT", f"over {timeout:.0f} s")
-                left = remaining[1:]
-                continue
+            overrun = _run_watched(command, path.parent, env, out, log, start, timeout,
+                                   test_timeout)
+            if overrun:
+                out.write(f"\n--- {overrun}\n")
+        if overrun:
+            with log.open() as written:
+                written.seek(start)
+                finished = _from_verbose(written.read())
+            results.update(finished)
+            remaining = [t for t in left if t not in finished]
+            if remaining:
+                results[remaining[0]] = ("TIMEOUT", overrun)
+            left = remaining[1:]
+            continue
         results.update(_from_junit(report, path.name))
         for test_id in left:  # not reported at all (a crash of the process)
             results.setdefault(test_id, ("ERROR", "no result (the process died)"))
         left = []
     return results
+
+
+def _run_watched(command, cwd, env, out, log: Path, start: int, timeout: float,
+                 test_timeout: float | None) -> str:
+    """Runs `command` (its output into `out`), in a session of its own so that a stop ends
+    its ranks too; stops it once it has run `timeout` seconds, or `test_timeout` seconds since
+    the last test result it printed. Returns why it was stopped, "" when it ended alone."""
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=out,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    started = last_progress = time.monotonic()
+    seen = 0
+    while process.poll() is None:
+        time.sleep(2)
+        now = time.monotonic()
+        with log.open() as written:
+            written.seek(start)
+            count = len(_from_verbose(written.read()))
+        if count != seen:
+            seen, last_progress = count, now
+        if now - started > timeout:
+            why = f"over {timeout:.0f} s in all"
+        elif test_timeout is not None and now - last_progress > test_timeout:
+            why = f"over {test_timeout:.0f} s on one test"
+        else:
+            continue
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        return f"stopped: {why}"
+    return ""
 
 
 def _from_junit(report: Path, file_name: str) -> dict:
@@ -297,20 +336,22 @@ def run_file(source_path: Path, out: Path, args, env: dict, native=None) -> dict
     native_path.write_text(prepared(source, args.max_world, ours=False))
     ours_path.write_text(prepared(source, args.max_world, ours=True))
     ids, error = collected(native_path, env)
+    if args.select:
+        ids = [t for t in ids if any(pattern in t for pattern in args.select)]
     if not ids:
         return {"file": source_path.name,
                 "error": f"nothing collected: {error or 'pytest printed no error'}"}
     if native is None:
         native = run_tests(native_path, ids, env, args.timeout,
-                           out / f"{source_path.stem}.native.log")
-    passing = [t for t, (outcome, _) in native.items() if outcome == "PASSED"]
-    ours = run_tests(ours_path, passing, env, args.timeout, out / f"{source_path.stem}.ours.log") \
-        if passing else {}
+                           out / f"{source_path.stem}.native.log", args.test_timeout)
+    passing = [t for t, (outcome, _) in native.items() if outcome == "PASSED" and t in ids]
+    ours = run_tests(ours_path, passing, env, args.timeout, out / f"{source_path.stem}.ours.log",
+                     args.test_timeout) if passing else {}
     differences = {t: ours[t] for t in passing if ours.get(t, ("",))[0] != "PASSED"}
     return {
         "file": source_path.name,
         "collected": len(ids),
-        "native": {t: list(r) for t, r in native.items()},
+        "native": {t: list(r) for t, r in native.items() if t in ids},
         "native_passed": len(passing),
         "ours_passed": len(passing) - len(differences),
         "differences": {t: {"outcome": r[0], "error": r[1], "private": is_private(r[1])}
@@ -348,6 +389,13 @@ def main(argv=None) -> int:
                         help="cap on the ranks of multi-process test classes (default 4)")
     parser.add_argument("--timeout", type=float, default=3600,
                         help="seconds one pytest process may run (default 3600)")
+    parser.add_argument("--test-timeout", type=float, default=None,
+                        help="seconds one test may run (the first of a pytest process: with "
+                        "pytest's start and collection); it is then marked TIMEOUT and the run "
+                        "goes on with the next (default: no limit)")
+    parser.add_argument("--select", nargs="*", default=None,
+                        help="run only the test ids containing one of these (a class name, "
+                        "Class::test_name)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/fully_shard_torch_tests"),
                         help="where the prepared copies and logs go")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")

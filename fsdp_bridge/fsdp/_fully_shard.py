@@ -88,6 +88,9 @@ class FullyShardCall:
     # (module, attribute, first module, its attribute) for each parameter the call found under
     # several modules (a tied embedding and output weight): see _retie.
     ties: list = dataclasses.field(default_factory=list)
+    # (module, attribute, the earlier call's DTensor) for each parameter tied to one an
+    # earlier call manages: see [Note: ties across calls].
+    shared_with_earlier: list = dataclasses.field(default_factory=list)
     # How many groups of processes the call's parameters are sharded over (FSDP2's parameter
     # groups: more than one when shard_placement_fn gives some a mesh of their own).
     param_groups: int = 1
@@ -458,6 +461,7 @@ def _lazy_init(module: nn.Module) -> None:
             sub_sharded = engine.get_sharded(sub)
             if sub_sharded is not None and sub is not module:
                 engine.release(sub_sharded)
+        _refuse_ties_across_calls(module, below)
         _restore_ties(module)
         calls = [(path, _call_of(sub)) for path, sub in below]
         _retie(calls)
@@ -599,7 +603,7 @@ def fully_shard(
         for m in modules:
             stack.enter_context(engine.restored_on_failure(m))
         mesh_infos: dict = {}
-        _to_dtensor_params(modules, mesh, ignored_params or (), shard_placement_fn, call.ties,
+        _to_dtensor_params(modules, mesh, ignored_params or (), shard_placement_fn, call,
                            _shard_device(mesh, offload_policy), spmd, mesh_infos)
         call.param_groups = max(len(mesh_infos), 1)
         _check_reshard_int_per_mesh(reshard_after_forward, mesh_infos)
@@ -721,13 +725,14 @@ def _shard_device(mesh: DeviceMesh, offload_policy) -> Optional[torch.device]:
 
 
 def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params, shard_placement_fn,
-                       ties: list, device: Optional[torch.device] = None, spmd=None,
+                       call: FullyShardCall, device: Optional[torch.device] = None, spmd=None,
                        mesh_infos: Optional[dict] = None) -> None:
     """Replace every parameter this call manages by a DTensor parameter split over the mesh
     (see [Note: sharding at fully_shard time]), and record on its owner modules the form it
     gathers into (see [Note: gathered form] in fsdp_bridge/engine/layout.py). Parameters tied
     to modules outside the call are re-tied when the root is built (`_restore_ties`); ties
-    inside the call are appended to `ties` (see `_retie`). `mesh_infos` collects the call's
+    inside the call are appended to `call.ties` (see `_retie`), ties to a parameter an earlier
+    call manages to `call.shared_with_earlier` (see [Note: ties across calls]). `mesh_infos` collects the call's
     parameter groups (see _data_parallel_mesh)."""
     ignored = {id(p) for p in ignored_params}
     converted: dict[int, tuple[nn.Parameter, GatheredForm]] = {}
@@ -739,14 +744,17 @@ def _to_dtensor_params(modules, mesh: DeviceMesh, ignored_params, shard_placemen
                     continue
                 if id(param) not in converted:
                     name = f"{owner_name}.{attr}" if owner_name else attr
-                    _check_not_shared_with_earlier_call(param, name)
+                    earlier = getattr(param, REPLACED_BY, None)
                     converted[id(param)] = _sharded(param, name, mesh, shard_placement_fn, device,
                                                     spmd, mesh_infos)
-                    setattr(param, REPLACED_BY, converted[id(param)][0])
-                    mark_replaced(param, name)
+                    if earlier is not None:
+                        call.shared_with_earlier.append((owner, attr, earlier))
+                    else:
+                        setattr(param, REPLACED_BY, converted[id(param)][0])
+                        mark_replaced(param, name)
                     first_owner[id(param)] = (owner, attr)
                 else:
-                    ties.append((owner, attr, *first_owner[id(param)]))
+                    call.ties.append((owner, attr, *first_owner[id(param)]))
                 new, form = converted[id(param)]
                 owner._parameters[attr] = new
                 _forms_of(owner)[attr] = form
@@ -816,14 +824,22 @@ def _data_parallel_mesh(mesh_info, call_mesh: DeviceMesh, shard_placement_fn, na
     return mesh
 
 
-def _check_not_shared_with_earlier_call(param: nn.Parameter, name: str) -> None:
-    """A parameter tied between the modules of two fully_shard calls would be sharded twice,
-    as two parameters that train apart: refuse it, as FSDP2 does (at its first forward)."""
-    if hasattr(param, REPLACED_BY):
-        raise T.bad(f"parameter {name!r}", "a parameter shared with one an earlier fully_shard "
-                    "call already manages (a tied weight)", "tied parameters inside one "
-                    "fully_shard call", "Shard the modules that share it together: "
-                    "fully_shard([module_a, module_b]), or in their common parent's call.")
+def _refuse_ties_across_calls(root: nn.Module, below) -> None:
+    """[Note: ties across calls] A parameter tied between the modules of two fully_shard
+    calls is sharded by each call, as two parameters that would train apart. As FSDP2, each
+    call shards it (so the modules hold what they hold natively until then) and the model's
+    first forward (or unshard()) refuses it, in FSDP2's words, when both calls are in the
+    model being built. `below` as `_fully_sharded_below`."""
+    held = {id(p): name for name, p in root.named_parameters(remove_duplicate=False)}
+    for _, module in below:
+        for owner, attr, earlier in _call_of(module).shared_with_earlier:
+            param = owner._parameters.get(attr)
+            if param is not None and id(param) in held and id(earlier) in held:
+                raise ValueError(
+                    f"Parameter '{held[id(param)]}' is shared with a parameter already managed "
+                    "by another FSDP group. For shared/tied parameters, use "
+                    "fully_shard([module_a, module_b]) to place them in the same FSDP group "
+                    "(FSDP2's words), or shard them in their common parent's call.")
 
 
 def _check_one_dtype(modules, mp_policy: MixedPrecisionPolicy, ignored_params) -> None:

@@ -136,18 +136,26 @@ def rank_dependent(rank, world):
     return {"aux_has_grad": all(p.grad is not None for p in model.aux.parameters())}
 
 
-def tied_across_calls(which, rank, world):
-    """A weight tied between two modules of two fully_shard calls: FSDP2 refuses it."""
+def tied_across_calls(which, rank, world, siblings=False):
+    """A weight tied between two modules of two fully_shard calls (the root's and an inner
+    one's, or two siblings' under the root): FSDP2 shards it in each call and refuses it at
+    the first forward. Returns where it raised and what the modules held before."""
     fsdp = dialect(which)
     model = _model()
     model.side.weight = model.head.weight
+    calls = [model.head, model.side, model] if siblings else [model.head, model]
     try:
-        fsdp.fully_shard(model.head)
-        fsdp.fully_shard(model)
+        for module in calls:
+            fsdp.fully_shard(module)
+    except ValueError as error:
+        return {"raised": "ValueError", "at": "fully_shard", "message": str(error)}
+    held = {"kinds": [type(m.weight).__name__ for m in (model.head, model.side)],
+            "same": model.head.weight is model.side.weight}
+    try:
         model(_batch(0, rank, world)).sum().backward()
     except ValueError as error:
-        return {"raised": "ValueError", "message": str(error)}
-    return {"raised": None}
+        return {"raised": "ValueError", "at": "forward", "message": str(error), **held}
+    return {"raised": None, **held}
 
 
 def unused_as_zero(which, rank, world):
@@ -386,6 +394,7 @@ def cases() -> dict:
         "partial_forwards": _both(partial_forwards),
         "rank_dependent": rank_dependent,
         "tied_across_calls": _both(tied_across_calls),
+        "tied_across_sibling_calls": _both(tied_across_calls, siblings=True),
         "unused_as_zero": _both(unused_as_zero),
         "precision_fp32_block": _both(per_call_precision, "fp32_block"),
         "precision_output_fp32": _both(per_call_precision, "output_fp32"),

@@ -1,7 +1,8 @@
 """FSDP2 at its edges, against native `fully_shard` in the same CPU/gloo world of two ranks (see
 fsdp2_edge_cases.py): parameters a step leaves without a gradient keep `.grad` None as natively
 (so AdamW's momentum and weight decay skip them), and a weight tied across two `fully_shard`
-calls is refused with a ValueError, as natively. fp32 everywhere: rtol 1e-5 / atol 1e-6 against
+calls (the root's and an inner one's, or two siblings') is refused at the first forward with
+FSDP2's ValueError and words, as natively. fp32 everywhere: rtol 1e-5 / atol 1e-6 against
 native and against the single-process reference on the global batch."""
 
 from __future__ import annotations
@@ -65,13 +66,21 @@ def test_a_parameter_reached_on_one_rank_has_a_gradient_on_every_rank(world):
     assert case(world, "rank_dependent", 1)["aux_has_grad"]
 
 
-def test_a_weight_tied_across_two_fully_shard_calls_is_refused_as_native(world):
-    result = case(world, "tied_across_calls")
-    assert result["ours"]["raised"] == "ValueError", result["ours"]
-    message = result["ours"]["message"]
-    assert "'side.weight'" in message and "fully_shard([module_a, module_b])" in message
+@pytest.mark.parametrize("name", ["tied_across_calls", "tied_across_sibling_calls"])
+def test_a_weight_tied_across_two_fully_shard_calls_is_refused_as_native(world, name):
+    result = case(world, name)
+    ours = result["ours"]
+    assert (ours["raised"], ours["at"]) == ("ValueError", "forward"), ours
+    assert "'side.weight'" in ours["message"], ours["message"]
+    assert "already managed by another FSDP group" in ours["message"]
+    assert "fully_shard([module_a, module_b])" in ours["message"]
+    # Until the forward, each call's module holds a DTensor of its own, as natively.
+    assert ours["kinds"] == ["DTensor", "DTensor"] and not ours["same"]
     skip_if(native.fsdp2_keeps_ties_across_calls())
-    assert result["native"]["raised"] == "ValueError"
+    native_result = result["native"]
+    assert (native_result["raised"], native_result["at"]) == ("ValueError", "forward")
+    assert "already managed by another FSDP group" in native_result["message"]
+    assert (native_result["kinds"], native_result["same"]) == (ours["kinds"], ours["same"])
 
 
 def test_set_reduce_scatter_unused_params_gives_zero_gradients_as_native(world):
