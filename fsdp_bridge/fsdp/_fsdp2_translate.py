@@ -114,8 +114,13 @@ TABLE = register_table(
                        "its modules then hold the unsharded parameters (compute dtype) until "
                        "reshard(), the next forward or the end of backward / drop the "
                        "gathered copy"),
-            ignored(SCHEDULING_HINTS, "memory and scheduling hints: the engine's buffers and "
-                    "prefetch order are fixed at init; numerics are identical"),
+            translated("set_reshard_after_forward (before the first forward)", "as "
+                       "reshard_after_forward given to fully_shard for the module (and those "
+                       "below it, with recurse)"),
+            ignored(SCHEDULING_HINTS, "memory and scheduling hints: the engine's buffers, "
+                    "reshards and prefetch order are fixed when it is built (at the first "
+                    "forward); numerics are identical. A call that asks for something else "
+                    "warns by name"),
             ignored(COMM_TUNING, "tuning of FSDP2's own communication buffers, streams and "
                     "allocators: the engine runs its own collectives; numerics are identical"),
             translated("set_reduce_scatter_unused_params", "True: parameters no backward reached "
@@ -184,6 +189,12 @@ def flag(method: str, name: str, value) -> bool:
     """A flag FSDP2 reads by its truth value (`set_requires_gradient_sync(1)` works there):
     its truth value, a string refused (see translation.truth_of)."""
     return truth_of(f"FSDPModule.{method}", name, value)
+
+
+def ignored_hint(method: str, value, when: str = "") -> None:
+    """Warn that a scheduling hint (SCHEDULING_HINTS) is not followed: the engine's gathers,
+    reshards and prefetches are fixed when it is built, with the same numbers."""
+    TABLE.warn_ignored(SCHEDULING_HINTS, f"{method}({value!r}){' ' + when if when else ''}")
 
 
 def accepted_no_op(method: str, value, default) -> None:

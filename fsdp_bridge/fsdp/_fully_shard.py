@@ -53,6 +53,7 @@ from fsdp_bridge.engine.row_group import chunk_rows
 from fsdp_bridge.fsdp import _fsdp2_translate as T
 from fsdp_bridge.fsdp._stale_optimizer import mark_replaced
 from fsdp_bridge.mixed_dialects import refuse_other_dialects, refuse_torch_fsdp1_around
+from fsdp_bridge.translation import Shown
 
 CONFIG = "_fsdp_bridge_fsdp2"  # per fully_shard-ed module: its FullyShardCall
 SHARDED = "_fsdp_bridge_row_sharded"  # on each DTensor parameter fully_shard made
@@ -173,22 +174,41 @@ class FSDPModule(TorchFSDPModule):
             _set_on_unit(module, "requires_all_reduce", value)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True):
+        """Before the model's first forward (while the engine is not built), as if given to
+        fully_shard for this module (and those below it, with `recurse`). Afterwards the
+        units keep what they were built with and a warning names the call: it changes when
+        weights are gathered, not the numbers."""
         T.check_bool("set_reshard_after_forward", "reshard_after_forward", reshard_after_forward)
+        if _root_sharded(self) is not None:
+            T.ignored_hint("set_reshard_after_forward", reshard_after_forward,
+                           "after the first forward")
+            return
+        below = [m for m in self.modules() if isinstance(m, FSDPModule)] if recurse else [self]
+        for module in below:
+            _call_of(module).reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
-        T.flag("set_reshard_after_backward", "reshard_after_backward", reshard_after_backward)
+        if not T.flag("set_reshard_after_backward", "reshard_after_backward",
+                      reshard_after_backward):
+            T.ignored_hint("set_reshard_after_backward", reshard_after_backward)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        T.flag("set_unshard_in_backward", "unshard_in_backward", unshard_in_backward)
+        if not T.flag("set_unshard_in_backward", "unshard_in_backward", unshard_in_backward):
+            T.ignored_hint("set_unshard_in_backward", unshard_in_backward)
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        T.flag("set_is_last_backward", "is_last_backward", is_last_backward)
+        if not T.flag("set_is_last_backward", "is_last_backward", is_last_backward):
+            T.ignored_hint("set_is_last_backward", is_last_backward)
 
     def set_modules_to_forward_prefetch(self, modules) -> None:
         T.check_fsdp_modules("set_modules_to_forward_prefetch", modules, FSDPModule)
+        if modules:
+            T.ignored_hint("set_modules_to_forward_prefetch", _names(modules))
 
     def set_modules_to_backward_prefetch(self, modules) -> None:
         T.check_fsdp_modules("set_modules_to_backward_prefetch", modules, FSDPModule)
+        if modules:
+            T.ignored_hint("set_modules_to_backward_prefetch", _names(modules))
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """This module's reduced gradients are divided by `factor` (FSDP2: per module, not
@@ -405,6 +425,10 @@ _UNIT_SETTERS = {
     "requires_sync": engine.set_unit_gradient_sync,
     "requires_all_reduce": engine.set_unit_all_reduce,
 }
+
+
+def _names(modules) -> Shown:
+    return Shown("[" + ", ".join(type(m).__name__ for m in modules) + "]")
 
 
 def _set_on_unit(module: nn.Module, setting: str, value) -> None:

@@ -472,6 +472,30 @@ def fsdp2_flag_arguments(which, rank, world):
     return out
 
 
+def fsdp2_reshard_setter(which, rank, world):
+    """set_reshard_after_forward before the first forward: False keeps a block gathered after
+    forward, True reshards the root; whether each module holds gathered Parameters or sharded
+    DTensors between forward and backward, and the weights after a step. Then the setter after
+    the first forward: the warnings it gives."""
+    fsdp = dialect(which)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    fsdp.fully_shard(model[0])
+    fsdp.fully_shard(model)
+    model[0].set_reshard_after_forward(False)
+    model.set_reshard_after_forward(True, recurse=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).pow(2).mean()
+    held = {name: type(param).__name__ for name, param in model.named_parameters()}
+    loss.backward()
+    optimizer.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.set_reshard_after_forward(False)
+    return {"held_after_forward": held, "weights": fsdp2_full_state(model),
+            "warned": [str(w.message) for w in caught]}
+
+
 def _both(fn, *args, **kwargs):
     def run(rank, world):
         out = {}
@@ -517,6 +541,7 @@ CASES = {
     "fsdp2_divide_world": fsdp2_case(_both(fsdp2_divide_factor, 2.0, "all")),
     "fsdp1_state_dict_arguments": _both(fsdp1_state_dict_arguments),
     "fsdp2_flag_arguments": fsdp2_case(_both(fsdp2_flag_arguments)),
+    "fsdp2_reshard_setter": fsdp2_case(_both(fsdp2_reshard_setter)),
 }
 
 

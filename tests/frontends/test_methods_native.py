@@ -363,3 +363,18 @@ def test_fsdp2_flag_setters_take_values_as_native(world):
     assert native["set_reshard_after_forward(1)"]["raised"] == "ValueError"
     assert "reshard_after_forward=1" in ours["set_reshard_after_forward(1)"]["message"]
     same_state(ours["weights"], native["weights"], "weights after int-flag accumulation")
+
+
+def test_set_reshard_after_forward_before_the_first_forward_acts_as_native(world):
+    """Before the first forward, set_reshard_after_forward is what fully_shard would have been
+    given: a block set False stays gathered after forward, a root set True reshards, as
+    natively; after the first forward ours keeps the built schedule and warns by name."""
+    result = case(world, "fsdp2_reshard_setter", 1)
+    native, ours = result["native"], result["ours"]
+    assert native["held_after_forward"] == {"0.weight": "Parameter", "0.bias": "Parameter",
+                                            "2.weight": "DTensor", "2.bias": "DTensor"}
+    assert ours["held_after_forward"] == native["held_after_forward"]
+    same_state(ours["weights"], native["weights"], "weights after one step")
+    assert native["warned"] == []
+    assert len(ours["warned"]) == 1
+    assert "set_reshard_after_forward(False) after the first forward" in ours["warned"][0]
