@@ -253,19 +253,8 @@ def check_call(module, mesh, reshard_after_forward, shard_placement_fn, mp_polic
         raise bad("reshard_after_forward", reshard_after_forward, "None, True, False or an int "
                   "dividing the shard-group size", "e.g. reshard_after_forward=True.",
                   exc=TypeError)
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool) \
-            and getattr(dp_mesh_dims, "shard_names", None):
-        raise bad("reshard_after_forward", reshard_after_forward, "None, True or False when "
-                  "dp_mesh_dims names a shard dimension", "reshard_after_forward as int is not "
-                  "yet supported with SPMD mesh (dp_mesh_dims) (FSDP2's words): pass True or "
-                  "False.", exc=NotImplementedError)
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool) \
-            and dp_mesh_dims is None:
-        shard_size = mesh.size(mesh.ndim - 1) if mesh is not None else _world()
-        if reshard_after_forward < 1 or shard_size % reshard_after_forward:
-            raise bad("reshard_after_forward", reshard_after_forward, f"an int >= 1 dividing "
-                      f"the shard-group size {shard_size}", "e.g. reshard_after_forward=True, "
-                      "or a divisor of the shard-group size.")
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        _check_reshard_int(reshard_after_forward, mesh, dp_mesh_dims)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise bad("mp_policy", mp_policy, "a torch.distributed.fsdp.MixedPrecisionPolicy",
                   "e.g. mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16).",
@@ -299,6 +288,23 @@ def check_call(module, mesh, reshard_after_forward, shard_placement_fn, mp_polic
                   "FSDPMeshInfo (or subclass) (FSDP2's words): drop shard_placement_fn, or "
                   "name a shard dimension in dp_mesh_dims.")
     return modules
+
+
+def _check_reshard_int(reshard_after_forward: int, mesh, dp_mesh_dims) -> None:
+    """An int `reshard_after_forward` (hpZ) as FSDP2 takes it: refused with an SPMD mesh that
+    names a shard dimension, else a divisor of the shard-group size."""
+    if getattr(dp_mesh_dims, "shard_names", None):
+        raise bad("reshard_after_forward", reshard_after_forward, "None, True or False when "
+                  "dp_mesh_dims names a shard dimension", "reshard_after_forward as int is not "
+                  "yet supported with SPMD mesh (dp_mesh_dims) (FSDP2's words): pass True or "
+                  "False.", exc=NotImplementedError)
+    if dp_mesh_dims is not None:
+        return
+    shard_size = mesh.size(mesh.ndim - 1) if mesh is not None else _world()
+    if reshard_after_forward < 1 or shard_size % reshard_after_forward:
+        raise bad("reshard_after_forward", reshard_after_forward, f"an int >= 1 dividing "
+                  f"the shard-group size {shard_size}", "e.g. reshard_after_forward=True, "
+                  "or a divisor of the shard-group size.")
 
 
 def check_dp_mesh_dims(mesh, dp_mesh_dims) -> None:

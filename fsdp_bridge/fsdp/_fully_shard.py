@@ -160,8 +160,7 @@ class FSDPModule(TorchFSDPModule):
         theirs, as FSDP2 sets it per module."""
         sync = T.flag("set_requires_gradient_sync", "requires_gradient_sync",
                       requires_gradient_sync)
-        below = [m for m in self.modules() if isinstance(m, FSDPModule)] if recurse else [self]
-        for module in below:
+        for module in _this_and_below(self, recurse):
             _set_on_unit(module, "requires_sync", sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True):
@@ -169,8 +168,7 @@ class FSDPModule(TorchFSDPModule):
         their reduced gradients over the replicas in the next backwards (False: summed aside
         until a backward with True, as FSDP2)."""
         value = T.flag("set_requires_all_reduce", "requires_all_reduce", requires_all_reduce)
-        below = [m for m in self.modules() if isinstance(m, FSDPModule)] if recurse else [self]
-        for module in below:
+        for module in _this_and_below(self, recurse):
             _set_on_unit(module, "requires_all_reduce", value)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True):
@@ -183,8 +181,7 @@ class FSDPModule(TorchFSDPModule):
             T.ignored_hint("set_reshard_after_forward", reshard_after_forward,
                            "after the first forward")
             return
-        below = [m for m in self.modules() if isinstance(m, FSDPModule)] if recurse else [self]
-        for module in below:
+        for module in _this_and_below(self, recurse):
             _call_of(module).reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
@@ -267,8 +264,7 @@ class FSDPModule(TorchFSDPModule):
         `recurse`), as FSDP2 includes them in its reduce-scatter."""
         value = T.flag("set_reduce_scatter_unused_params", "reduce_scatter_unused_params",
                        reduce_scatter_unused_params)
-        below = [m for m in self.modules() if isinstance(m, FSDPModule)] if recurse else [self]
-        for module in below:
+        for module in _this_and_below(self, recurse):
             _set_on_unit(module, "reduce_unused_params", value)
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
@@ -425,6 +421,12 @@ _UNIT_SETTERS = {
     "requires_sync": engine.set_unit_gradient_sync,
     "requires_all_reduce": engine.set_unit_all_reduce,
 }
+
+
+def _this_and_below(module: nn.Module, recurse: bool) -> list:
+    """The fully_shard-ed modules a per-module setter acts on: `module`, and with `recurse`
+    every one below it, as FSDP2's setters."""
+    return [m for m in module.modules() if isinstance(m, FSDPModule)] if recurse else [module]
 
 
 def _names(modules) -> Shown:
